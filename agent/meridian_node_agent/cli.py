@@ -1,0 +1,32 @@
+"""``meridian-node``: the agent's command line. Each verb lives in a module of its own."""
+
+import argparse
+import sys
+
+from meridian_node_agent import __version__, trust_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meridian-node",
+        description="The meridian.node pull agent and its operator tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    trust_cli.add_parsers(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.handler(args)
+    except trust_cli.UsageError as exc:
+        print(f"meridian-node {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

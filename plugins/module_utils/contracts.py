@@ -1,0 +1,492 @@
+"""contracts/v1: the documents meridian.node exchanges with the control plane, as strict models.
+
+These models are the one source of the wire formats: the JSON Schemas under ``contracts/v1`` are generated
+from them (``make schemas``) and a test fails when the checked-in schemas drift. Every model forbids
+unknown fields, because a signed payload with a field we do not understand must be rejected, not
+silently half-applied.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal
+
+try:
+    from pydantic import (
+        AfterValidator,
+        AwareDatetime,
+        BaseModel,
+        ConfigDict,
+        Field,
+        PlainSerializer,
+        ValidationError,
+        model_validator,
+    )
+except ImportError:
+    PYDANTIC_IMPORT_ERROR: str | None = traceback.format_exc()
+    from ansible_collections.meridian.node.plugins.module_utils._pydantic_stub import (  # type: ignore[assignment,no-redef]
+        AfterValidator,
+        AwareDatetime,
+        BaseModel,
+        ConfigDict,
+        Field,
+        PlainSerializer,
+        ValidationError,
+        model_validator,
+    )
+else:
+    PYDANTIC_IMPORT_ERROR = None
+
+API_VERSION = "meridian.node/v1"
+
+DRIVERS = ("vllm", "tgi", "sglang", "ollama", "llamacpp", "lmdeploy", "openai")
+Driver = Literal["vllm", "tgi", "sglang", "ollama", "llamacpp", "lmdeploy", "openai"]
+
+__all__ = [
+    "API_VERSION",
+    "DRIVERS",
+    "PYDANTIC_IMPORT_ERROR",
+    "ArtifactManifest",
+    "ArtifactRef",
+    "Bundle",
+    "BundleFile",
+    "DesiredState",
+    "EngineSpec",
+    "EnrollmentRequest",
+    "EnrollmentResponse",
+    "Envelope",
+    "GpuFacts",
+    "Lease",
+    "ManifestFile",
+    "Observation",
+    "ServingProjection",
+    "Signature",
+    "ValidationError",
+    "describe_validation_error",
+    "format_rfc3339",
+    "require_pydantic",
+]
+
+
+def require_pydantic() -> None:
+    """Raise a clear error where the contracts are used on a host without pydantic."""
+    if PYDANTIC_IMPORT_ERROR is not None:
+        raise RuntimeError(
+            "meridian.node needs the Python package 'pydantic' (>= 2.6) on this host; install it "
+            "(pip install 'pydantic>=2.6') or install the meridian-node package, which depends on it."
+        )
+
+
+def format_rfc3339(value: datetime) -> str:
+    """UTC, second precision unless there are microseconds, with a ``Z``: the only form we emit."""
+    utc = value.astimezone(UTC)
+    text = utc.isoformat(timespec="microseconds" if utc.microsecond else "seconds")
+    return text.replace("+00:00", "Z")
+
+
+def _require_utc(value: datetime) -> datetime:
+    if value.utcoffset() != timedelta(0):
+        raise ValueError(f"timestamp must be in UTC (offset Z or +00:00), got offset {value.utcoffset()}")
+    return value.astimezone(UTC)
+
+
+# An RFC 3339 timestamp in UTC. Offsets other than zero are refused rather than converted: a control
+# plane that sends local times has a bug worth hearing about.
+UtcTimestamp = Annotated[
+    AwareDatetime,
+    AfterValidator(_require_utc),
+    PlainSerializer(format_rfc3339, return_type=str, when_used="json"),
+]
+
+NodeId = Annotated[
+    str,
+    Field(
+        pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+        description="DNS-label-like node name: lowercase letters, digits, '.', '-'",
+    ),
+]
+Name = Annotated[
+    str,
+    Field(pattern=r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$", description="lowercase name, 1-63 characters"),
+]
+Version = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex sha256")]
+KeyId = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="hex sha256 of the raw public key")]
+
+# repository[:tag]@sha256:<64 hex>. Whether a digest is *required* is policy's call, not the contract's;
+# the contract only insists the reference is well formed.
+IMAGE_REFERENCE = re.compile(
+    r"^(?P<repository>[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
+    r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
+)
+
+
+def describe_validation_error(exc: ValidationError, limit: int = 3) -> str:
+    """pydantic's report as one line of ``field.path: what is wrong (got value)``; the first few errors."""
+    errors = exc.errors(include_url=False)
+    parts = [_describe_one(error) for error in errors[:limit]]
+    if len(errors) > limit:
+        parts.append(f"and {len(errors) - limit} more error(s)")
+    return "; ".join(parts)
+
+
+def _describe_one(error: Any) -> str:
+    where = _location(error.get("loc", ()))
+    kind = error.get("type", "")
+    ctx = error.get("ctx") or {}
+    got = error.get("input")
+    if kind == "missing":
+        return f"{where}: a required field is missing"
+    if kind == "extra_forbidden":
+        return f"{where}: unknown field (got {short_repr(got)})"
+    bound = {
+        "greater_than_equal": (">=", "ge"),
+        "greater_than": (">", "gt"),
+        "less_than_equal": ("<=", "le"),
+        "less_than": ("<", "lt"),
+    }.get(kind)
+    if bound:
+        message = f"must be {bound[0]} {ctx.get(bound[1])}"
+    elif kind == "value_error":
+        # Our validators already phrase the problem, value included.
+        return f"{where}: {error.get('ctx', {}).get('error', error.get('msg'))}"
+    else:
+        message = str(error.get("msg", "invalid value"))
+        message = message[0].lower() + message[1:] if message else "invalid value"
+    return f"{where}: {message} (got {short_repr(got)})"
+
+
+def _location(loc: Any) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "(document)"
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False)
+
+
+class Signature(_Strict):
+    keyid: KeyId
+    sig: Annotated[str, Field(min_length=1, description="base64 Ed25519 signature over PAE(type, body)")]
+
+
+class Envelope(_Strict):
+    """A DSSE envelope (https://github.com/secure-systems-lab/dsse). The payload is base64 of the body."""
+
+    payloadType: Annotated[str, Field(min_length=1)]
+    payload: str
+    signatures: Annotated[list[Signature], Field(min_length=1)]
+
+
+def _relative_store_path(value: str) -> str:
+    """A manifest path must stay inside the artifact's directory, whatever the filesystem does."""
+    if not value or value.startswith("/") or "\\" in value or "\x00" in value:
+        raise ValueError(f"path {value!r} must be relative, use '/' separators and contain no NUL")
+    parts = value.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"path {value!r} must not contain empty, '.' or '..' components")
+    return value
+
+
+RelativePath = Annotated[str, AfterValidator(_relative_store_path)]
+
+
+class ManifestFile(_Strict):
+    path: RelativePath
+    size: Annotated[int, Field(ge=0)]
+    sha256: Sha256Hex
+    url: str | None = Field(default=None, description="where to fetch this file; default base_url + path")
+
+
+class ArtifactManifest(_Strict):
+    apiVersion: Literal["meridian.node/v1"]
+    kind: Literal["ArtifactManifest"]
+    name: Name
+    version: Version
+    base_url: str | None = None
+    files: Annotated[list[ManifestFile], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _paths_do_not_collide(self) -> ArtifactManifest:
+        seen: dict[str, str] = {}
+        for entry in self.files:
+            # Case-folded, because two names that differ only in case collide on some filesystems.
+            key = entry.path.casefold()
+            if key in seen:
+                raise ValueError(f"paths {seen[key]!r} and {entry.path!r} collide")
+            seen[key] = entry.path
+        prefixes = {key.rsplit("/", i)[0] for key in seen for i in range(1, key.count("/") + 1)}
+        clash = sorted(prefixes & seen.keys())
+        if clash:
+            raise ValueError(f"path {seen[clash[0]]!r} is both a file and a directory")
+        return self
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files)
+
+
+class ArtifactRef(_Strict):
+    """An artifact the host should hold: the signed manifest travels with the desired state."""
+
+    name: Name
+    version: Version
+    manifest: Envelope
+    source: str | None = Field(default=None, description="http(s) base URL or local directory")
+    pin: bool = False
+
+
+class ModelRef(_Strict):
+    artifact: Name | None = Field(default=None, description="a promoted artifact in the local store")
+    name: str | None = Field(default=None, description="a model name for engines that manage their own")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelRef:
+        if (self.artifact is None) == (self.name is None):
+            raise ValueError("model needs exactly one of 'artifact' or 'name'")
+        return self
+
+
+def _image_reference(value: str) -> str:
+    if not IMAGE_REFERENCE.match(value):
+        raise ValueError(f"image {value!r} is not a valid reference (repository[:tag][@sha256:<64 hex>])")
+    return value
+
+
+ImageReference = Annotated[str, AfterValidator(_image_reference)]
+
+
+class EngineSpec(_Strict):
+    name: Name
+    driver: Driver
+    image: ImageReference
+    model: ModelRef
+    served_model_name: str | None = None
+    gpus: list[str] = Field(default_factory=list, description="GPU uuids, indexes or MIG instance uuids")
+    min_vram_mib: Annotated[int, Field(ge=0)] = 0
+    port: Annotated[int, Field(ge=1, le=65535)]
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    state: Literal["started", "stopped", "absent"] = "started"
+    replace_strategy: Literal["drain-then-replace", "stop-then-start"] = "drain-then-replace"
+
+
+class DesiredState(_Strict):
+    apiVersion: Literal["meridian.node/v1"]
+    kind: Literal["DesiredState"]
+    node_id: NodeId
+    generation: Annotated[int, Field(ge=1)]
+    lease_epoch: Annotated[int, Field(ge=0)]
+    issued_at: UtcTimestamp
+    expires_at: UtcTimestamp
+    artifacts: list[ArtifactRef] = Field(default_factory=list)
+    engines: list[EngineSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DesiredState:
+        if self.expires_at <= self.issued_at:
+            raise ValueError("expires_at must be later than issued_at")
+        _unique("engine name", [engine.name for engine in self.engines])
+        _unique("engine port", [engine.port for engine in self.engines])
+        _unique("artifact name", [artifact.name for artifact in self.artifacts])
+        known = {artifact.name for artifact in self.artifacts}
+        for engine in self.engines:
+            if engine.model.artifact is not None and engine.model.artifact not in known:
+                raise ValueError(
+                    f"engine {engine.name!r} uses artifact {engine.model.artifact!r}, which the state does "
+                    "not list under 'artifacts'"
+                )
+        return self
+
+
+def _unique(what: str, values: list[Any]) -> None:
+    seen: set[Any] = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"{what} {value!r} appears more than once")
+        seen.add(value)
+
+
+class BundleFile(_Strict):
+    path: RelativePath
+    size: Annotated[int, Field(ge=0)]
+    sha256: Sha256Hex
+
+
+class Bundle(_Strict):
+    """An air-gap delivery: a desired state, the manifests it needs and every file shipped beside it."""
+
+    apiVersion: Literal["meridian.node/v1"]
+    kind: Literal["Bundle"]
+    bundle_id: Name
+    node_id: NodeId
+    created_at: UtcTimestamp
+    desired_state: Envelope
+    files: list[BundleFile] = Field(default_factory=list)
+
+
+class Lease(_Strict):
+    node_id: NodeId
+    epoch: Annotated[int, Field(ge=0)]
+    expires_at: UtcTimestamp
+    renewed_at: UtcTimestamp
+
+
+class EnrollmentRequest(_Strict):
+    node_id: NodeId
+    token: Annotated[str, Field(min_length=1)]
+    csr_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE REQUEST-----")]
+
+
+class EnrollmentResponse(_Strict):
+    node_id: NodeId
+    certificate_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE-----")]
+    ca_bundle_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE-----")]
+    lease: Lease
+
+
+class GpuMemory(_Strict):
+    total_mib: int | None
+    used_mib: int | None
+    free_mib: int | None
+
+
+class MigInstance(_Strict):
+    uuid: str
+    profile: str | None
+    memory_mib: int | None
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+
+
+class ComputeProcess(_Strict):
+    pid: int
+    used_memory_mib: int | None
+
+
+class NvLinkPeer(_Strict):
+    link: int
+    peer_pci_bus_id: str | None
+
+
+class Gpu(_Strict):
+    index: int
+    uuid: str | None
+    name: str | None
+    pci_bus_id: str | None
+    memory: GpuMemory
+    utilization_gpu_percent: int | None
+    utilization_memory_percent: int | None
+    temperature_c: int | None
+    power_draw_w: float | None
+    power_limit_w: float | None
+    ecc_errors_corrected: int | None
+    ecc_errors_uncorrected: int | None
+    mig_mode: bool | None
+    mig_instances: list[MigInstance]
+    processes: list[ComputeProcess]
+    nvlink_peers: list[NvLinkPeer]
+    error: str | None = Field(default=None, description="why this GPU could not be read completely")
+
+
+class GpuFacts(_Strict):
+    """What ``gpu_facts`` returns as ``ansible_facts.meridian_gpus`` and what observations carry."""
+
+    nvml_available: bool
+    reason: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    count: Annotated[int, Field(ge=0)] = 0
+    gpus: list[Gpu] = Field(default_factory=list)
+
+
+class EngineObservation(_Strict):
+    name: str
+    managed: bool
+    driver: str | None
+    image: str | None
+    state: str
+    ready: bool
+    draining: bool
+    port: int | None
+    served_model_name: str | None = None
+
+
+class ArtifactObservation(_Strict):
+    name: str
+    version: str
+    size_bytes: int
+    pinned: bool
+    current: bool
+
+
+class Capacity(_Strict):
+    vram_free_mib: dict[str, int] = Field(default_factory=dict, description="by GPU uuid")
+    free_ports: list[int] = Field(default_factory=list)
+
+
+class RunSummary(_Strict):
+    ident: str
+    generation: int
+    status: Literal["successful", "failed", "canceled", "timeout", "running"]
+    changed: int
+    failed: int
+    finished_at: UtcTimestamp | None = None
+
+
+class Observation(_Strict):
+    apiVersion: Literal["meridian.node/v1"]
+    kind: Literal["Observation"]
+    node_id: NodeId
+    lease_epoch: Annotated[int, Field(ge=0)]
+    observed_at: UtcTimestamp
+    mode: Literal["observe-only", "managed-host", "kubernetes-integrated", "air-gapped"]
+    applied_generation: Annotated[int, Field(ge=0)]
+    gpu: GpuFacts
+    engines: list[EngineObservation] = Field(default_factory=list)
+    artifacts: list[ArtifactObservation] = Field(default_factory=list)
+    capacity: Capacity = Field(default_factory=Capacity)
+    last_run: RunSummary | None = None
+
+
+class ServingEndpoint(_Strict):
+    node_id: NodeId
+    engine: str
+    driver: Driver
+    served_model_name: str
+    address: Annotated[str, Field(description="host:port the gateway routes to")]
+
+
+class ServingProjection(_Strict):
+    apiVersion: Literal["meridian.node/v1"]
+    kind: Literal["ServingProjection"]
+    generated_at: UtcTimestamp
+    endpoints: list[ServingEndpoint] = Field(default_factory=list)
+
+
+# Every document kind under contracts/v1, by the file stem its schema is written to.
+SCHEMAS: dict[str, type[BaseModel]] = {
+    "desired-state": DesiredState,
+    "artifact-manifest": ArtifactManifest,
+    "bundle": Bundle,
+    "observation": Observation,
+    "lease": Lease,
+    "enrollment-request": EnrollmentRequest,
+    "enrollment-response": EnrollmentResponse,
+    "serving-projection": ServingProjection,
+    "envelope": Envelope,
+    "gpu-facts": GpuFacts,
+}

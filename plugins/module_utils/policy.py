@@ -1,0 +1,416 @@
+"""The host's root-owned policy: which keys it trusts, and what engines may run.
+
+The policy is the host's own word, not the control plane's: modules re-check images, drivers and ports
+against it even when the agent already did. Parsing is strict (unknown fields are errors: a misspelt
+``threshhold`` must not silently leave the default in force) and every error names the field path and
+the bad value, so the operator can fix the file from the message alone.
+
+Choices worth knowing:
+- A public-key entry is PEM text when it contains ``-----BEGIN``, otherwise a path to a PEM file; a
+  relative path is resolved against the policy file's directory.
+- Only *public* Ed25519 keys are accepted; a private-key PEM is an error (see ``dsse.load_public_key_pem``).
+- ``control`` must be configured. ``artifact`` and ``air_gap_authority`` may be left out: documents of a
+  role without keys are then refused (``threshold-not-met``), never accepted.
+- ``store.max_bytes`` takes an integer or a size string: ``K``/``M``/``G``/``T`` (optionally followed
+  by ``B``) are powers of 1000, ``Ki``/``Mi``/``Gi``/``Ti`` (optionally ``B``) powers of 1024.
+- ``images.allowed_repositories`` entries match the repository part of a reference exactly
+  (``ghcr.io/org/vllm``), or every repository below a prefix when they end in ``/*``. No registry
+  name normalisation: ``vllm/vllm-openai`` and ``docker.io/vllm/vllm-openai`` are different entries.
+- YAML mappings with a duplicated key are refused: two ``trust:`` blocks would otherwise keep the last.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils.dsse import (
+    KeyLoadError,
+    keyid_for,
+    load_public_key_pem,
+)
+
+try:
+    import pydantic
+except ImportError:
+    from ansible_collections.meridian.node.plugins.module_utils import (  # type: ignore[no-redef]
+        _pydantic_stub as pydantic,
+    )
+
+try:
+    import yaml
+except ImportError:
+    YAML_IMPORT_ERROR: str | None = traceback.format_exc()
+else:
+    YAML_IMPORT_ERROR = None
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+__all__ = [
+    "AGENT_MODES",
+    "DEFAULT_POLICY_PATH",
+    "ROLES",
+    "YAML_IMPORT_ERROR",
+    "Policy",
+    "PolicyError",
+    "Role",
+    "load_policy",
+    "parse_policy",
+    "parse_size",
+]
+
+DEFAULT_POLICY_PATH = "/etc/meridian/policy.yaml"
+
+Role = Literal["control", "artifact", "air_gap_authority"]
+ROLES: tuple[Role, ...] = ("control", "artifact", "air_gap_authority")
+AGENT_MODES = ("observe-only", "managed-host", "kubernetes-integrated", "air-gapped")
+
+# Policy files are small; a multi-megabyte one is a mistake (or a YAML bomb), not a policy.
+_MAX_POLICY_BYTES = 1024 * 1024
+
+
+class PolicyError(ValueError):
+    """The policy file is unreadable or invalid; the message names the file, the field and the value."""
+
+
+# --- sizes -----------------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?)?B?\s*$")
+_UNITS = {
+    None: 1,
+    "K": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "Ki": 1024,
+    "Mi": 1024**2,
+    "Gi": 1024**3,
+    "Ti": 1024**4,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or ``"500G"``/``"500GB"`` (powers of 1000) or ``"2TiB"``/``"2Ti"`` (powers of 1024)."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a byte count or a size like 500G or 2TiB (got {value!r})")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.match(value)
+        if not match:
+            raise ValueError(
+                f"must be a byte count or a size like 500G (powers of 1000) or 2TiB (powers of 1024) (got {value!r})"
+            )
+        size = int(match.group(1)) * _UNITS[match.group(2)]
+    if size <= 0:
+        raise ValueError(f"must be more than 0 bytes (got {value!r})")
+    return size
+
+
+# --- the document, as the file spells it -------------------------------------------------------------
+
+
+class _Section(pydantic.BaseModel):
+    # strict: YAML "1" is not the integer 1, and `threshold: true` is not a threshold.
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class _RoleSpec(_Section):
+    threshold: Annotated[int, pydantic.Field(ge=1)] = 1
+    public_keys: Annotated[list[str], pydantic.Field(min_length=1)]
+
+
+class _Trust(_Section):
+    control: _RoleSpec
+    artifact: _RoleSpec | None = None
+    air_gap_authority: _RoleSpec | None = None
+
+
+def _known_drivers(value: list[str]) -> list[str]:
+    for driver in value:
+        if driver not in contracts.DRIVERS:
+            raise ValueError(f"unknown driver {driver!r}; known drivers: {', '.join(contracts.DRIVERS)}")
+    return value
+
+
+def _ip_address(value: str) -> str:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"must be an IP address such as 127.0.0.1 (got {value!r})") from None
+    return value
+
+
+def _sane_ports(value: list[int]) -> list[int]:
+    low, high = value
+    if not 1 <= low <= high <= 65535:
+        raise ValueError(f"must be [low, high] with 1 <= low <= high <= 65535 (got {value})")
+    return value
+
+
+def _absolute(value: str) -> str:
+    if not os.path.isabs(value):
+        raise ValueError(f"must be an absolute path (got {value!r})")
+    return value
+
+
+def _known_modes(value: list[str]) -> list[str]:
+    for mode in value:
+        if mode not in AGENT_MODES:
+            raise ValueError(f"unknown mode {mode!r}; known modes: {', '.join(AGENT_MODES)}")
+    return value
+
+
+class _Images(_Section):
+    allowed_repositories: list[str] = pydantic.Field(default_factory=list)
+    require_digest: bool = True
+
+
+class _Engines(_Section):
+    allowed_drivers: Annotated[list[str], pydantic.AfterValidator(_known_drivers)] = pydantic.Field(
+        default_factory=lambda: list(contracts.DRIVERS)
+    )
+    bind_address: Annotated[str, pydantic.AfterValidator(_ip_address)] = "127.0.0.1"
+    port_range: Annotated[
+        list[int], pydantic.Field(min_length=2, max_length=2), pydantic.AfterValidator(_sane_ports)
+    ] = pydantic.Field(default_factory=lambda: [8000, 8999])
+
+
+class _Store(_Section):
+    path: Annotated[str, pydantic.AfterValidator(_absolute)] = "/var/lib/meridian-node/artifacts"
+    # After validation this is always an int (bytes); the union is what the file may spell.
+    max_bytes: Annotated[int | str, pydantic.AfterValidator(parse_size)] = 500 * 1000**3
+
+
+class _Agent(_Section):
+    allowed_modes: Annotated[list[str], pydantic.Field(min_length=1), pydantic.AfterValidator(_known_modes)] = (
+        pydantic.Field(default_factory=lambda: list(AGENT_MODES))
+    )
+
+
+class _PolicyDocument(_Section):
+    trust: _Trust
+    images: _Images = pydantic.Field(default_factory=_Images)
+    engines: _Engines = pydantic.Field(default_factory=_Engines)
+    store: _Store = pydantic.Field(default_factory=_Store)
+    agent: _Agent = pydantic.Field(default_factory=_Agent)
+
+
+# --- the loaded policy ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImagesPolicy:
+    allowed_repositories: tuple[str, ...]
+    require_digest: bool
+
+
+@dataclass(frozen=True)
+class EnginesPolicy:
+    allowed_drivers: tuple[str, ...]
+    bind_address: str
+    port_range: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class StorePolicy:
+    path: str
+    max_bytes: int
+
+
+@dataclass(frozen=True)
+class AgentPolicy:
+    allowed_modes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _RoleTrust:
+    threshold: int
+    keys: Mapping[str, Ed25519PublicKey]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A validated policy with its keys loaded. Build it with ``load_policy`` or ``parse_policy``."""
+
+    source: str
+    images: ImagesPolicy
+    engines: EnginesPolicy
+    store: StorePolicy
+    agent: AgentPolicy
+    _roles: Mapping[str, _RoleTrust] = field(repr=False)
+
+    def trusted_keys(self, role: Role) -> dict[str, Ed25519PublicKey]:
+        """keyid -> public key trusted for ``role``; empty when the policy configures no such role."""
+        _check_role(role)
+        trust = self._roles.get(role)
+        return dict(trust.keys) if trust else {}
+
+    def threshold(self, role: Role) -> int:
+        """How many distinct trusted keys must sign; 1 for an unconfigured role (which has no keys)."""
+        _check_role(role)
+        trust = self._roles.get(role)
+        return trust.threshold if trust else 1
+
+    def image_allowed(self, ref: str) -> str | None:
+        """None when ``ref`` may run here, else the reason it may not."""
+        match = contracts.IMAGE_REFERENCE.match(ref)
+        if not match:
+            return f"image {ref!r} is not a valid reference (repository[:tag]@sha256:<64 hex>)"
+        if self.images.require_digest and not match.group("digest"):
+            return f"image {ref!r} is unpinned: policy requires a digest (@sha256:<64 hex>)"
+        repository = match.group("repository")
+        if not any(_repository_matches(pattern, repository) for pattern in self.images.allowed_repositories):
+            allowed = ", ".join(self.images.allowed_repositories) or "none"
+            return f"repository {repository!r} is not allowed by policy {self.source} (allowed: {allowed})"
+        return None
+
+    def driver_allowed(self, driver: str) -> str | None:
+        if driver in self.engines.allowed_drivers:
+            return None
+        allowed = ", ".join(self.engines.allowed_drivers) or "none"
+        return f"driver {driver!r} is not allowed by policy {self.source} (allowed: {allowed})"
+
+    def port_allowed(self, port: int) -> str | None:
+        low, high = self.engines.port_range
+        if low <= port <= high:
+            return None
+        return f"port {port} is outside the policy's engine port range {low}-{high} ({self.source})"
+
+    def mode_allowed(self, mode: str) -> str | None:
+        if mode in self.agent.allowed_modes:
+            return None
+        allowed = ", ".join(self.agent.allowed_modes)
+        return f"agent mode {mode!r} is not allowed by policy {self.source} (allowed: {allowed})"
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown trust role {role!r}; roles are {', '.join(ROLES)}")
+
+
+def _repository_matches(pattern: str, repository: str) -> bool:
+    if pattern.endswith("/*"):
+        return repository.startswith(pattern[:-1])
+    return repository == pattern
+
+
+# --- loading -------------------------------------------------------------------------------------------
+
+
+def load_policy(path: os.PathLike[str] | str = DEFAULT_POLICY_PATH) -> Policy:
+    """Read and validate the policy file; any problem raises ``PolicyError`` naming the file."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as handle:
+            raw = handle.read(_MAX_POLICY_BYTES + 1)
+    except OSError as exc:
+        raise PolicyError(f"policy {source}: cannot read the file: {exc.strerror or exc}") from exc
+    if len(raw) > _MAX_POLICY_BYTES:
+        raise PolicyError(f"policy {source}: the file is larger than {_MAX_POLICY_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"policy {source}: the file is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    return parse_policy(text, Path(source).parent, source=source)
+
+
+def parse_policy(text: str, base_dir: Path, *, source: str = "<text>") -> Policy:
+    """Validate policy YAML; relative key paths resolve against ``base_dir``. ``source`` names it in errors."""
+    contracts.require_pydantic()
+    if YAML_IMPORT_ERROR is not None:
+        raise RuntimeError(
+            "meridian.node needs the Python package 'PyYAML' on this host to read its policy; install it "
+            "(pip install PyYAML) or install the meridian-node package, which depends on it."
+        )
+    prefix = f"policy {source}"
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a SafeLoader
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{prefix}: not valid YAML: {_yaml_reason(exc)}") from exc
+    if not isinstance(data, dict):
+        raise PolicyError(
+            f"{prefix}: the top level must be a mapping with a 'trust' section (got {contracts.short_repr(data)})"
+        )
+    try:
+        document = _PolicyDocument.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise PolicyError(f"{prefix}: {contracts.describe_validation_error(exc)}") from exc
+
+    roles: dict[str, _RoleTrust] = {}
+    for role in ROLES:
+        spec: _RoleSpec | None = getattr(document.trust, role)
+        if spec is not None:
+            roles[role] = _load_role(spec, f"{prefix}: trust.{role}", base_dir)
+    return Policy(
+        source=source,
+        images=ImagesPolicy(tuple(document.images.allowed_repositories), document.images.require_digest),
+        engines=EnginesPolicy(
+            tuple(document.engines.allowed_drivers),
+            document.engines.bind_address,
+            (document.engines.port_range[0], document.engines.port_range[1]),
+        ),
+        store=StorePolicy(document.store.path, int(document.store.max_bytes)),
+        agent=AgentPolicy(tuple(document.agent.allowed_modes)),
+        _roles=roles,
+    )
+
+
+def _load_role(spec: _RoleSpec, where: str, base_dir: Path) -> _RoleTrust:
+    keys: dict[str, Ed25519PublicKey] = {}
+    for index, entry in enumerate(spec.public_keys):
+        field_path = f"{where}.public_keys[{index}]"
+        if "-----BEGIN" in entry:
+            pem, origin = entry.encode("utf-8"), "inline PEM"
+        else:
+            key_path = Path(entry) if os.path.isabs(entry) else base_dir / entry
+            origin = f"key file {key_path}"
+            try:
+                pem = key_path.read_bytes()
+            except OSError as exc:
+                raise PolicyError(f"{field_path}: cannot read {origin}: {exc.strerror or exc}") from exc
+        try:
+            key = load_public_key_pem(pem)
+        except KeyLoadError as exc:
+            raise PolicyError(f"{field_path}: {origin}: {exc}") from exc
+        keys[keyid_for(key)] = key
+    # The same key listed twice is one signer: a threshold it could meet alone is no threshold.
+    if spec.threshold > len(keys):
+        raise PolicyError(
+            f"{where}.threshold: must be <= the number of distinct public keys ({len(keys)}) (got {spec.threshold})"
+        )
+    return _RoleTrust(spec.threshold, keys)
+
+
+# --- messages --------------------------------------------------------------------------------------------
+
+
+def _yaml_reason(exc: Exception) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(problem)
+
+
+if YAML_IMPORT_ERROR is None:
+
+    class _StrictLoader(yaml.SafeLoader):
+        """SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _value_node in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)

@@ -1,0 +1,206 @@
+#!/usr/bin/python
+# Copyright: (c) 2026, meridian.node developers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: gpu_facts
+short_description: Gather NVIDIA GPU facts through NVML
+version_added: 0.1.0
+author:
+  - Meridian node maintainers (@meridian)
+description:
+  - Reads every NVIDIA GPU on the host through NVML (the C(pynvml) module of nvidia-ml-py) and
+    returns them as the C(meridian_gpus) fact, in the shape of the C(GpuFacts) contract
+    (C(contracts/v1/gpu-facts.schema.json)).
+  - Per GPU - index, UUID, name, PCI bus id, memory total/used/free (MiB), utilization, temperature,
+    power draw and limit (W), volatile ECC error counts, MIG mode and MIG instances, compute processes
+    and active NVLink peers. For the host - the driver and CUDA driver versions.
+  - A host without NVML (no nvidia-ml-py, no NVIDIA driver, driver not loaded) is not an error - the
+    fact says C(nvml_available=false) and gives the reason.
+  - A value the GPU does not support is V(null). A GPU that fails while being read is still listed
+    with what could be read, and its C(error) names the NVML error.
+  - Never changes anything on the host.
+requirements:
+  - nvidia-ml-py (provides the C(pynvml) module) on the managed host.
+  - An NVIDIA driver (C(libnvidia-ml.so.1)) to read any GPU.
+options:
+  gather_processes:
+    description:
+      - Read the compute processes of each GPU (or of each MIG instance when MIG is on).
+      - Switch off to save one NVML call per GPU or MIG instance on large hosts.
+    type: bool
+    default: true
+  gather_nvlink:
+    description:
+      - Read the state and remote PCI bus id of each NVLink.
+      - Switch off to save up to two NVML calls per link on NVLink systems.
+    type: bool
+    default: true
+extends_documentation_fragment:
+  - meridian.node.attributes
+  - meridian.node.attributes.facts
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+  facts:
+    support: full
+  idempotent:
+    support: full
+notes:
+  - With MIG enabled, NVML reports utilization only per MIG instance, so the GPU's utilization is
+    V(null), and processes are read from the MIG instances.
+  - NVLink peers on NVSwitch systems (HGX/DGX) are the NVSwitches' PCI bus ids.
+seealso:
+  - name: NVML API reference
+    description: The library this module reads.
+    link: https://docs.nvidia.com/deploy/nvml-api/
+"""
+
+EXAMPLES = r"""
+- name: Read the GPUs of every GPU host
+  meridian.node.gpu_facts:
+
+- name: Show free memory per GPU
+  ansible.builtin.debug:
+    msg: "{{ item.index }} {{ item.name }}: {{ item.memory.free_mib }} MiB free"
+  loop: "{{ ansible_facts.meridian_gpus.gpus }}"
+  when: ansible_facts.meridian_gpus.nvml_available
+
+- name: Quick read on a large host, without processes and NVLink
+  meridian.node.gpu_facts:
+    gather_processes: false
+    gather_nvlink: false
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: Facts to add to the host's facts.
+  returned: always
+  type: dict
+  contains:
+    meridian_gpus:
+      description: The GPUs of the host (the C(GpuFacts) contract).
+      returned: always
+      type: dict
+      contains:
+        nvml_available:
+          description: Whether NVML could be used on this host.
+          type: bool
+          returned: always
+          sample: true
+        reason:
+          description: Why NVML could not be used, and what to do about it; V(null) when it could.
+          type: str
+          returned: always
+          sample: >-
+            nvmlInit failed with NVML_ERROR_LIBRARY_NOT_FOUND (NVML Shared Library Not Found):
+            libnvidia-ml.so.1 could not be loaded: no NVIDIA driver is installed on this host
+        driver_version:
+          description: The NVIDIA driver version.
+          type: str
+          returned: always
+          sample: 550.54.15
+        cuda_driver_version:
+          description: The highest CUDA version the driver supports, as major.minor.
+          type: str
+          returned: always
+          sample: "12.4"
+        count:
+          description: How many GPUs NVML sees.
+          type: int
+          returned: always
+          sample: 8
+        gpus:
+          description: One entry per GPU, in NVML index order.
+          type: list
+          elements: dict
+          returned: always
+          contains:
+            index:
+              description: NVML index of the GPU.
+              type: int
+              sample: 0
+            uuid:
+              description: GPU UUID.
+              type: str
+              sample: GPU-2f1b7c2e-8d3a-4c51-b0e6-1a9e4f7d3c01
+            name:
+              description: Product name.
+              type: str
+              sample: NVIDIA H100 80GB HBM3
+            pci_bus_id:
+              description: PCI bus id (domain:bus:device.function).
+              type: str
+              sample: 00000000:1B:00.0
+            memory:
+              description: Frame buffer memory in MiB, with keys C(total_mib), C(used_mib), C(free_mib).
+              type: dict
+              sample: {"total_mib": 81559, "used_mib": 74722, "free_mib": 6837}
+            utilization_gpu_percent:
+              description: GPU utilization over the last sample period; V(null) in MIG mode.
+              type: int
+            utilization_memory_percent:
+              description: Memory controller utilization; V(null) in MIG mode.
+              type: int
+            temperature_c:
+              description: GPU core temperature in degrees Celsius.
+              type: int
+            power_draw_w:
+              description: Power draw in watts.
+              type: float
+            power_limit_w:
+              description: Enforced power limit in watts.
+              type: float
+            ecc_errors_corrected:
+              description: Volatile (since driver load) corrected ECC errors; V(null) without ECC.
+              type: int
+            ecc_errors_uncorrected:
+              description: Volatile uncorrected ECC errors; V(null) without ECC.
+              type: int
+            mig_mode:
+              description: Whether MIG is currently enabled; V(null) where the GPU has no MIG.
+              type: bool
+            mig_instances:
+              description: MIG devices with C(uuid), C(profile), C(memory_mib), C(gpu_instance_id)
+                and C(compute_instance_id).
+              type: list
+              elements: dict
+            processes:
+              description: Compute processes with C(pid) and C(used_memory_mib) (V(null) where NVML
+                cannot tell).
+              type: list
+              elements: dict
+            nvlink_peers:
+              description: Active NVLinks with C(link) and C(peer_pci_bus_id).
+              type: list
+              elements: dict
+            error:
+              description: Why this GPU could not be read completely, naming the NVML error;
+                V(null) when it could.
+              type: str
+              sample: NVML_ERROR_GPU_IS_LOST while reading memory info
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "gather_processes": {"type": "bool", "default": True},
+            "gather_nvlink": {"type": "bool", "default": True},
+        },
+        supports_check_mode=True,
+    )
+    facts = collect_gpu_facts(processes=module.params["gather_processes"], nvlink=module.params["gather_nvlink"])
+    module.exit_json(changed=False, ansible_facts={"meridian_gpus": facts})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Shared fixtures. Docker-backed tests skip without an engine, except in CI, where they must fail."""
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+def _require_docker() -> bool:
+    return os.environ.get("MERIDIAN_REQUIRE_DOCKER") == "1"
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[Any]:
+    """A client for the real Docker Engine on this machine."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=30)
+        client.ping()
+    except Exception as exc:  # any failure means the same thing here: no usable engine
+        message = f"no Docker Engine answers on this machine ({type(exc).__name__}: {exc})"
+        if _require_docker():
+            pytest.fail(f"{message}; MERIDIAN_REQUIRE_DOCKER=1 forbids skipping", pytrace=False)
+        pytest.skip(message)
+    yield client
+    client.close()

@@ -1,0 +1,356 @@
+"""The policy file: what it accepts, and that every mistake is reported with its field and value."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse
+from ansible_collections.meridian.node.plugins.module_utils.policy import (
+    DEFAULT_POLICY_PATH,
+    Policy,
+    PolicyError,
+    load_policy,
+    parse_policy,
+    parse_size,
+)
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
+
+CONTROL = make_key()
+CONTROL_2 = make_key()
+ARTIFACT = make_key()
+AUTHORITY = make_key()
+DIGEST = "sha256:" + "a" * 64
+
+FULL_POLICY = """\
+trust:
+  control:            {threshold: 2, public_keys: [keys/control-0.pem, keys/control-1.pem]}
+  artifact:           {threshold: 1, public_keys: [keys/artifact-0.pem]}
+  air_gap_authority:  {threshold: 1, public_keys: [keys/air_gap_authority-0.pem]}
+images:  {allowed_repositories: [ghcr.io/acme/vllm, registry.local:5000/engines/*], require_digest: true}
+engines: {allowed_drivers: [vllm, tgi], bind_address: 127.0.0.1, port_range: [8000, 8099]}
+store:   {path: /var/lib/meridian-node/artifacts, max_bytes: 500G}
+agent:   {allowed_modes: [observe-only, managed-host]}
+"""
+
+
+@pytest.fixture
+def policy_dir(tmp_path: Path) -> Path:
+    """A directory with the four keys written where FULL_POLICY expects them."""
+    write_policy(tmp_path, control=[CONTROL, CONTROL_2], artifact=[ARTIFACT], air_gap_authority=[AUTHORITY])
+    return tmp_path
+
+
+def write(directory: Path, text: str) -> Path:
+    path = directory / "policy.yaml"
+    path.write_text(text)
+    return path
+
+
+def error_for(directory: Path, text: str) -> str:
+    path = write(directory, text)
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    message = str(info.value)
+    assert message.startswith(f"policy {path}: "), message
+    return message
+
+
+def with_control(extra: str = "", control: str = "{public_keys: [keys/control-0.pem]}") -> str:
+    return f"trust:\n  control: {control}\n{extra}"
+
+
+# --- a good policy --------------------------------------------------------------------------------------
+
+
+def test_full_policy_loads_every_section(policy_dir: Path) -> None:
+    policy = load_policy(write(policy_dir, FULL_POLICY))
+    assert policy.threshold("control") == 2
+    assert set(policy.trusted_keys("control")) == {CONTROL.keyid, CONTROL_2.keyid}
+    assert set(policy.trusted_keys("artifact")) == {ARTIFACT.keyid}
+    assert set(policy.trusted_keys("air_gap_authority")) == {AUTHORITY.keyid}
+    assert policy.engines.allowed_drivers == ("vllm", "tgi")
+    assert policy.engines.port_range == (8000, 8099)
+    assert policy.engines.bind_address == "127.0.0.1"
+    assert policy.store.max_bytes == 500 * 10**9
+    assert policy.store.path == "/var/lib/meridian-node/artifacts"
+    assert policy.agent.allowed_modes == ("observe-only", "managed-host")
+
+
+def test_trusted_keys_map_keyids_to_the_keys_themselves(policy_dir: Path) -> None:
+    policy = load_policy(write(policy_dir, FULL_POLICY))
+    for keyid, key in policy.trusted_keys("control").items():
+        assert dsse.keyid_for(key) == keyid
+
+
+def test_relative_key_paths_resolve_against_the_policy_directory_not_the_cwd(
+    policy_dir: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(policy_dir, FULL_POLICY)
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    assert CONTROL.keyid in load_policy(path).trusted_keys("control")
+
+
+def test_absolute_key_path_and_inline_pem_are_both_accepted(tmp_path: Path) -> None:
+    key_file = tmp_path / "abs.pem"
+    key_file.write_bytes(CONTROL.public_pem)
+    document = {"trust": {"control": {"threshold": 2, "public_keys": [str(key_file), CONTROL_2.public_pem.decode()]}}}
+    policy = parse_policy(yaml.safe_dump(document), tmp_path / "unused")
+    assert set(policy.trusted_keys("control")) == {CONTROL.keyid, CONTROL_2.keyid}
+
+
+def test_omitted_sections_take_safe_defaults(policy_dir: Path) -> None:
+    policy = load_policy(write(policy_dir, with_control()))
+    assert policy.images.allowed_repositories == ()  # no image may run until policy names some
+    assert policy.images.require_digest is True
+    assert policy.engines.allowed_drivers == contracts.DRIVERS
+    assert policy.engines.port_range == (8000, 8999)
+    assert policy.engines.bind_address == "127.0.0.1"
+    assert policy.store.max_bytes == 500 * 10**9
+    assert "managed-host" in policy.agent.allowed_modes
+
+
+def test_unconfigured_role_trusts_nobody(policy_dir: Path) -> None:
+    policy = load_policy(write(policy_dir, with_control()))
+    assert policy.trusted_keys("air_gap_authority") == {}
+    assert policy.threshold("air_gap_authority") >= 1
+
+
+def test_asking_for_an_unknown_role_is_a_caller_bug(policy_dir: Path) -> None:
+    policy = load_policy(write(policy_dir, with_control()))
+    with pytest.raises(ValueError, match="unknown trust role 'admin'"):
+        policy.trusted_keys("admin")  # type: ignore[arg-type]
+
+
+def test_default_path_is_the_documented_one() -> None:
+    assert DEFAULT_POLICY_PATH == "/etc/meridian/policy.yaml"
+
+
+# --- sizes ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1234, 1234),
+        ("500G", 500 * 1000**3),
+        ("500GB", 500 * 1000**3),
+        ("2TiB", 2 * 1024**4),
+        ("2Ti", 2 * 1024**4),
+        ("64Mi", 64 * 1024**2),
+        ("10", 10),
+    ],
+)
+def test_size_strings_are_decimal_or_binary_units(value: int | str, expected: int) -> None:
+    assert parse_size(value) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "5 PB", "-1G", "1.5G", 0, -5])
+def test_nonsense_sizes_are_refused(value: int | str) -> None:
+    with pytest.raises(ValueError, match=repr(value).replace("(", r"\(")):
+        parse_size(value)
+
+
+# --- images, drivers, ports, modes ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def full(policy_dir: Path) -> Policy:
+    return load_policy(write(policy_dir, FULL_POLICY))
+
+
+def test_pinned_image_from_an_allowed_repository_may_run(full: Policy) -> None:
+    assert full.image_allowed(f"ghcr.io/acme/vllm:0.6@{DIGEST}") is None
+    assert full.image_allowed(f"registry.local:5000/engines/tgi@{DIGEST}") is None
+
+
+def test_unpinned_image_is_refused(full: Policy) -> None:
+    reason = full.image_allowed("ghcr.io/acme/vllm:latest")
+    assert reason is not None and "unpinned" in reason
+
+
+def test_image_from_an_unlisted_repository_is_refused(full: Policy) -> None:
+    reason = full.image_allowed(f"ghcr.io/evil/vllm@{DIGEST}")
+    assert reason is not None and "repository 'ghcr.io/evil/vllm' is not allowed" in reason
+
+
+def test_lookalike_repository_does_not_match_a_prefix_entry(full: Policy) -> None:
+    # "registry.local:5000/engines/*" must not admit "registry.local:5000/engines-evil/x".
+    assert full.image_allowed(f"registry.local:5000/engines-evil/x@{DIGEST}") is not None
+
+
+def test_invalid_image_reference_is_refused(full: Policy) -> None:
+    reason = full.image_allowed("UPPER/case@sha256:zz")
+    assert reason is not None and "not a valid reference" in reason
+
+
+def test_tags_are_enough_when_policy_does_not_require_digests(policy_dir: Path) -> None:
+    policy = load_policy(
+        write(policy_dir, with_control("images: {allowed_repositories: [ghcr.io/acme/vllm], require_digest: false}"))
+    )
+    assert policy.image_allowed("ghcr.io/acme/vllm:0.6") is None
+
+
+def test_drivers_ports_and_modes_are_checked_against_policy(full: Policy) -> None:
+    assert full.driver_allowed("vllm") is None
+    assert "driver 'ollama' is not allowed" in (full.driver_allowed("ollama") or "")
+    assert full.port_allowed(8000) is None and full.port_allowed(8099) is None
+    assert "port 8100 is outside" in (full.port_allowed(8100) or "")
+    assert full.mode_allowed("observe-only") is None
+    assert "'air-gapped' is not allowed" in (full.mode_allowed("air-gapped") or "")
+
+
+# --- malformed policies: every message names the field and the value ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            with_control(control="{threshold: 0, public_keys: [keys/control-0.pem]}"),
+            "trust.control.threshold: must be >= 1 (got 0)",
+            id="threshold-zero",
+        ),
+        pytest.param(
+            with_control(control="{threshold: 2, public_keys: [keys/control-0.pem, keys/control-0.pem]}"),
+            "trust.control.threshold: must be <= the number of distinct public keys (1) (got 2)",
+            id="threshold-met-by-one-key-listed-twice",
+        ),
+        pytest.param(
+            with_control(control="{threshold: '1', public_keys: [keys/control-0.pem]}"),
+            "trust.control.threshold: input should be a valid integer (got '1')",
+            id="threshold-as-string",
+        ),
+        pytest.param(
+            with_control(control="{threshhold: 1, public_keys: [keys/control-0.pem]}"),
+            "trust.control.threshhold: unknown field (got 1)",
+            id="misspelt-threshold",
+        ),
+        pytest.param(
+            with_control(control="{public_keys: []}"),
+            "trust.control.public_keys: list should have at least 1 item",
+            id="no-keys",
+        ),
+        pytest.param("trust: {}\n", "trust.control: a required field is missing", id="no-control-role"),
+        pytest.param("images: {}\n", "trust: a required field is missing", id="no-trust"),
+        pytest.param(with_control("imagez: {}"), "imagez: unknown field (got {})", id="unknown-section"),
+        pytest.param(
+            with_control("engines: {allowed_drivers: [vllm, docker-run]}"),
+            "engines.allowed_drivers: unknown driver 'docker-run'",
+            id="unknown-driver",
+        ),
+        pytest.param(
+            with_control("engines: {port_range: [9000, 8000]}"),
+            "engines.port_range: must be [low, high] with 1 <= low <= high <= 65535 (got [9000, 8000])",
+            id="reversed-port-range",
+        ),
+        pytest.param(
+            with_control("engines: {port_range: [8000, 70000]}"),
+            "engines.port_range: must be [low, high] with 1 <= low <= high <= 65535 (got [8000, 70000])",
+            id="port-above-65535",
+        ),
+        pytest.param(
+            with_control("engines: {port_range: [8000]}"),
+            "engines.port_range: list should have at least 2 items",
+            id="port-range-one-number",
+        ),
+        pytest.param(
+            with_control("engines: {bind_address: 0.0.0.0.0}"),
+            "engines.bind_address: must be an IP address such as 127.0.0.1 (got '0.0.0.0.0')",
+            id="bad-bind-address",
+        ),
+        pytest.param(
+            with_control("store: {max_bytes: lots}"),
+            "store.max_bytes: must be a byte count or a size like 500G",
+            id="bad-size",
+        ),
+        pytest.param(
+            with_control("store: {max_bytes: 0}"), "store.max_bytes: must be more than 0 bytes (got 0)", id="zero-size"
+        ),
+        pytest.param(
+            with_control("store: {path: relative/store}"),
+            "store.path: must be an absolute path (got 'relative/store')",
+            id="relative-store-path",
+        ),
+        pytest.param(
+            with_control('images: {require_digest: "no"}'),
+            "images.require_digest: input should be a valid boolean (got 'no')",
+            id="digest-flag-as-string",
+        ),
+        pytest.param(
+            with_control("agent: {allowed_modes: [yolo]}"),
+            "agent.allowed_modes: unknown mode 'yolo'",
+            id="unknown-mode",
+        ),
+        pytest.param(
+            with_control(control="{public_keys: [keys/missing.pem]}"),
+            "trust.control.public_keys[0]: cannot read key file",
+            id="missing-key-file",
+        ),
+        pytest.param(
+            with_control(control="{public_keys: ['-----BEGIN PUBLIC KEY-----\\nAAAA\\n-----END PUBLIC KEY-----']}"),
+            "trust.control.public_keys[0]: inline PEM: not a PEM public key",
+            id="bad-inline-pem",
+        ),
+        pytest.param("trust: {control: [\n", "not valid YAML", id="broken-yaml"),
+        pytest.param("trust: {}\ntrust: {}\n", "not valid YAML: duplicate key 'trust' at line 2", id="duplicate-key"),
+        pytest.param("- trust\n", "the top level must be a mapping", id="top-level-list"),
+        pytest.param("", "the top level must be a mapping", id="empty-file"),
+    ],
+)
+def test_malformed_policy_is_reported_with_field_and_value(policy_dir: Path, text: str, expected: str) -> None:
+    message = error_for(policy_dir, text)
+    assert expected in message
+
+
+def test_missing_key_file_message_names_the_resolved_path(policy_dir: Path) -> None:
+    message = error_for(policy_dir, with_control(control="{public_keys: [keys/missing.pem]}"))
+    assert str(policy_dir / "keys" / "missing.pem") in message
+    assert "No such file or directory" in message
+
+
+def test_private_key_in_the_policy_is_refused(policy_dir: Path) -> None:
+    (policy_dir / "keys" / "oops.pem").write_bytes(CONTROL.private_pem)
+    message = error_for(policy_dir, with_control(control="{public_keys: [keys/oops.pem]}"))
+    assert "trust.control.public_keys[0]" in message and "PRIVATE key" in message
+
+
+def test_non_ed25519_key_in_the_policy_is_refused(policy_dir: Path) -> None:
+    pem = (
+        ec.generate_private_key(ec.SECP256R1())
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    (policy_dir / "keys" / "ec.pem").write_bytes(pem)
+    message = error_for(policy_dir, with_control(control="{public_keys: [keys/control-0.pem, keys/ec.pem]}"))
+    assert "trust.control.public_keys[1]" in message and "Ed25519 keys only" in message
+
+
+def test_missing_policy_file_is_reported_with_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(PolicyError, match=f"policy {path}: cannot read the file: No such file or directory"):
+        load_policy(path)
+
+
+def test_policy_path_that_is_a_directory_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=f"policy {tmp_path}: cannot read the file: Is a directory"):
+        load_policy(tmp_path)
+
+
+def test_policy_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(b"trust: \xff\xfe\n")
+    with pytest.raises(PolicyError, match="not UTF-8"):
+        load_policy(path)
+
+
+def test_yaml_error_names_the_line(policy_dir: Path) -> None:
+    message = error_for(policy_dir, with_control("engines:\n  port_range: [8000, 9000\n"))
+    assert "line" in message
+
+
+def test_parse_policy_names_its_source_in_errors(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"^policy inline-test: trust: a required field is missing$"):
+        parse_policy("{}", tmp_path, source="inline-test")

@@ -1,0 +1,214 @@
+"""The durable applied state: it only moves forward, survives restarts, and never silently resets."""
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust import AppliedState
+
+SHA_A = "a" * 64
+SHA_B = "b" * 64
+
+
+def inode(path: Path) -> int:
+    return path.stat().st_ino
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+# --- normal life ----------------------------------------------------------------------------------------
+
+
+def test_fresh_host_has_applied_nothing(tmp_path: Path) -> None:
+    assert StateStore(tmp_path).load() == AppliedState(0, 0, None)
+    assert not (tmp_path / "applied.json").exists()
+
+
+def test_recorded_state_survives_a_restart(tmp_path: Path) -> None:
+    StateStore(tmp_path).record_applied(3, 2, SHA_A)
+    assert StateStore(tmp_path).load() == AppliedState(3, 2, SHA_A)
+    document = json.loads((tmp_path / "applied.json").read_text())
+    assert document == {"format": 1, "generation": 3, "epoch": 2, "payload_sha256": SHA_A}
+    assert leftovers(tmp_path) == []
+
+
+def test_state_dir_is_created_when_missing(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "var" / "lib" / "meridian-node")
+    store.record_applied(1, 0, SHA_A)
+    assert store.load().generation == 1
+
+
+def test_observed_epoch_is_kept_alongside_the_generation(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(3, 2, SHA_A)
+    assert store.observe_epoch(5) == AppliedState(3, 5, SHA_A)
+    assert StateStore(tmp_path).load() == AppliedState(3, 5, SHA_A)
+
+
+def test_newer_generation_replaces_the_record(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(3, 2, SHA_A)
+    store.record_applied(4, 2, SHA_B)
+    assert store.load() == AppliedState(4, 2, SHA_B)
+
+
+def test_recording_the_same_state_again_does_not_rewrite_the_file(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(3, 2, SHA_A)
+    before = inode(store.path)
+    store.record_applied(3, 2, SHA_A)
+    store.observe_epoch(2)
+    assert inode(store.path) == before  # atomic_write would have made a new inode
+
+
+def test_a_change_rewrites_the_file_atomically(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(3, 2, SHA_A)
+    before = inode(store.path)
+    store.observe_epoch(3)
+    assert inode(store.path) != before
+    assert leftovers(tmp_path) == []
+
+
+# --- refusing to go backwards ---------------------------------------------------------------------------
+
+
+def test_lower_generation_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(5, 1, SHA_A)
+    with pytest.raises(StateStoreError, match="refusing to record generation 4: generation 5 is already applied"):
+        store.record_applied(4, 1, SHA_B)
+    assert store.load() == AppliedState(5, 1, SHA_A)
+
+
+def test_same_generation_with_other_content_is_refused(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(5, 1, SHA_A)
+    with pytest.raises(StateStoreError, match="a generation is never reused"):
+        store.record_applied(5, 1, SHA_B)
+    assert store.load() == AppliedState(5, 1, SHA_A)
+
+
+def test_lower_epoch_is_refused_when_recording_a_generation(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.observe_epoch(4)
+    with pytest.raises(StateStoreError, match="refusing to record epoch 3: epoch 4 was already seen"):
+        store.record_applied(1, 3, SHA_A)
+    assert store.load() == AppliedState(0, 4, None)
+
+
+def test_lower_epoch_is_refused_when_observing(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.observe_epoch(4)
+    with pytest.raises(StateStoreError, match="epoch never goes down"):
+        store.observe_epoch(2)
+    assert store.load().epoch == 4
+
+
+@pytest.mark.parametrize(
+    ("generation", "epoch", "digest", "message"),
+    [
+        (0, 0, SHA_A, "generation must be an integer >= 1"),
+        (True, 0, SHA_A, "generation must be an integer >= 1"),
+        (1, -1, SHA_A, "epoch must be an integer >= 0"),
+        (1, 0, "A" * 64, "payload_sha256 must be 64 lowercase hex"),
+        (1, 0, "abc", "payload_sha256 must be 64 lowercase hex"),
+    ],
+)
+def test_nonsense_records_are_refused(tmp_path: Path, generation: int, epoch: int, digest: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StateStore(tmp_path).record_applied(generation, epoch, digest)
+    assert not (tmp_path / "applied.json").exists()
+
+
+# --- damaged files --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        pytest.param(b"", "not JSON", id="empty-after-a-crash"),
+        pytest.param(b'{"format": 1, "generation": 3', "not JSON", id="truncated"),
+        pytest.param(b"\xff\xfe", "not JSON", id="binary"),
+        pytest.param(b"[3, 2]", "expected a JSON object", id="list"),
+        pytest.param(b'{"format": 1, "generation": 3, "epoch": 2}', "expected exactly the fields", id="missing-field"),
+        pytest.param(
+            b'{"format": 2, "generation": 3, "epoch": 2, "payload_sha256": null}',
+            "unknown format 2",
+            id="future-format",
+        ),
+        pytest.param(
+            b'{"format": 1, "generation": -1, "epoch": 2, "payload_sha256": null}',
+            "generation must be an integer >= 0, got -1",
+            id="negative-generation",
+        ),
+        pytest.param(
+            b'{"format": 1, "generation": 0, "epoch": true, "payload_sha256": null}',
+            "epoch must be an integer >= 0, got True",
+            id="boolean-epoch",
+        ),
+        pytest.param(
+            b'{"format": 1, "generation": 3, "epoch": 2, "payload_sha256": null}',
+            "generation 3 is recorded without its payload_sha256",
+            id="generation-without-hash",
+        ),
+        pytest.param(
+            b'{"format": 1, "generation": 3, "epoch": 2, "payload_sha256": "xyz"}',
+            "payload_sha256 must be 64 lowercase hex",
+            id="bad-hash",
+        ),
+    ],
+)
+def test_corrupt_state_file_is_an_error_not_a_reset(tmp_path: Path, content: bytes, reason: str) -> None:
+    path = tmp_path / "applied.json"
+    path.write_bytes(content)
+    store = StateStore(tmp_path)
+    with pytest.raises(StateStoreError) as info:
+        store.load()
+    message = str(info.value)
+    assert f"the applied-state file {path} is corrupt" in message
+    assert reason in message
+    assert "Restore it from a backup" in message
+    # Writers refuse too, and leave the evidence alone.
+    with pytest.raises(StateStoreError):
+        store.record_applied(9, 9, SHA_A)
+    assert path.read_bytes() == content
+
+
+def test_unreadable_state_file_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "applied.json").mkdir()
+    with pytest.raises(StateStoreError, match="cannot read the applied-state file"):
+        StateStore(tmp_path).load()
+
+
+# --- atomic_write ---------------------------------------------------------------------------------------
+
+
+def test_atomic_write_replaces_content_and_sets_the_mode(tmp_path: Path) -> None:
+    target = tmp_path / "file.json"
+    target.write_bytes(b"old")
+    atomic_write(target, b"new", mode=0o640)
+    assert target.read_bytes() == b"new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    atomic_write(str(target), b"")
+    assert target.read_bytes() == b""
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert leftovers(tmp_path) == []
+
+
+def test_failed_atomic_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:
+    # The rename fails (the target is a non-empty directory); the temp file must not be left behind.
+    target = tmp_path / "busy"
+    target.mkdir()
+    (target / "child").write_bytes(b"x")
+    with pytest.raises(OSError):
+        atomic_write(target, b"data")
+    assert (target / "child").read_bytes() == b"x"
+    assert leftovers(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]

@@ -1,0 +1,101 @@
+"""``meridian-node check-config`` and the config loader: every bad input named, with its field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
+from meridian_node_agent import cli
+from meridian_node_agent.config import ConfigError, load_config
+
+GOOD = {
+    "node_id": "gpu-node-1",
+    "mode": "managed-host",
+    "policy": "policy.yaml",
+    "state_dir": "state",
+    "control_plane": {"url": "https://meridian.example:8443"},
+}
+
+
+def write_config(directory: Path, document: object, name: str = "config.yaml") -> Path:
+    path = directory / name
+    path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))
+    return path
+
+
+@pytest.fixture
+def policy_dir(tmp_path: Path) -> Path:
+    write_policy(tmp_path, control=[make_key()], extra={"agent": {"allowed_modes": ["observe-only", "managed-host"]}})
+    return tmp_path
+
+
+def check(capsys: pytest.CaptureFixture[str], config: Path) -> tuple[int, str, str]:
+    status = cli.main(["--config", str(config), "check-config"])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_valid_config_and_policy_pass_with_a_summary(policy_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = check(capsys, write_config(policy_dir, GOOD))
+    assert (status, err) == (0, "")
+    assert "node gpu-node-1, mode managed-host" in out
+    assert "trust control 1-of-1, artifact not configured" in out
+    assert out.rstrip().endswith("ok")
+
+
+def test_relative_paths_resolve_against_the_config_file(policy_dir: Path) -> None:
+    config = load_config(write_config(policy_dir, GOOD))
+    assert config.policy == str(policy_dir.resolve() / "policy.yaml")
+    assert config.identity_dir == policy_dir.resolve() / "state" / "identity"
+
+
+@pytest.mark.parametrize(
+    ("problem", "document", "expected"),
+    [
+        ("misspelt option", {**GOOD, "contol_plane": {}}, "contol_plane: unknown field"),
+        ("plain http", {**GOOD, "control_plane": {"url": "http://meridian.example"}}, "must be https://"),
+        ("no control plane", {k: v for k, v in GOOD.items() if k != "control_plane"}, "needs a 'control_plane'"),
+        ("air-gapped without inbox", {**GOOD, "mode": "air-gapped"}, "needs an 'air_gap' section"),
+        ("unknown mode", {**GOOD, "mode": "root-daemon"}, "mode"),
+        ("bad node id", {**GOOD, "node_id": "GPU_01"}, "node_id"),
+        ("string where a number goes", {**GOOD, "journal": {"keep_runs": "20"}}, "journal.keep_runs"),
+        ("top level not a mapping", "- node_id: x\n", "top level must be a mapping"),
+        ("broken YAML", "node_id: [unclosed\n", "line 2"),
+        ("duplicate key", "node_id: a\nnode_id: b\n", "duplicate key 'node_id'"),
+    ],
+)
+def test_bad_config_exits_1_naming_the_field(
+    policy_dir: Path, capsys: pytest.CaptureFixture[str], problem: str, document: object, expected: str
+) -> None:
+    status, out, err = check(capsys, write_config(policy_dir, document))
+    assert status == 1, problem
+    assert expected in err
+    assert "ok" not in out.split()
+
+
+def test_missing_config_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"absent\.yaml: cannot read the file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_mode_the_policy_does_not_allow_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_policy(tmp_path, control=[make_key()], extra={"agent": {"allowed_modes": ["observe-only"]}})
+    status, _, err = check(capsys, write_config(tmp_path, GOOD))
+    assert status == 1
+    assert "agent mode 'managed-host' is not allowed by policy" in err
+
+
+def test_broken_policy_is_reported_with_its_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "policy.yaml").write_text("trust:\n  control: {threshold: 1, public_keys: [missing.pem]}\n")
+    status, _, err = check(capsys, write_config(tmp_path, GOOD))
+    assert status == 1
+    assert "trust.control.public_keys[0]" in err and "missing.pem" in err
+
+
+def test_config_path_comes_from_the_environment(
+    policy_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MERIDIAN_NODE_CONFIG", str(write_config(policy_dir, GOOD, "from-env.yaml")))
+    assert cli.main(["check-config"]) == 0
+    assert "from-env.yaml" in capsys.readouterr().out

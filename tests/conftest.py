@@ -26,3 +26,7 @@ def docker_client() -> Iterator[Any]:
         pytest.skip(message)
     yield client
     client.close()
+
+
+# The stand-in engine base image (built once per machine, cached): see tests/helpers/standin_image.py.
+from ansible_collections.meridian.node.tests.helpers.standin_image import standin_base_image  # noqa: E402, F401

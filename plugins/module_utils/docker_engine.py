@@ -1,0 +1,608 @@
+"""The Docker adapter: every call the engine modules make to the Docker Engine, and no decisions.
+
+What this file guarantees, so the modules above it cannot get it wrong:
+
+- It never touches a container it does not own. Owned means our labels (``meridian.node/owned=true`` plus
+  instance, driver and config hash) set by ``create`` itself, on a container whose image does not carry
+  those labels: Docker copies image labels into containers, so an image with ``LABEL
+  meridian.node/owned=true`` would otherwise make a stranger's container look like ours. ``start``,
+  ``stop`` and ``remove`` refuse a foreign container; finding one by name reports it and leaves it alone.
+- It never pulls. ``resolve_image`` looks in the local engine only; a digest-pinned reference resolves
+  through the registry digest (``RepoDigests``) or, for images built or imported here that have no
+  registry digest, through the image id (``repository@sha256:<image id>``, accepted only when the image
+  is tagged in that repository). Containers are created from the resolved image id, so what runs is
+  exactly what was checked.
+- GPUs are asked for only where the engine has the NVIDIA runtime: without it Docker would create the
+  container and fail at start, leaving a half-made container behind, so ``create`` refuses first.
+- Every Docker failure surfaces as a ``DockerEngineError`` saying what we were doing, to what, and why
+  ("Error creating container 'x': ..."); misuse of this API (bad settings) raises ``ValueError``.
+
+One ``DockerEngine`` wraps one client, reused for every call of a module run or agent cycle: building a
+client costs more than a listing.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import ipaddress
+import json
+import shutil
+import socket
+import traceback
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import docker
+    import requests.exceptions
+    from docker import errors as docker_errors
+    from docker.types import DeviceRequest
+    from docker.types import Mount as DockerMount
+except ImportError:
+    HAS_DOCKER = False
+    DOCKER_IMPORT_ERROR: str | None = traceback.format_exc()
+    _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (OSError,)
+else:
+    HAS_DOCKER = True
+    DOCKER_IMPORT_ERROR = None
+    _TRANSPORT_ERRORS = (docker_errors.DockerException, requests.exceptions.RequestException, OSError)
+
+__all__ = [
+    "DOCKER_IMPORT_ERROR",
+    "HAS_DOCKER",
+    "LABEL_CONFIG_HASH",
+    "LABEL_DRIVER",
+    "LABEL_INSTANCE",
+    "LABEL_OWNED",
+    "RESERVED_LABELS",
+    "RESTART_POLICIES",
+    "BindMount",
+    "ContainerInfo",
+    "ContainerNotFoundError",
+    "ContainerSettings",
+    "DockerEngine",
+    "DockerEngineError",
+    "DockerUnavailableError",
+    "ForeignContainerError",
+    "ImageInfo",
+    "ImageNotFoundError",
+    "NvidiaRuntimeMissingError",
+    "PortBinding",
+    "PublishedPort",
+    "UnsafeImageError",
+    "config_hash",
+    "port_bind_problem",
+]
+
+LABEL_OWNED = "meridian.node/owned"
+LABEL_INSTANCE = "meridian.node/instance"
+LABEL_DRIVER = "meridian.node/driver"
+LABEL_CONFIG_HASH = "meridian.node/config-hash"
+RESERVED_LABELS = (LABEL_OWNED, LABEL_INSTANCE, LABEL_DRIVER, LABEL_CONFIG_HASH)
+RESTART_POLICIES = ("no", "on-failure", "unless-stopped", "always")
+# The device-request hook Docker uses for driver "nvidia" when no "nvidia" runtime is configured.
+_NVIDIA_HOOK = "nvidia-container-runtime-hook"
+
+
+class DockerEngineError(Exception):
+    """A Docker Engine call failed; the message names the action, the object and the reason."""
+
+
+class DockerUnavailableError(DockerEngineError):
+    """No Docker SDK on this host, or no engine answering."""
+
+
+class ImageNotFoundError(DockerEngineError):
+    """The image is not in the local engine (nothing is ever pulled)."""
+
+
+class UnsafeImageError(DockerEngineError):
+    """The image carries meridian.node's ownership labels, which would make its containers look owned."""
+
+
+class ContainerNotFoundError(DockerEngineError):
+    """The container is gone (removed by someone else between listing and acting)."""
+
+
+class ForeignContainerError(DockerEngineError):
+    """A container meridian.node does not own was about to be touched; it was left alone."""
+
+    def __init__(self, message: str, container: ContainerInfo) -> None:
+        super().__init__(message)
+        self.container = container
+
+
+class NvidiaRuntimeMissingError(DockerEngineError):
+    """GPUs were requested on an engine without the NVIDIA runtime; nothing was created."""
+
+
+def config_hash(data: Any) -> str:
+    """``sha256:<hex>`` of the canonical JSON of ``data`` (sorted keys, no spaces): stable across runs,
+    Python versions and dict ordering, so an unchanged spec gives an unchanged label."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class BindMount:
+    source: str
+    target: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class PortBinding:
+    """Publish ``container_port`` (tcp) on ``host_ip:host_port``."""
+
+    container_port: int
+    host_port: int
+    host_ip: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ContainerSettings:
+    """Everything a container is created from. Plain data: drivers build it, the config hash covers it."""
+
+    name: str
+    instance: str
+    driver: str
+    image: str
+    command: tuple[str, ...] = ()
+    entrypoint: tuple[str, ...] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    port: PortBinding | None = None
+    mounts: tuple[BindMount, ...] = ()
+    gpus: tuple[str, ...] = ()
+    init: bool = True
+    stop_signal: str = "SIGTERM"
+    stop_timeout: int = 30
+    restart_policy: str = "no"
+    shm_size_mib: int | None = None
+
+    def __post_init__(self) -> None:
+        reserved = sorted(set(self.labels) & set(RESERVED_LABELS))
+        if reserved:
+            raise ValueError(f"labels {reserved} are set by DockerEngine.create itself; remove them from settings")
+        if self.restart_policy not in RESTART_POLICIES:
+            raise ValueError(f"restart_policy {self.restart_policy!r} is not one of {', '.join(RESTART_POLICIES)}")
+        if self.stop_timeout < 0:
+            raise ValueError(f"stop_timeout must be >= 0 seconds, got {self.stop_timeout}")
+        for mount in self.mounts:
+            if not mount.source.startswith("/") or not mount.target.startswith("/"):
+                raise ValueError(f"mount {mount.source!r} -> {mount.target!r}: both paths must be absolute")
+        if self.port is not None:
+            for number in (self.port.container_port, self.port.host_port):
+                if not 1 <= number <= 65535:
+                    raise ValueError(f"port {number} is outside 1-65535")
+            ipaddress.ip_address(self.port.host_ip)
+
+    def canonical(self) -> dict[str, Any]:
+        """The settings as plain JSON data, the input of ``config_hash``."""
+        return {
+            "name": self.name,
+            "instance": self.instance,
+            "driver": self.driver,
+            "image": self.image,
+            "command": list(self.command),
+            "entrypoint": None if self.entrypoint is None else list(self.entrypoint),
+            "env": dict(self.env),
+            "labels": dict(self.labels),
+            "port": None if self.port is None else [self.port.host_ip, self.port.host_port, self.port.container_port],
+            "mounts": [[m.source, m.target, m.read_only] for m in self.mounts],
+            "gpus": list(self.gpus),
+            "init": self.init,
+            "stop_signal": self.stop_signal,
+            "stop_timeout": self.stop_timeout,
+            "restart_policy": self.restart_policy,
+            "shm_size_mib": self.shm_size_mib,
+        }
+
+    def config_hash(self) -> str:
+        return config_hash(self.canonical())
+
+
+@dataclass(frozen=True)
+class PublishedPort:
+    host_ip: str
+    host_port: int
+    container_port: int
+    protocol: str = "tcp"
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    """One container as the engine lists it. ``owned`` is decided here once, by the rules above."""
+
+    id: str
+    name: str
+    image: str
+    image_id: str
+    state: str
+    status: str
+    labels: Mapping[str, str]
+    ports: tuple[PublishedPort, ...]
+    owned: bool
+
+    @property
+    def instance(self) -> str | None:
+        return self.labels.get(LABEL_INSTANCE)
+
+    @property
+    def driver(self) -> str | None:
+        return self.labels.get(LABEL_DRIVER)
+
+    @property
+    def config_hash(self) -> str | None:
+        return self.labels.get(LABEL_CONFIG_HASH)
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """A local image a reference resolved to; ``pinned_by`` says how a digest reference matched."""
+
+    reference: str
+    id: str
+    repo_tags: tuple[str, ...]
+    repo_digests: tuple[str, ...]
+    labels: Mapping[str, str]
+    pinned_by: str  # "registry-digest", "image-id" or "" (not a digest reference)
+
+
+def _api_error_text(exc: BaseException) -> str:
+    explanation = getattr(exc, "explanation", None)
+    if explanation:
+        return str(explanation)
+    return str(exc) or type(exc).__name__
+
+
+@contextmanager
+def _docker_call(action: str, not_found: type[DockerEngineError] = DockerEngineError) -> Iterator[None]:
+    """Fold every SDK and transport error into our family: 'Error <action>: <reason>'."""
+    try:
+        yield
+    except DockerEngineError:
+        raise
+    except _TRANSPORT_ERRORS as exc:
+        message = f"Error {action}: {_api_error_text(exc)}"
+        if HAS_DOCKER and isinstance(exc, docker_errors.NotFound):
+            raise not_found(message) from exc
+        raise DockerEngineError(message) from exc
+
+
+def port_bind_problem(address: str, port: int) -> str | None:
+    """None when a TCP listener could bind ``address:port`` now, else why not (with the numbers).
+
+    SO_REUSEADDR makes a port held only by TIME_WAIT connections count as free, as it is for the
+    engine that will bind it; Linux still refuses it while anyone listens there, wildcard listeners too.
+    """
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {address} is already in use by another process"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"address {address} is not an address of this host (binding port {port} failed)"
+            return f"port {port} on {address} cannot be bound: {exc.strerror or exc}"
+    return None
+
+
+def _published_ports(entry: Mapping[str, Any]) -> tuple[PublishedPort, ...]:
+    ports = []
+    for port in entry.get("Ports") or []:
+        if port.get("PublicPort"):
+            ports.append(
+                PublishedPort(
+                    host_ip=str(port.get("IP", "")),
+                    host_port=int(port["PublicPort"]),
+                    container_port=int(port["PrivatePort"]),
+                    protocol=str(port.get("Type", "tcp")),
+                )
+            )
+    return tuple(ports)
+
+
+class DockerEngine:
+    """The local Docker Engine, through one reused SDK client."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._info: dict[str, Any] | None = None
+
+    @classmethod
+    def from_env(cls, timeout: int = 60) -> DockerEngine:
+        """Connect as the ``docker`` CLI would (DOCKER_HOST, or the local socket) and check it answers."""
+        if not HAS_DOCKER:
+            raise DockerUnavailableError(
+                "the Python package 'docker' (>= 7.0) is not installed on this host; install it with "
+                "pip install 'docker>=7.0' or install the meridian-node package, which depends on it"
+            )
+        try:
+            client = docker.from_env(timeout=timeout)
+            client.ping()
+        except _TRANSPORT_ERRORS as exc:
+            raise DockerUnavailableError(
+                f"Error connecting to the Docker Engine: {_api_error_text(exc)}; is dockerd running and is "
+                "its socket (/var/run/docker.sock or DOCKER_HOST) reachable by this user?"
+            ) from exc
+        return cls(client)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # --- reading -----------------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """``docker info``, read once per engine object (runtimes do not change under a module run)."""
+        if self._info is None:
+            with _docker_call("reading docker info"):
+                self._info = dict(self.client.api.info())
+        return self._info
+
+    def has_nvidia_runtime(self) -> bool:
+        """Whether a device request for driver ``nvidia`` can work: an ``nvidia`` runtime is configured, or
+        the NVIDIA hook Docker falls back to is installed on this (the engine's) host."""
+        runtimes = self.info().get("Runtimes") or {}
+        return "nvidia" in runtimes or shutil.which(_NVIDIA_HOOK) is not None
+
+    def _spoofing_image_ids(self) -> frozenset[str]:
+        with _docker_call("listing images that carry meridian.node labels"):
+            images = self.client.api.images(all=True, filters={"label": LABEL_OWNED})
+        return frozenset(image["Id"] for image in images)
+
+    def _info_from_entry(self, entry: Mapping[str, Any], spoofing: frozenset[str]) -> ContainerInfo:
+        labels = dict(entry.get("Labels") or {})
+        owned = (
+            labels.get(LABEL_OWNED) == "true"
+            and bool(labels.get(LABEL_INSTANCE))
+            and entry.get("ImageID", "") not in spoofing
+        )
+        names = entry.get("Names") or []
+        return ContainerInfo(
+            id=str(entry["Id"]),
+            name=str(names[0]).lstrip("/") if names else "",
+            image=str(entry.get("Image", "")),
+            image_id=str(entry.get("ImageID", "")),
+            state=str(entry.get("State", "")),
+            status=str(entry.get("Status", "")),
+            labels=labels,
+            ports=_published_ports(entry),
+            owned=owned,
+        )
+
+    def _list(self, filters: Mapping[str, Any], action: str) -> list[ContainerInfo]:
+        with _docker_call(action):
+            entries = self.client.api.containers(all=True, filters=dict(filters))
+        spoofing = self._spoofing_image_ids() if entries else frozenset()
+        return [self._info_from_entry(entry, spoofing) for entry in entries]
+
+    def list_containers(self) -> list[ContainerInfo]:
+        """Every container on the host, ours and others (``owned`` tells them apart); for discovery."""
+        return self._list({}, "listing containers")
+
+    def list_owned(self, instance: str | None = None) -> list[ContainerInfo]:
+        """Containers we own, running or not; only those of ``instance`` when given."""
+        labels = [f"{LABEL_OWNED}=true"]
+        if instance is not None:
+            labels.append(f"{LABEL_INSTANCE}={instance}")
+        found = self._list({"label": labels}, "listing meridian.node containers")
+        return [container for container in found if container.owned]
+
+    def find(self, name: str) -> ContainerInfo | None:
+        """The container called exactly ``name``, ours or not, or None.
+
+        Not ``inspect(name)``: the engine also matches ids by prefix there, so an instance called
+        ``abc`` would find some stranger's container whose id starts with abc.
+        """
+        found = self._list({"name": f"^/{_go_regex_escape(name)}$"}, f"looking up container {name!r}")
+        exact = [container for container in found if container.name == name]
+        return exact[0] if exact else None
+
+    def find_owned(self, name: str) -> ContainerInfo | None:
+        """Like ``find``, but a foreign container with that name raises ``ForeignContainerError``."""
+        container = self.find(name)
+        if container is not None:
+            self._require_owned(container, "use")
+        return container
+
+    def container(self, container_id: str) -> ContainerInfo:
+        """Fresh state of a container we already know by id."""
+        found = self._list({"id": container_id}, f"reading container {container_id[:12]}")
+        exact = [container for container in found if container.id == container_id]
+        if not exact:
+            raise ContainerNotFoundError(f"Error reading container {container_id[:12]}: it no longer exists")
+        return exact[0]
+
+    def resolve_image(self, reference: str) -> ImageInfo:
+        """The local image ``reference`` names; never pulls. See the module docstring for local pins."""
+        repository, digest = _split_digest(reference)
+        pinned_by = ""
+        try:
+            with _docker_call(f"inspecting image {reference!r}", not_found=ImageNotFoundError):
+                attrs = self.client.api.inspect_image(reference)
+            if digest:
+                pinned_by = "registry-digest"
+        except ImageNotFoundError:
+            if not digest:
+                raise ImageNotFoundError(
+                    f"image {reference!r} is not in the local Docker Engine and meridian.node never pulls; "
+                    "load or pull it first"
+                ) from None
+            attrs = self._by_image_id(reference, repository, digest)
+            pinned_by = "image-id"
+        config = attrs.get("Config") or {}
+        return ImageInfo(
+            reference=reference,
+            id=str(attrs["Id"]),
+            repo_tags=tuple(attrs.get("RepoTags") or ()),
+            repo_digests=tuple(attrs.get("RepoDigests") or ()),
+            labels=dict(config.get("Labels") or {}),
+            pinned_by=pinned_by,
+        )
+
+    def _by_image_id(self, reference: str, repository: str, digest: str) -> dict[str, Any]:
+        try:
+            with _docker_call(f"inspecting image {digest}", not_found=ImageNotFoundError):
+                attrs: dict[str, Any] = self.client.api.inspect_image(digest)
+        except ImageNotFoundError:
+            raise ImageNotFoundError(
+                f"image {reference!r} is not in the local Docker Engine: no image has registry digest or image "
+                f"id {digest}; meridian.node never pulls, so load or pull it first"
+            ) from None
+        # The image id is content-addressed, but the repository is what policy allows: the image must
+        # really be that repository's, or 'allowed/repo@<id of anything>' would slip past the allowlist.
+        tagged = {tag.rsplit(":", 1)[0] for tag in attrs.get("RepoTags") or ()}
+        if attrs.get("Id") != digest or repository not in tagged:
+            raise ImageNotFoundError(
+                f"image {reference!r}: the local image with id {digest} is tagged "
+                f"{sorted(tagged) or 'with no repository'}, not {repository!r}; tag it into {repository!r} "
+                "or use a reference the image really has"
+            )
+        return attrs
+
+    def logs_tail(self, container: ContainerInfo, lines: int = 50) -> str:
+        """The last ``lines`` lines of stdout and stderr, decoded leniently; reading is allowed on any."""
+        with _docker_call(f"reading logs of container {container.name!r}", not_found=ContainerNotFoundError):
+            data = self.client.api.logs(container.id, stdout=True, stderr=True, tail=lines, timestamps=False)
+        return bytes(data).decode("utf-8", errors="replace")
+
+    def port_in_use(self, address: str, port: int) -> str | None:
+        """None when ``address:port`` is free both for Docker (no running container publishes it there or on
+        a wildcard address) and for the kernel (it can be bound now); else who holds it."""
+        for container in self.list_containers():
+            for published in container.ports:
+                if published.host_port != port or published.protocol != "tcp":
+                    continue
+                if _overlaps(published.host_ip, address):
+                    return (
+                        f"port {port} on {address} is published by container {container.name!r} "
+                        f"({published.host_ip or '*'}:{port} -> {published.container_port})"
+                    )
+        return port_bind_problem(address, port)
+
+    # --- changing ----------------------------------------------------------------------------------------
+
+    def create(self, settings: ContainerSettings) -> ContainerInfo:
+        """Create (not start) a container we own from ``settings``.
+
+        Refuses, with nothing created: GPUs without the NVIDIA runtime, an image missing locally or carrying
+        our ownership labels. A name already taken fails in the engine (409) and is reported as such.
+        """
+        if settings.gpus and not self.has_nvidia_runtime():
+            runtimes = ", ".join(sorted(self.info().get("Runtimes") or {})) or "none"
+            raise NvidiaRuntimeMissingError(
+                f"Error creating container {settings.name!r}: it asks for GPUs {list(settings.gpus)} but this "
+                f"host's Docker Engine has no NVIDIA runtime (runtimes: {runtimes}); install the NVIDIA "
+                "Container Toolkit and run 'nvidia-ctk runtime configure --runtime=docker', then restart dockerd"
+            )
+        image = self.resolve_image(settings.image)
+        reserved = sorted(set(image.labels) & set(RESERVED_LABELS))
+        if reserved:
+            raise UnsafeImageError(
+                f"Error creating container {settings.name!r}: image {settings.image!r} carries labels {reserved}, "
+                "which Docker would copy into the container and make it pass as meridian.node's; rebuild the "
+                "image without them"
+            )
+        labels = {
+            **settings.labels,
+            LABEL_OWNED: "true",
+            LABEL_INSTANCE: settings.instance,
+            LABEL_DRIVER: settings.driver,
+            LABEL_CONFIG_HASH: settings.config_hash(),
+        }
+        api = self.client.api
+        host_config = api.create_host_config(
+            port_bindings=None
+            if settings.port is None
+            else {f"{settings.port.container_port}/tcp": (settings.port.host_ip, settings.port.host_port)},
+            mounts=[DockerMount(m.target, m.source, type="bind", read_only=m.read_only) for m in settings.mounts],
+            device_requests=[DeviceRequest(driver="nvidia", device_ids=list(settings.gpus), capabilities=[["gpu"]])]
+            if settings.gpus
+            else None,
+            init=settings.init,
+            restart_policy=None if settings.restart_policy == "no" else {"Name": settings.restart_policy},
+            shm_size=None if settings.shm_size_mib is None else f"{settings.shm_size_mib}m",
+        )
+        with _docker_call(f"creating container {settings.name!r}"):
+            created = api.create_container(
+                image.id,  # the id, not the reference: what runs is what was resolved and checked
+                command=list(settings.command) or None,
+                entrypoint=None if settings.entrypoint is None else list(settings.entrypoint),
+                name=settings.name,
+                environment=[f"{key}={value}" for key, value in sorted(settings.env.items())],
+                labels=labels,
+                ports=None if settings.port is None else [(settings.port.container_port, "tcp")],
+                host_config=host_config,
+                stop_signal=settings.stop_signal,
+                stop_timeout=settings.stop_timeout,
+                detach=True,
+            )
+        return self.container(str(created["Id"]))
+
+    def start(self, container: ContainerInfo) -> None:
+        self._require_owned(container, "start")
+        with _docker_call(f"starting container {container.name!r}", not_found=ContainerNotFoundError):
+            self.client.api.start(container.id)
+
+    def stop(self, container: ContainerInfo, timeout: int) -> None:
+        """Send the container's stop signal, then SIGKILL after ``timeout`` seconds.
+
+        The timeout is required: with none, the SDK's HTTP call gives up after the client timeout while
+        dockerd may still be waiting out a longer grace period; with one, the SDK waits that much longer.
+        """
+        self._require_owned(container, "stop")
+        if timeout < 0:
+            raise ValueError(f"stop timeout must be >= 0 seconds, got {timeout}")
+        with _docker_call(f"stopping container {container.name!r}", not_found=ContainerNotFoundError):
+            self.client.api.stop(container.id, timeout=timeout)
+
+    def remove(self, container: ContainerInfo, force: bool = False) -> None:
+        self._require_owned(container, "remove")
+        with _docker_call(f"removing container {container.name!r}", not_found=ContainerNotFoundError):
+            self.client.api.remove_container(container.id, force=force)
+
+    @staticmethod
+    def _require_owned(container: ContainerInfo, verb: str) -> None:
+        if not container.owned:
+            raise ForeignContainerError(
+                f"container {container.name!r} ({container.id[:12]}, image {container.image}) is not managed by "
+                f"meridian.node (no ownership labels); refusing to {verb} it. Rename or remove it yourself, "
+                "or choose another instance name",
+                container,
+            )
+
+
+def _split_digest(reference: str) -> tuple[str, str]:
+    """('repo[:tag]' without tag, 'sha256:...') or (reference, '') for references without a digest."""
+    name, at, digest = reference.partition("@")
+    if not at:
+        return reference, ""
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:
+        name = name[: len(name) - len(last)] + last.split(":", 1)[0]
+    return name, digest
+
+
+def _overlaps(published_ip: str, address: str) -> bool:
+    """Whether a port published on ``published_ip`` also takes it on ``address`` (a wildcard takes all)."""
+    if not published_ip or published_ip == address:
+        return True
+    try:
+        return ipaddress.ip_address(published_ip).is_unspecified or ipaddress.ip_address(address).is_unspecified
+    except ValueError:
+        return False
+
+
+def _go_regex_escape(text: str) -> str:
+    # Container names are [a-zA-Z0-9][a-zA-Z0-9_.-]*; escape everything else too, for Go's RE2.
+    return "".join(char if char.isalnum() or char in "_-" else "\\" + char for char in text)

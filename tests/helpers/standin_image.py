@@ -266,16 +266,24 @@ def ensure_base_image(client: Any, recipe: BaseRecipe | None = None, cache: Path
     return found
 
 
-def ensure_engine_image(client: Any, base: LocalImage, server: Path) -> LocalImage:
-    """``base`` plus ``server`` copied to ``SERVER_PATH_IN_IMAGE``; rebuilt only when either changes."""
+def ensure_engine_image(client: Any, base: LocalImage, server: Path, engine: str | None = None) -> LocalImage:
+    """``base`` plus ``server`` copied to ``SERVER_PATH_IN_IMAGE``; rebuilt only when an input changes.
+
+    With ``engine`` (a driver name) the image stands in for that engine's image: ``STANDIN_ENGINE`` is
+    baked in and the server is the ENTRYPOINT, so the command line a driver builds arrives as arguments,
+    exactly as it would for the real engine.
+    """
     content = server.read_bytes()
-    digest = hashlib.sha256(base.id.encode() + b"\0" + content).hexdigest()
+    digest = hashlib.sha256(base.id.encode() + b"\0" + content + b"\0" + (engine or "").encode()).hexdigest()
     tag = f"{ENGINE_REPOSITORY}:{digest[:16]}"
     found = _find_image(client, tag)
     if found is not None:
         return found
     # FROM by image id: the tag could be moved by another session, the id cannot.
-    dockerfile = f"FROM {base.id}\nCOPY standin_server.py {SERVER_PATH_IN_IMAGE}\n".encode()
+    lines = [f"FROM {base.id}", f"COPY standin_server.py {SERVER_PATH_IN_IMAGE}"]
+    if engine is not None:
+        lines += [f"ENV STANDIN_ENGINE={engine}", f'ENTRYPOINT ["python3", "{SERVER_PATH_IN_IMAGE}"]', "CMD []"]
+    dockerfile = ("\n".join(lines) + "\n").encode()
     context = io.BytesIO()
     with tarfile.open(fileobj=context, mode="w") as archive:
         for name, data in (("Dockerfile", dockerfile), ("standin_server.py", content)):

@@ -3,7 +3,8 @@
 import argparse
 import sys
 
-from meridian_node_agent import __version__, trust_cli
+from meridian_node_agent import __version__, config_cli, trust_cli
+from meridian_node_agent.config import default_config_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -12,7 +13,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="The meridian.node pull agent and its operator tools.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--config",
+        default=default_config_path(),
+        metavar="PATH",
+        help="the agent's config file (default: $MERIDIAN_NODE_CONFIG or /etc/meridian-node/config.yaml)",
+    )
     subparsers = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    config_cli.add_parsers(subparsers)
     trust_cli.add_parsers(subparsers)
     return parser
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils.dsse import (
@@ -36,6 +35,7 @@ from ansible_collections.meridian.node.plugins.module_utils.dsse import (
     keyid_for,
     load_public_key_pem,
 )
+from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YamlFileError, parse_yaml, read_text_file
 
 try:
     import pydantic
@@ -44,13 +44,6 @@ except ImportError:
         _pydantic_stub as pydantic,
     )
 
-try:
-    import yaml
-except ImportError:
-    YAML_IMPORT_ERROR: str | None = traceback.format_exc()
-else:
-    YAML_IMPORT_ERROR = None
-
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -58,7 +51,6 @@ __all__ = [
     "AGENT_MODES",
     "DEFAULT_POLICY_PATH",
     "ROLES",
-    "YAML_IMPORT_ERROR",
     "Policy",
     "PolicyError",
     "Role",
@@ -310,32 +302,20 @@ def load_policy(path: os.PathLike[str] | str = DEFAULT_POLICY_PATH) -> Policy:
     """Read and validate the policy file; any problem raises ``PolicyError`` naming the file."""
     source = os.fspath(path)
     try:
-        with open(source, "rb") as handle:
-            raw = handle.read(_MAX_POLICY_BYTES + 1)
-    except OSError as exc:
-        raise PolicyError(f"policy {source}: cannot read the file: {exc.strerror or exc}") from exc
-    if len(raw) > _MAX_POLICY_BYTES:
-        raise PolicyError(f"policy {source}: the file is larger than {_MAX_POLICY_BYTES} bytes")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PolicyError(f"policy {source}: the file is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        text = read_text_file(source, what=f"policy {source}", max_bytes=_MAX_POLICY_BYTES)
+    except YamlFileError as exc:
+        raise PolicyError(str(exc)) from exc
     return parse_policy(text, Path(source).parent, source=source)
 
 
 def parse_policy(text: str, base_dir: Path, *, source: str = "<text>") -> Policy:
     """Validate policy YAML; relative key paths resolve against ``base_dir``. ``source`` names it in errors."""
     contracts.require_pydantic()
-    if YAML_IMPORT_ERROR is not None:
-        raise RuntimeError(
-            "meridian.node needs the Python package 'PyYAML' on this host to read its policy; install it "
-            "(pip install PyYAML) or install the meridian-node package, which depends on it."
-        )
     prefix = f"policy {source}"
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a SafeLoader
-    except yaml.YAMLError as exc:
-        raise PolicyError(f"{prefix}: not valid YAML: {_yaml_reason(exc)}") from exc
+        data = parse_yaml(text, what=prefix)
+    except YamlFileError as exc:
+        raise PolicyError(str(exc)) from exc
     if not isinstance(data, dict):
         raise PolicyError(
             f"{prefix}: the top level must be a mapping with a 'trust' section (got {contracts.short_repr(data)})"
@@ -391,26 +371,3 @@ def _load_role(spec: _RoleSpec, where: str, base_dir: Path) -> _RoleTrust:
 
 
 # --- messages --------------------------------------------------------------------------------------------
-
-
-def _yaml_reason(exc: Exception) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    if mark is not None:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return str(problem)
-
-
-if YAML_IMPORT_ERROR is None:
-
-    class _StrictLoader(yaml.SafeLoader):
-        """SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
-
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            seen: set[Any] = set()
-            for key_node, _value_node in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-                seen.add(key)
-            return super().construct_mapping(node, deep=deep)

@@ -1,0 +1,129 @@
+"""The agent's configuration file (YAML, ``/etc/meridian-node/config.yaml`` by default).
+
+What the agent is *allowed* to do is the root-owned policy's business; the config only says what this
+agent is asked to do (which node, which mode, where the control plane is), and a config may not claim a
+mode the policy does not allow. Unknown fields are errors: a misspelt option must not silently fall back
+to a default.
+"""
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import NodeId, describe_validation_error
+from ansible_collections.meridian.node.plugins.module_utils.policy import DEFAULT_POLICY_PATH
+from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import (
+    YamlFileError,
+    parse_yaml,
+    read_text_file,
+)
+
+DEFAULT_CONFIG_PATH = "/etc/meridian-node/config.yaml"
+CONFIG_ENV = "MERIDIAN_NODE_CONFIG"
+
+Mode = Literal["observe-only", "managed-host", "kubernetes-integrated", "air-gapped"]
+
+
+class ConfigError(ValueError):
+    """The config file is unreadable or invalid; the message names the file and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ControlPlane(_Section):
+    url: AnyHttpUrl
+    timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 10.0
+    long_poll_seconds: Annotated[int, Field(ge=0, le=300)] = 30
+    heartbeat_seconds: Annotated[int, Field(ge=1, le=3600)] = 15
+
+    @model_validator(mode="after")
+    def _tls_only(self) -> "ControlPlane":
+        if self.url.scheme != "https":
+            raise ValueError(f"url must be https:// (mutual TLS is how the node proves who it is), got {self.url}")
+        return self
+
+
+class Backoff(_Section):
+    initial_seconds: Annotated[float, Field(gt=0)] = 1.0
+    max_seconds: Annotated[float, Field(gt=0)] = 60.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Backoff":
+        if self.max_seconds < self.initial_seconds:
+            raise ValueError(f"max_seconds ({self.max_seconds}) is below initial_seconds ({self.initial_seconds})")
+        return self
+
+
+class Journal(_Section):
+    keep_runs: Annotated[int, Field(ge=1, le=10000)] = 20
+
+
+class AirGap(_Section):
+    inbox: str
+    outbox: str
+
+
+class Metrics(_Section):
+    listen: Annotated[str, Field(pattern=r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$")] = "127.0.0.1:9464"
+
+
+class Log(_Section):
+    format: Literal["json", "text"] = "json"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class AgentConfig(_Section):
+    node_id: NodeId
+    mode: Mode = "observe-only"
+    policy: str = DEFAULT_POLICY_PATH
+    state_dir: str = "/var/lib/meridian-node"
+    control_plane: ControlPlane | None = None
+    backoff: Backoff = Field(default_factory=Backoff)
+    journal: Journal = Field(default_factory=Journal)
+    air_gap: AirGap | None = None
+    metrics: Metrics | None = None
+    log: Log = Field(default_factory=Log)
+
+    @model_validator(mode="after")
+    def _mode_needs(self) -> "AgentConfig":
+        if self.mode == "air-gapped" and self.air_gap is None:
+            raise ValueError("mode air-gapped needs an 'air_gap' section with 'inbox' and 'outbox'")
+        if self.mode != "air-gapped" and self.control_plane is None:
+            raise ValueError(f"mode {self.mode} needs a 'control_plane' section with a 'url'")
+        return self
+
+    @property
+    def identity_dir(self) -> Path:
+        return Path(self.state_dir) / "identity"
+
+
+def default_config_path() -> str:
+    return os.environ.get(CONFIG_ENV, DEFAULT_CONFIG_PATH)
+
+
+def load_config(path: os.PathLike[str] | str) -> AgentConfig:
+    """Read and validate the config; relative paths in it resolve against the config file's directory."""
+    source = os.fspath(path)
+    what = f"config {source}"
+    try:
+        data = parse_yaml(read_text_file(source, what=what), what=what)
+    except YamlFileError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: the top level must be a mapping with at least 'node_id'")
+    try:
+        config = AgentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{what}: {describe_validation_error(exc)}") from exc
+    base = Path(source).resolve().parent
+    return config.model_copy(update={
+        "policy": str(base / config.policy),
+        "state_dir": str(base / config.state_dir),
+        "air_gap": None if config.air_gap is None else AirGap(
+            inbox=str(base / config.air_gap.inbox), outbox=str(base / config.air_gap.outbox)
+        ),
+    })

@@ -111,7 +111,13 @@ Name = Annotated[
     str,
     Field(pattern=r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$", description="lowercase name, 1-63 characters"),
 ]
-Version = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")]
+def _not_reserved_version(value: str) -> str:
+    if value == "current":
+        raise ValueError("version 'current' is reserved: the artifact store uses it for the promoted version")
+    return value
+
+
+Version = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$"), AfterValidator(_not_reserved_version)]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex sha256")]
 KeyId = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="hex sha256 of the raw public key")]
 

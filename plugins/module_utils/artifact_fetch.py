@@ -1,0 +1,555 @@
+"""The artifact transport: one manifest file from an http(s) URL or a local directory into a staging file.
+
+I/O lives here and only here; the store decides what to fetch and where the result goes. One call,
+``fetch_file``, turns "a URL or path, an expected size and sha256, a staging path" into a complete,
+fsync'd, verified staging file, or into one of three errors:
+
+- ``ArtifactIntegrityError``: the other side sent bad data (digest mismatch, more bytes than the manifest
+  says, fewer). The staging file is deleted: its bytes are wrong, and resuming from them would only
+  repeat the mismatch. Never retried: a server that lies once will lie again.
+- ``ArtifactTransferError``: the transfer failed (connection refused or dropped, timeout, an HTTP
+  error status). Connection errors, timeouts and 5xx/408/429 are retried with exponential backoff and
+  jitter; after the last attempt the partial staging file is KEPT, so the next run resumes from it.
+- ``DiskFullError``: the local disk filled up (ENOSPC/EDQUOT). The staging file is deleted, so a full
+  disk does not stay full because of us.
+
+Choices worth knowing:
+- Transport is Ansible's ``open_url`` (``urllib.request`` underneath, with Ansible's certificate and
+  proxy handling), not ``requests``: it needs no guarded import for the module sanity checks (which
+  also want every HTTP request to go through it), ``HTTPResponse.readinto`` fills our own 1 MiB buffers without a copy
+  per chunk (the hash-while-streaming loop is the hot path a benchmark holds against
+  ``openssl dgst``), and Range/Content-Range handling is a few header reads we want to see anyway.
+- Hashing happens while streaming, in one pass, on a second thread: hashlib, socket reads and file
+  writes release the GIL for large buffers, so hashing chunk n overlaps receiving and writing chunk
+  n+1 (a download costs about max(hash, I/O), not their sum). A ring of four buffers bounds memory.
+- On resume the sha256 state of the earlier run is gone (hashlib objects cannot be saved portably),
+  so the bytes already in the partial file are re-hashed once, from local disk, before the download
+  continues. That costs one local read of the prefix, not a
+  second download, and it means a resumed file is verified over all of its bytes.
+- Resume: a request carries ``Range: bytes=<have>-`` when a partial file exists. 206 with a
+  ``Content-Range`` starting where we asked continues the file; 200 means the server ignored the Range,
+  so the partial file is truncated and the download restarts cleanly from byte 0; a 206 starting
+  anywhere else, or 416, also restarts from byte 0 (on the next attempt, without a Range).
+- The size cap is the manifest's size: we never write past it. A server that has more to send is
+  detected by reading one byte beyond the cap, then rejected.
+- A body that ends cleanly (per HTTP framing) before the manifest size is "too short" (bad data). A
+  connection that drops mid-body (``IncompleteRead``, reset) is a transfer failure, retried with Range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import http.client
+import os
+import queue
+import random
+import re
+import threading
+import time
+import urllib.error
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from ansible.module_utils.urls import ConnectionError as UrlsConnectionError
+from ansible.module_utils.urls import SSLValidationError, open_url
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "ArtifactError",
+    "ArtifactIntegrityError",
+    "ArtifactTransferError",
+    "DiskFullError",
+    "FetchConfig",
+    "FetchResult",
+    "fetch_file",
+    "hash_file",
+    "new_sha256",
+    "resolve_location",
+]
+
+# Large reads keep per-call overhead (Python loop, syscalls) small next to the hashing itself.
+DEFAULT_CHUNK_SIZE = 1024 * 1024
+_RETRYABLE_STATUS = frozenset({408, 429})
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
+
+
+class ArtifactError(Exception):
+    """Base of everything the transport raises; ``path`` is the manifest path of the file concerned."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+class ArtifactIntegrityError(ArtifactError):
+    """The other side sent bad data. ``reason`` is ``digest-mismatch``, ``too-long`` or ``too-short``."""
+
+    def __init__(self, path: str, reason: str, message: str) -> None:
+        super().__init__(path, message)
+        self.reason = reason
+
+
+class ArtifactTransferError(ArtifactError):
+    """The transfer failed after ``attempts`` tries; ``partial_bytes`` stay in staging for a resume."""
+
+    def __init__(self, path: str, message: str, *, attempts: int, partial_bytes: int) -> None:
+        super().__init__(path, message)
+        self.attempts = attempts
+        self.partial_bytes = partial_bytes
+
+
+class DiskFullError(ArtifactError):
+    """The disk holding the staging file filled up; the staging file was removed."""
+
+
+def new_sha256() -> Any:
+    """The one place a hasher is made: tests count calls here to prove a re-run does not re-hash."""
+    return hashlib.sha256()
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How hard to try. ``sleep`` and ``jitter`` are injectable so tests do not wait and stay repeatable.
+
+    ``timeout`` bounds connecting and every single read (seconds of silence), not the whole download:
+    a 100 GB file legitimately takes hours. ``attempts`` counts the first try. The delay before retry
+    ``n`` (1-based) is ``min(backoff_max, backoff_base * 2**(n-1))``, scaled by ``0.5 + jitter()/2`` so
+    that many hosts retrying one mirror do not retry in lockstep.
+    """
+
+    timeout: float = 30.0
+    attempts: int = 5
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
+    jitter: Callable[[], float] = field(default=random.random, repr=False)
+    progress: Callable[[int, int], None] | None = field(default=None, repr=False)
+    user_agent: str = "meridian-node"
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.timeout <= 0 or self.chunk_size < 1 or self.backoff_base < 0:
+            raise RuntimeError(
+                f"FetchConfig needs attempts >= 1, timeout > 0, chunk_size >= 1, backoff_base >= 0 (got {self!r})"
+            )
+
+    def delay(self, retry: int) -> float:
+        base = min(self.backoff_max, self.backoff_base * (2 ** (retry - 1)))
+        return float(base * (0.5 + self.jitter() / 2))
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """A verified staging file. ``resumed_from`` is the byte offset the download continued from."""
+
+    staging_path: str
+    sha256: str
+    size: int
+    attempts: int
+    resumed_from: int
+    bytes_received: int
+
+
+def resolve_location(source: str | None, path: str, *, file_url: str | None, base_url: str | None) -> str:
+    """Where to read one manifest file: an http(s) URL or a local file path.
+
+    The operator's ``source`` (a mirror or an air-gap inbox) wins over the manifest's own URLs: the
+    content is pinned by sha256, so where the bytes come from does not affect trust. Without a source,
+    a per-file ``url`` wins over ``base_url`` + path.
+    """
+    if source:
+        if _is_http(source):
+            return source.rstrip("/") + "/" + urllib.parse.quote(path)
+        if source.startswith("file://"):
+            source = urllib.parse.urlparse(source).path
+        return os.path.join(source, *path.split("/"))
+    if file_url:
+        return file_url
+    if base_url:
+        return base_url.rstrip("/") + "/" + urllib.parse.quote(path)
+    raise ArtifactTransferError(
+        path,
+        f"no location for {path!r}: the manifest has neither a url for it nor a base_url, and no source was "
+        "given; pass a source (an http(s) base URL or a local directory)",
+        attempts=0,
+        partial_bytes=0,
+    )
+
+
+def hash_file(path: str, chunk_size: int = DEFAULT_CHUNK_SIZE, limit: int | None = None) -> tuple[str, int]:
+    """sha256 hex and byte count of a local file (of its first ``limit`` bytes when given)."""
+    hasher = new_sha256()
+    with open(path, "rb", buffering=0) as handle:
+        total = _hash_stream(handle, hasher, chunk_size, limit)
+    return hasher.hexdigest(), total
+
+
+def fetch_file(
+    location: str,
+    *,
+    path: str,
+    size: int,
+    sha256: str,
+    staging_path: str,
+    config: FetchConfig | None = None,
+) -> FetchResult:
+    """Fetch ``location`` into ``staging_path`` and verify it is exactly ``size`` bytes with ``sha256``.
+
+    ``path`` is the manifest path, used in messages. An existing ``staging_path`` is a partial file
+    from an earlier run and is resumed. On success the staging file is complete and fsync'd; moving it
+    into place is the caller's job. See the module docstring for what each error leaves behind.
+    """
+    config = config or FetchConfig()
+    job = _Job(location, path, size, sha256.lower(), staging_path, config)
+    return job.run()
+
+
+def _is_http(location: str) -> bool:
+    return location.startswith(("http://", "https://"))
+
+
+def _hash_stream(handle: Any, hasher: Any, chunk_size: int, limit: int | None) -> int:
+    """Hash a local file in one thread: reading from the page cache costs a tenth of hashing, so a second
+    thread buys little here and measured slower on a busy two-core host."""
+    view = memoryview(bytearray(chunk_size))
+    total = 0
+    while limit is None or total < limit:
+        want = chunk_size if limit is None else min(chunk_size, limit - total)
+        count = handle.readinto(view[:want])
+        if not count:
+            break
+        hasher.update(view[:count])
+        total += count
+    return total
+
+
+def _pump(
+    source: Any,
+    hasher: Any,
+    chunk_size: int,
+    limit: int | None,
+    sink: BinaryIO | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Read ``source`` (up to ``limit`` bytes) into ``sink`` while a second thread hashes the same chunks.
+
+    hashlib, socket reads and file writes all release the GIL on large buffers, so hashing chunk n
+    overlaps reading and writing chunk n+1: the copy costs about max(hash, I/O) instead of their sum.
+    Chunks reach the hasher in order through one queue; a small ring of buffers bounds memory.
+    """
+    worker = _HashWorker(hasher, chunk_size)
+    total = 0
+    try:
+        while limit is None or total < limit:
+            buffer = worker.take()
+            want = chunk_size if limit is None else min(chunk_size, limit - total)
+            view = memoryview(buffer)[:want]
+            count = source.readinto(view)
+            if not count:
+                worker.give_back(buffer)
+                break
+            if sink is not None:
+                written = 0
+                while written < count:
+                    written += sink.write(view[written:count]) or 0
+            worker.submit(buffer, count)
+            total += count
+            if progress is not None:
+                progress(total)
+    finally:
+        worker.close()
+    return total
+
+
+class _HashWorker:
+    """The hashing thread of ``_pump``: hashes submitted buffers in order and hands them back."""
+
+    def __init__(self, hasher: Any, chunk_size: int, depth: int = 4) -> None:
+        self.hasher = hasher
+        self.free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self.full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
+        for _slot in range(depth):
+            self.free.put(bytearray(chunk_size))
+        self.thread = threading.Thread(target=self._run, name="meridian-sha256", daemon=True)
+        self.thread.start()
+
+    def take(self) -> bytearray:
+        return self.free.get()
+
+    def give_back(self, buffer: bytearray) -> None:
+        self.free.put(buffer)
+
+    def submit(self, buffer: bytearray, count: int) -> None:
+        self.full.put((buffer, count))
+
+    def close(self) -> None:
+        """Wait until every submitted chunk is hashed; afterwards the hasher is safe to read."""
+        self.full.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self.full.get()
+            if item is None:
+                return
+            buffer, count = item
+            self.hasher.update(memoryview(buffer)[:count])
+            self.free.put(buffer)
+
+
+class _Restart(Exception):
+    """The server's answer cannot continue our partial file; start again from byte 0 at once."""
+
+
+class _Retryable(Exception):
+    """A transfer failure worth another attempt (after a backoff)."""
+
+
+class _Job:
+    def __init__(self, location: str, path: str, size: int, sha256: str, staging: str, config: FetchConfig) -> None:
+        self.location = location
+        self.path = path
+        self.size = size
+        self.sha256 = sha256
+        self.staging = staging
+        self.config = config
+        self.received = 0
+        self.resumed_from = 0
+        self.allow_range = True
+
+    def run(self) -> FetchResult:
+        attempt = 0
+        restarts = 0
+        last_error = ""
+        while True:
+            attempt += 1
+            try:
+                return self._attempt(attempt)
+            except _Restart:
+                # One free immediate retry from byte 0: the server just told us it cannot resume.
+                self.allow_range = False
+                restarts += 1
+                attempt -= 1
+                if restarts > 1:
+                    raise self._transfer_failed(attempt + 1, "the server kept refusing to resume or restart") from None
+            except _Retryable as exc:
+                last_error = str(exc)
+                if attempt >= self.config.attempts:
+                    raise self._transfer_failed(attempt, last_error) from exc
+                self.config.sleep(self.config.delay(attempt))
+
+    def _transfer_failed(self, attempts: int, reason: str) -> ArtifactTransferError:
+        partial = _size_of(self.staging)
+        return ArtifactTransferError(
+            self.path,
+            f"could not fetch {self.path!r} from {self.location} after {attempts} attempt(s): {reason}; "
+            f"{partial} of {self.size} bytes are kept in {self.staging} and the next run resumes from there",
+            attempts=attempts,
+            partial_bytes=partial,
+        )
+
+    # -- one attempt -------------------------------------------------------------------------------------
+
+    def _attempt(self, attempt: int) -> FetchResult:
+        handle = self._open_staging()
+        try:
+            have = os.fstat(handle.fileno()).st_size
+            if have > self.size:
+                # Longer than the file can be: not a prefix of it. Start over.
+                handle.truncate(0)
+                have = 0
+            hasher = new_sha256()
+            if have:
+                handle.seek(0)
+                if _hash_stream(handle, hasher, self.config.chunk_size, have) != have:
+                    raise RuntimeError(f"staging file {self.staging} shrank while it was being read")
+            if have == self.size:
+                return self._finish(handle, hasher, attempt, have)
+            if _is_http(self.location):
+                offset, hasher = self._download(handle, hasher, have)
+            else:
+                offset, hasher = self._copy_local(handle, hasher, have)
+            return self._finish(handle, hasher, attempt, offset)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                handle.close()
+                _remove(self.staging)
+                raise DiskFullError(
+                    self.path,
+                    f"the disk is full: no space left on the filesystem holding {self.staging} while writing "
+                    f"{self.path!r} ({self.size} bytes expected); the staging file was removed. Free space "
+                    "there (or lower store.max_bytes so eviction makes room) and run again",
+                ) from exc
+            raise
+        finally:
+            handle.close()
+
+    def _open_staging(self) -> BinaryIO:
+        os.makedirs(os.path.dirname(os.path.abspath(self.staging)), exist_ok=True)
+        fd = os.open(self.staging, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return os.fdopen(fd, "r+b", buffering=0)
+
+    def _finish(self, handle: BinaryIO, hasher: Any, attempt: int, total: int) -> FetchResult:
+        digest = hasher.hexdigest()
+        if total < self.size:
+            self._reject(handle, "too-short", f"the source ended after {total} of {self.size} bytes")
+        if digest != self.sha256:
+            self._reject(handle, "digest-mismatch", f"sha256 is {digest}, the signed manifest says {self.sha256}")
+        os.fsync(handle.fileno())
+        return FetchResult(
+            staging_path=self.staging,
+            sha256=digest,
+            size=total,
+            attempts=attempt,
+            resumed_from=self.resumed_from,
+            bytes_received=self.received,
+        )
+
+    def _reject(self, handle: BinaryIO, reason: str, detail: str) -> None:
+        handle.close()
+        _remove(self.staging)
+        raise ArtifactIntegrityError(
+            self.path,
+            reason,
+            f"{self.path!r} from {self.location} does not match the signed manifest: {detail}; "
+            "the downloaded bytes were deleted and nothing was promoted",
+        )
+
+    def _write_stream(self, handle: BinaryIO, hasher: Any, source: Any, offset: int) -> int:
+        """Copy ``source`` to the end of ``handle`` up to the size cap; the new offset."""
+        start = offset
+        progress = self.config.progress
+        report = None if progress is None else (lambda done: progress(start + done, self.size))
+        copied = _pump(source, hasher, self.config.chunk_size, self.size - offset, sink=handle, progress=report)
+        offset += copied
+        self.received += copied
+        if offset < self.size:
+            return offset
+        # At the cap: anything more means the source is not the file the manifest describes.
+        if source.read(1):
+            self._reject(handle, "too-long", f"the source sent more than the {self.size} bytes the manifest says")
+        return offset
+
+    def _copy_local(self, handle: BinaryIO, hasher: Any, have: int) -> tuple[int, Any]:
+        try:
+            source = open(self.location, "rb", buffering=0)  # noqa: SIM115 - closed below
+        except FileNotFoundError as exc:
+            raise ArtifactTransferError(
+                self.path,
+                f"{self.path!r} is not in the source directory: {self.location} does not exist",
+                attempts=1,
+                partial_bytes=have,
+            ) from exc
+        with source:
+            if have:
+                source.seek(have)
+                self.resumed_from = have
+            handle.seek(have)
+            return self._write_stream(handle, hasher, source, have), hasher
+
+    def _download(self, handle: BinaryIO, hasher: Any, have: int) -> tuple[int, Any]:
+        headers = {"Accept-Encoding": "identity"}
+        ranged = bool(have) and self.allow_range
+        if ranged:
+            headers["Range"] = f"bytes={have}-"
+        try:
+            response = open_url(
+                self.location,
+                headers=headers,
+                method="GET",
+                timeout=self.config.timeout,
+                http_agent=self.config.user_agent,
+                decompress=False,
+                use_netrc=False,
+            )
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            if exc.code == 416 and ranged:
+                handle.truncate(0)
+                raise _Restart from exc
+            if exc.code >= 500 or exc.code in _RETRYABLE_STATUS:
+                raise _Retryable(f"HTTP {exc.code} {exc.reason}") from exc
+            raise ArtifactTransferError(
+                self.path,
+                f"could not fetch {self.path!r}: {self.location} answered HTTP {exc.code} {exc.reason}",
+                attempts=1,
+                partial_bytes=have,
+            ) from exc
+        except SSLValidationError as exc:
+            raise ArtifactTransferError(
+                self.path,
+                f"could not fetch {self.path!r}: the TLS certificate of {self.location} did not verify: {exc}",
+                attempts=1,
+                partial_bytes=have,
+            ) from exc
+        except (urllib.error.URLError, OSError, http.client.HTTPException, UrlsConnectionError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise _Retryable(_describe(exc)) from exc
+        with response:
+            status = response.status
+            if status == 206 and ranged:
+                start = _range_start(response.headers.get("Content-Range"), self.size)
+                if start != have:
+                    handle.truncate(0)
+                    raise _Restart
+                self.resumed_from = have
+                offset = have
+            elif status == 200:
+                if have:
+                    # The server ignored our Range: its body starts at byte 0, and so does the hash.
+                    handle.truncate(0)
+                    hasher = new_sha256()
+                offset = 0
+            else:
+                raise _Retryable(f"unexpected HTTP {status} for a {'ranged ' if ranged else ''}GET")
+            handle.seek(offset)
+            try:
+                offset = self._write_stream(handle, hasher, response, offset)
+            except (TimeoutError, http.client.HTTPException, ConnectionError) as exc:
+                raise _Retryable(_describe(exc)) from exc
+            # http.client reports a body cut short of its Content-Length as a plain end of data; what it
+            # still expected is in ``length``. That is a dropped connection (retry), not a short file.
+            missing = response.length
+            if offset < self.size and missing:
+                raise _Retryable(f"the connection closed mid-body, {missing} announced bytes never arrived")
+            return offset, hasher
+
+
+def _range_start(header: str | None, size: int) -> int | None:
+    """The first byte of a ``Content-Range: bytes a-b/total`` answer; None when it cannot continue us."""
+    match = _CONTENT_RANGE.match(header or "")
+    if not match:
+        return None
+    total = match.group(3)
+    if total != "*" and int(total) != size:
+        # The server's file has another size: whatever it is, it is not a continuation of ours.
+        return None
+    return int(match.group(1))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
+        return f"connection failed: {exc.reason}"
+    if isinstance(exc, TimeoutError):
+        return "timed out waiting for the server"
+    if isinstance(exc, http.client.IncompleteRead):
+        return f"the connection closed mid-body ({len(exc.partial)} bytes of the last read arrived)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _size_of(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

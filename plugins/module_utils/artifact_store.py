@@ -1,0 +1,679 @@
+"""The content-addressed artifact store under the policy's ``store.path``: plan first, then apply.
+
+Layout (``root`` is ``store.path``)::
+
+    blobs/sha256/<hex>            verified content, read-only, one file per distinct sha256
+    staging/<hex>.partial         downloads in progress (kept after a failed transfer, for resume)
+    artifacts/<name>/<version>/   the manifest's tree, every file a hard link to its blob
+    artifacts/<name>/current      symlink to <version>, switched atomically (new link + rename)
+    index.json                    what was verified: versions (files, size, pinned, last_used) and the
+                                  stat (size, inode, mtime) of every verified blob
+    .lock                         flock'd for the whole plan+apply of one run
+
+How it fits together:
+- ``Store.observe(name, version)`` reads the disk into a ``StoreState`` (I/O, no hashing).
+- ``plan_artifact(manifest, ...)`` / ``plan_removal(...)`` (in ``artifact_plan``, re-exported here) are
+  pure: state in, ``ArtifactPlan`` out (what to fetch, re-hash, assemble, promote, evict). check_mode and
+  diff report the plan without applying it.
+- ``Store.apply(plan)`` performs it. ``ensure_artifact`` / ``remove_artifact`` wrap lock, observe, plan,
+  apply for callers that just want it done.
+
+Choices worth knowing:
+- The lock is ``fcntl.flock`` on ``.lock``: the kernel drops it when the holder dies, so a killed run
+  leaves nothing a restart must clear. The pid written into the file is for messages only.
+- "Quick" verification (the default) trusts the index: a version is intact when every file is a hard
+  link to its blob (same inode) and the blob still has the size, inode and mtime recorded when it was
+  hashed. Nothing is re-read, so a re-run over 100 GB costs a few ``lstat`` calls. ``verify="full"``
+  re-hashes every blob of the version; a bad blob is deleted, fetched again and the version re-linked.
+- A blob present on disk but not in the index (a crash between rename and index write) is re-hashed
+  and adopted rather than downloaded again.
+- Paths are validated again here even though the contracts already did: ``model_construct`` and
+  future callers can skip validation, and the check is cheap. The store also refuses to work through a
+  symlink it did not make (an ``artifacts/<name>`` that is a symlink, a symlink where a manifest file or
+  directory would go): someone put it there, and following it could write outside the store.
+- A version is assembled in a fresh temporary directory beside its final place and renamed in, so a
+  reader never sees half a version. Replacing an existing (damaged) version swaps it out by two renames.
+- Eviction happens before fetching, so the budget holds while downloading. It never touches pinned
+  versions, the current version of any name, names in ``in_use``, or the version being installed. It
+  deletes version directories and then every blob no version references any more.
+- A version may not be called ``current``: that name is the switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import (
+    ArtifactIntegrityError,
+    ArtifactTransferError,
+    DiskFullError,
+    FetchConfig,
+    FetchResult,
+    fetch_file,
+    hash_file,
+    resolve_location,
+)
+from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import (
+    _BLOB_MODE,
+    _DIR_MODE,
+    _FORMAT,
+    _NAME,
+    _SHA256,
+    _VERSION,
+    CURRENT,
+    INDEX_FILE,
+    LOCK_FILE,
+    ArtifactPathError,
+    ArtifactPlan,
+    ArtifactStoreError,
+    BlobRecord,
+    Eviction,
+    FetchStep,
+    StoreLockedError,
+    StoreState,
+    VersionRecord,
+    _check_relative,
+    check_manifest_paths,
+    plan_artifact,
+    plan_removal,
+)
+from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest, format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write, fsync_directory
+
+__all__ = [
+    "CURRENT",
+    "INDEX_FILE",
+    "ApplyResult",
+    "ArtifactIntegrityError",
+    "ArtifactPathError",
+    "ArtifactPlan",
+    "ArtifactStoreError",
+    "ArtifactTransferError",
+    "BlobRecord",
+    "DiskFullError",
+    "Eviction",
+    "FetchStep",
+    "Outcome",
+    "Store",
+    "StoreLockedError",
+    "StoreState",
+    "VersionRecord",
+    "check_manifest_paths",
+    "ensure_artifact",
+    "plan_artifact",
+    "plan_removal",
+    "remove_artifact",
+]
+
+# --- the store (I/O) -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    changed: bool
+    fetched: tuple[FetchResult, ...] = ()
+    rehashed: tuple[str, ...] = ()
+    repaired: tuple[str, ...] = ()  # blobs that failed a re-hash and were fetched again
+    evicted: tuple[str, ...] = ()
+    removed_blobs: tuple[str, ...] = ()
+    promoted: bool = False
+
+
+@dataclass
+class Store:
+    """The store at ``root``. ``clock`` is read once per apply, for ``last_used``/``verified_at``."""
+
+    root: str
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+
+    def __post_init__(self) -> None:
+        self.root = os.path.abspath(os.fspath(self.root))
+
+    # paths
+    @property
+    def blobs_dir(self) -> str:
+        return os.path.join(self.root, "blobs", "sha256")
+
+    @property
+    def staging_dir(self) -> str:
+        return os.path.join(self.root, "staging")
+
+    @property
+    def artifacts_dir(self) -> str:
+        return os.path.join(self.root, "artifacts")
+
+    def blob_path(self, sha: str) -> str:
+        if not _SHA256.match(sha):
+            raise ArtifactPathError(f"sha256 {sha!r} is not 64 lowercase hex digits")
+        return os.path.join(self.blobs_dir, sha)
+
+    def staging_path(self, sha: str) -> str:
+        self.blob_path(sha)  # validates the digest before it becomes part of a path
+        return os.path.join(self.staging_dir, f"{sha}.partial")
+
+    def version_dir(self, name: str, version: str) -> str:
+        if not _NAME.match(name) or not _VERSION.match(version) or version == CURRENT:
+            raise ArtifactPathError(f"{name!r}/{version!r} is not a valid artifact name and version")
+        return os.path.join(self.artifacts_dir, name, version)
+
+    # locking
+    @contextlib.contextmanager
+    def lock(self, timeout: float | None = None, poll: float = 0.05) -> Iterator[None]:
+        """Hold the store's flock. ``timeout`` None waits as long as it takes."""
+        _makedirs(self.root)
+        path = os.path.join(self.root, LOCK_FILE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        holder = _read_small(path)
+                        raise StoreLockedError(
+                            f"the artifact store {self.root} is locked by another run ({holder or 'pid unknown'}) "
+                            f"and it did not finish within {timeout} s; try again later"
+                        ) from None
+                    time.sleep(poll)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # closing drops the flock
+
+    # reading
+    def observe(self, name: str | None = None, version: str | None = None) -> StoreState:
+        """Read index and disk; with ``name``/``version``, also check that version's directory."""
+        index = self._load_index()
+        versions = index["versions"]
+        blobs = index["blobs"]
+        present: dict[str, BlobRecord] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.blobs_dir):
+                if _SHA256.match(entry.name) and entry.is_file(follow_symlinks=False):
+                    stat = entry.stat(follow_symlinks=False)
+                    present[entry.name] = BlobRecord(stat.st_size, stat.st_ino, stat.st_mtime_ns)
+        partial: dict[str, int] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.staging_dir):
+                if entry.name.endswith(".partial") and entry.is_file(follow_symlinks=False):
+                    partial[entry.name[: -len(".partial")]] = entry.stat(follow_symlinks=False).st_size
+        current: dict[str, str] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.artifacts_dir):
+                link = os.path.join(entry.path, CURRENT)
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False) and os.path.islink(link):
+                        current[entry.name] = os.readlink(link)
+        state = StoreState(
+            root=self.root, versions=versions, blobs=blobs, present=present, current=current, partial=partial
+        )
+        if name is None or version is None:
+            return state
+        intact, exists, conflicts = self._inspect_version(state, name, version)
+        return StoreState(
+            root=self.root,
+            versions=versions,
+            blobs=blobs,
+            present=present,
+            current=current,
+            partial=partial,
+            intact=intact,
+            version_dir_exists=exists,
+            conflicts=conflicts,
+        )
+
+    def list_versions(self) -> list[dict[str, Any]]:
+        """Every recorded version (for ``artifact list``): name, version, size, pinned, last_used, current."""
+        state = self.observe()
+        rows = []
+        for (name, version), record in sorted(state.versions.items()):
+            rows.append(
+                {
+                    "name": name,
+                    "version": version,
+                    "size": record.size,
+                    "pinned": record.pinned,
+                    "last_used": format_rfc3339(record.last_used),
+                    "current": state.current.get(name) == version,
+                }
+            )
+        return rows
+
+    def _inspect_version(self, state: StoreState, name: str, version: str) -> tuple[bool, bool, tuple[str, ...]]:
+        name_dir = os.path.join(self.artifacts_dir, name)
+        if os.path.islink(name_dir):
+            return False, False, (name_dir,)
+        base = self.version_dir(name, version)
+        if os.path.islink(base):
+            return False, True, (base,)
+        if not os.path.isdir(base):
+            return False, False, ()
+        record = state.versions.get((name, version))
+        files = record.files if record else ()
+        conflicts: list[str] = []
+        intact = record is not None
+        for path, sha, size in files:
+            target = base
+            for part in path.split("/"):
+                target = os.path.join(target, part)
+                if os.path.islink(target):
+                    conflicts.append(target)
+                    break
+            try:
+                stat = os.lstat(target)
+            except OSError:
+                intact = False
+                continue
+            blob = state.present.get(sha)
+            if blob is None or state.blobs.get(sha) != blob or stat.st_ino != blob.ino or stat.st_size != size:
+                intact = False
+        if record is None:
+            conflicts.extend(_symlinks_under(base))
+        return intact and not conflicts, True, tuple(conflicts)
+
+    def _load_index(self) -> dict[str, Any]:
+        path = os.path.join(self.root, INDEX_FILE)
+        try:
+            with open(path, "rb") as handle:
+                raw = json.load(handle)
+        except FileNotFoundError:
+            return {"versions": {}, "blobs": {}}
+        except (OSError, ValueError) as exc:
+            raise ArtifactStoreError(
+                f"the store index {path} cannot be read ({exc}); move it aside and run again: blobs on disk are "
+                "re-hashed and adopted, nothing is downloaded twice"
+            ) from exc
+        try:
+            if raw.get("format") != _FORMAT:
+                raise ValueError(f"format {raw.get('format')!r}, expected {_FORMAT}")
+            blobs = {
+                sha: BlobRecord(int(b["size"]), int(b["ino"]), int(b["mtime_ns"])) for sha, b in raw["blobs"].items()
+            }
+            versions = {}
+            for name, by_version in raw["versions"].items():
+                for version, v in by_version.items():
+                    versions[(name, version)] = VersionRecord(
+                        name=name,
+                        version=version,
+                        manifest_sha256=str(v["manifest_sha256"]),
+                        files=tuple((str(p), str(s), int(n)) for p, s, n in v["files"]),
+                        size=int(v["size"]),
+                        pinned=bool(v["pinned"]),
+                        last_used=datetime.fromisoformat(v["last_used"]),
+                        verified_at=datetime.fromisoformat(v["verified_at"]),
+                    )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ArtifactStoreError(
+                f"the store index {path} is damaged ({type(exc).__name__}: {exc}); move it aside and run again"
+            ) from exc
+        return {"versions": versions, "blobs": blobs}
+
+    def _write_index(self, versions: Mapping[tuple[str, str], VersionRecord], blobs: Mapping[str, BlobRecord]) -> None:
+        document: dict[str, Any] = {"format": _FORMAT, "blobs": {}, "versions": {}}
+        for sha, blob in sorted(blobs.items()):
+            document["blobs"][sha] = {"size": blob.size, "ino": blob.ino, "mtime_ns": blob.mtime_ns}
+        for (name, version), record in sorted(versions.items()):
+            document["versions"].setdefault(name, {})[version] = {
+                "manifest_sha256": record.manifest_sha256,
+                "files": [list(item) for item in record.files],
+                "size": record.size,
+                "pinned": record.pinned,
+                "last_used": format_rfc3339(record.last_used),
+                "verified_at": format_rfc3339(record.verified_at),
+            }
+        atomic_write(os.path.join(self.root, INDEX_FILE), json.dumps(document, indent=1).encode(), mode=0o644)
+
+    # applying
+    def apply(self, plan: ArtifactPlan, config: FetchConfig | None = None) -> ApplyResult:
+        """Carry out ``plan``. Call it under ``lock()`` with a plan made from a state observed under it."""
+        try:
+            return self._apply(plan, config or FetchConfig())
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    plan.name,
+                    f"the disk is full: no space left under the artifact store {self.root} ({exc}); free space "
+                    "there (or lower store.max_bytes) and run again",
+                ) from exc
+            raise
+
+    def _apply(self, plan: ArtifactPlan, config: FetchConfig) -> ApplyResult:
+        now = self.clock()
+        for directory in (
+            self.root,
+            os.path.dirname(self.blobs_dir),
+            self.blobs_dir,
+            self.staging_dir,
+            self.artifacts_dir,
+        ):
+            _makedirs(directory)
+        index = self._load_index()
+        versions: dict[tuple[str, str], VersionRecord] = dict(index["versions"])
+        blobs: dict[str, BlobRecord] = dict(index["blobs"])
+
+        evicted: list[str] = []
+        for eviction in plan.evict:
+            versions.pop((eviction.name, eviction.version), None)
+            self._write_index(versions, blobs)
+            self._remove_version_dir(eviction.name, eviction.version)
+            evicted.append(f"{eviction.name}/{eviction.version}")
+        if plan.remove:
+            link = os.path.join(self.artifacts_dir, plan.name, CURRENT)
+            if os.path.islink(link) and os.readlink(link) == plan.version:
+                _remove_link(link)
+                fsync_directory(os.path.dirname(link))
+            versions.pop((plan.name, plan.version), None)
+            self._write_index(versions, blobs)
+            self._remove_version_dir(plan.name, plan.version)
+        keep = {sha for record in versions.values() for sha in record.digests}
+        if plan.manifest is not None:
+            keep.update(entry.sha256 for entry in plan.manifest.files)
+        removed_blobs = self._sweep_blobs(keep, blobs) if (plan.evict or plan.remove) else []
+        if removed_blobs:
+            self._write_index(versions, blobs)
+        if plan.state == "absent" or plan.manifest is None:
+            return ApplyResult(changed=plan.changed, evicted=tuple(evicted), removed_blobs=tuple(removed_blobs))
+
+        manifest = plan.manifest
+        check_manifest_paths(manifest)
+        first_path: dict[str, tuple[int, str, str | None]] = {}
+        for entry in manifest.files:
+            first_path.setdefault(entry.sha256, (entry.size, entry.path, entry.url))
+
+        # Re-hash what the plan distrusts; a blob that fails is deleted and fetched like a missing one.
+        to_fetch = list(plan.fetch)
+        rehashed: list[str] = []
+        repaired: list[str] = []
+        for sha in plan.rehash:
+            blob = self.blob_path(sha)
+            digest, size = hash_file(blob, config.chunk_size)
+            rehashed.append(sha)
+            if digest == sha and size == first_path[sha][0]:
+                blobs[sha] = _stat_blob(blob)
+                continue
+            _unlink(blob)
+            blobs.pop(sha, None)
+            repaired.append(sha)
+            size_expected, path, url = first_path[sha]
+            location = resolve_location(plan.source, path, file_url=url, base_url=manifest.base_url)
+            to_fetch.append(FetchStep(sha, size_expected, path, location, 0))
+        if rehashed:
+            self._write_index(versions, blobs)
+
+        fetched: list[FetchResult] = []
+        for step in to_fetch:
+            staging = self.staging_path(step.sha256)
+            result = fetch_file(
+                step.location, path=step.path, size=step.size, sha256=step.sha256, staging_path=staging, config=config
+            )
+            blob = self.blob_path(step.sha256)
+            os.chmod(staging, _BLOB_MODE)
+            os.replace(staging, blob)
+            fsync_directory(self.blobs_dir)
+            blobs[step.sha256] = _stat_blob(blob)
+            self._write_index(versions, blobs)
+            fetched.append(result)
+
+        name, version = manifest.name, manifest.version
+        if plan.assemble or repaired or not self.observe(name, version).intact:
+            self._assemble(manifest)
+
+        previous = versions.get((name, version))
+        files = tuple((entry.path, entry.sha256, entry.size) for entry in manifest.files)
+        changed_record = previous is None or previous.files != files or previous.pinned != plan.pin
+        verified_at = (
+            now if (previous is None or fetched or rehashed or previous.files != files) else previous.verified_at
+        )
+        versions[(name, version)] = VersionRecord(
+            name=name,
+            version=version,
+            manifest_sha256=plan.manifest_sha256 or "",
+            files=files,
+            size=sum(size for size, _p, _u in first_path.values()),
+            pinned=plan.pin,
+            last_used=now,
+            verified_at=verified_at,
+        )
+        self._write_index(versions, blobs)
+        if previous is not None and previous.files != files:
+            # The version's content changed under the same name: blobs only the old content used go now.
+            keep = {sha for record in versions.values() for sha in record.digests}
+            removed_blobs += self._sweep_blobs(keep, blobs)
+            self._write_index(versions, blobs)
+
+        promoted = False
+        if plan.promote:
+            self._switch_current(name, version)
+            promoted = True
+        changed = bool(fetched or repaired or evicted or removed_blobs or promoted or changed_record or plan.assemble)
+        return ApplyResult(
+            changed=changed,
+            fetched=tuple(fetched),
+            rehashed=tuple(rehashed),
+            repaired=tuple(repaired),
+            evicted=tuple(evicted),
+            removed_blobs=tuple(removed_blobs),
+            promoted=promoted,
+        )
+
+    def _assemble(self, manifest: ArtifactManifest) -> None:
+        name_dir = os.path.join(self.artifacts_dir, manifest.name)
+        if os.path.islink(name_dir):
+            raise ArtifactPathError(f"{name_dir} is a symlink the store did not create; remove it and run again")
+        _makedirs(name_dir)
+        _clear_leftovers(name_dir)
+        final = self.version_dir(manifest.name, manifest.version)
+        build = tempfile.mkdtemp(prefix=f".{manifest.version}.build-", dir=name_dir)
+        try:
+            os.chmod(build, _DIR_MODE)
+            for entry in manifest.files:
+                target = _safe_target(build, entry.path)
+                os.link(self.blob_path(entry.sha256), target, follow_symlinks=False)
+            for directory, _dirs, _files in os.walk(build):
+                fsync_directory(directory)
+            if os.path.lexists(final):
+                if os.path.islink(final):
+                    raise ArtifactPathError(f"{final} is a symlink the store did not create; remove it and run again")
+                trash = tempfile.mkdtemp(prefix=f".{manifest.version}.old-", dir=name_dir)
+                os.rename(final, os.path.join(trash, "v"))
+                os.rename(build, final)
+                shutil.rmtree(trash)
+            else:
+                os.rename(build, final)
+            fsync_directory(name_dir)
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+
+    def _switch_current(self, name: str, version: str) -> None:
+        name_dir = os.path.join(self.artifacts_dir, name)
+        link = os.path.join(name_dir, CURRENT)
+        if os.path.lexists(link) and not os.path.islink(link):
+            raise ArtifactPathError(f"{link} is not a symlink; the store only replaces its own switch")
+        temp = os.path.join(name_dir, f".{CURRENT}.{os.getpid()}.tmp")
+        _remove_link(temp)
+        os.symlink(version, temp)
+        os.replace(temp, link)
+        fsync_directory(name_dir)
+
+    def _remove_version_dir(self, name: str, version: str) -> None:
+        final = self.version_dir(name, version)
+        if os.path.islink(final):
+            _unlink(final)
+        elif os.path.isdir(final):
+            name_dir = os.path.dirname(final)
+            trash = tempfile.mkdtemp(prefix=f".{version}.evict-", dir=name_dir)
+            os.rename(final, os.path.join(trash, "v"))
+            fsync_directory(name_dir)
+            shutil.rmtree(trash)
+        name_dir = os.path.join(self.artifacts_dir, name)
+        with contextlib.suppress(OSError):
+            os.rmdir(name_dir)  # only succeeds once nothing (no current link, no version) is left
+
+    def _sweep_blobs(self, keep: set[str], blobs: dict[str, BlobRecord]) -> list[str]:
+        removed = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.blobs_dir):
+                if entry.name not in keep:
+                    _unlink(entry.path)
+                    blobs.pop(entry.name, None)
+                    removed.append(entry.name)
+        for sha in [sha for sha in blobs if sha not in keep]:
+            blobs.pop(sha)
+        if removed:
+            fsync_directory(self.blobs_dir)
+        return sorted(removed)
+
+
+# --- one-call helpers ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    plan: ArtifactPlan
+    result: ApplyResult | None  # None in check mode
+
+    @property
+    def changed(self) -> bool:
+        return self.result.changed if self.result is not None else self.plan.changed
+
+
+def ensure_artifact(
+    store: Store,
+    manifest: ArtifactManifest,
+    *,
+    manifest_sha256: str,
+    source: str | None = None,
+    pin: bool = False,
+    promote: bool = True,
+    verify: str = "quick",
+    max_bytes: int | None = None,
+    in_use: Sequence[str] = (),
+    config: FetchConfig | None = None,
+    check_mode: bool = False,
+    lock_timeout: float | None = None,
+) -> Outcome:
+    """Lock, observe, plan and (unless ``check_mode``) apply: the whole ``state: present`` run."""
+    options: dict[str, Any] = {
+        "manifest_sha256": manifest_sha256,
+        "source": source,
+        "pin": pin,
+        "promote": promote,
+        "verify": verify,
+        "max_bytes": max_bytes,
+        "in_use": frozenset(in_use),
+    }
+    if check_mode:
+        # The index is replaced atomically, so an unlocked read sees a consistent (if soon stale) store.
+        state = store.observe(manifest.name, manifest.version)
+        return Outcome(plan_artifact(manifest, state, **options), None)
+    with store.lock(lock_timeout):
+        state = store.observe(manifest.name, manifest.version)
+        plan = plan_artifact(manifest, state, **options)
+        return Outcome(plan, store.apply(plan, config))
+
+
+def remove_artifact(
+    store: Store,
+    name: str,
+    version: str,
+    *,
+    in_use: Sequence[str] = (),
+    check_mode: bool = False,
+    lock_timeout: float | None = None,
+) -> Outcome:
+    """Lock, observe, plan and apply ``state: absent`` for one version."""
+    if check_mode:
+        return Outcome(plan_removal(name, version, store.observe(name, version), in_use=frozenset(in_use)), None)
+    with store.lock(lock_timeout):
+        plan = plan_removal(name, version, store.observe(name, version), in_use=frozenset(in_use))
+        return Outcome(plan, store.apply(plan))
+
+
+# --- small helpers -------------------------------------------------------------------------------------
+
+
+def _safe_target(base: str, path: str) -> str:
+    """Where ``path`` goes under ``base``, creating parents; refuses symlinks and anything outside."""
+    _check_relative(path)
+    parts = path.split("/")
+    current = base
+    for part in parts[:-1]:
+        current = os.path.join(current, part)
+        try:
+            os.mkdir(current, _DIR_MODE)
+        except FileExistsError:
+            if os.path.islink(current) or not os.path.isdir(current):
+                raise ArtifactPathError(f"{current} is a symlink or a file where a directory should be") from None
+    target = os.path.join(current, parts[-1])
+    if os.path.lexists(target):
+        raise ArtifactPathError(f"{target} already exists (a symlink or a colliding path); refusing to overwrite it")
+    real_base = os.path.realpath(base)
+    if os.path.commonpath([real_base, os.path.realpath(target)]) != real_base:
+        raise ArtifactPathError(f"path {path!r} resolves outside its version directory {base}")
+    return target
+
+
+def _clear_leftovers(name_dir: str) -> None:
+    """Remove build, swap and link temporaries a killed run left behind (we hold the lock: none is live)."""
+    for entry in os.scandir(name_dir):
+        if entry.name.startswith(".") and any(mark in entry.name for mark in (".build-", ".old-", ".evict-")):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                _unlink(entry.path)
+        elif entry.name.startswith(f".{CURRENT}.") and entry.name.endswith(".tmp"):
+            _unlink(entry.path)
+
+
+def _symlinks_under(base: str) -> list[str]:
+    found = []
+    for directory, dirs, files in os.walk(base):
+        for entry in dirs + files:
+            full = os.path.join(directory, entry)
+            if os.path.islink(full):
+                found.append(full)
+    return sorted(found)
+
+
+def _stat_blob(path: str) -> BlobRecord:
+    stat = os.lstat(path)
+    return BlobRecord(stat.st_size, stat.st_ino, stat.st_mtime_ns)
+
+
+def _makedirs(path: str) -> None:
+    if os.path.islink(path):
+        raise ArtifactPathError(f"{path} is a symlink; the store does not follow symlinks in its own layout")
+    os.makedirs(path, mode=_DIR_MODE, exist_ok=True)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _remove_link(path: str) -> None:
+    if os.path.islink(path):
+        os.unlink(path)
+
+
+def _read_small(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read(100).strip()
+    except OSError:
+        return ""

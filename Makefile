@@ -62,6 +62,7 @@ schemas: venv
 
 bench: venv
 	$(BIN)/python bench/gpu_facts.py
+	$(BIN)/python bench/artifact.py
 
 clean:
 	rm -rf $(BUILD) $(VENV)

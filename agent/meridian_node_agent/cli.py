@@ -3,8 +3,9 @@
 import argparse
 import sys
 
-from meridian_node_agent import __version__, config_cli, trust_cli
+from meridian_node_agent import __version__, artifact_cli, config_cli, trust_cli
 from meridian_node_agent.config import default_config_path
+from meridian_node_agent.usage import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the agent's config file (default: $MERIDIAN_NODE_CONFIG or /etc/meridian-node/config.yaml)",
     )
     subparsers = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    artifact_cli.add_parsers(subparsers)
     config_cli.add_parsers(subparsers)
     trust_cli.add_parsers(subparsers)
     return parser
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         status: int = args.handler(args)
-    except trust_cli.UsageError as exc:
+    except UsageError as exc:
         print(f"meridian-node {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     return status

@@ -30,6 +30,7 @@ from ansible_collections.meridian.node.plugins.module_utils.policy import (
     load_policy,
 )
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
+from meridian_node_agent.usage import UsageError
 
 DEFAULT_STATE_DIR = Path("/var/lib/meridian-node/state")
 KIND_MODELS: dict[str, type[BaseModel]] = {
@@ -37,10 +38,6 @@ KIND_MODELS: dict[str, type[BaseModel]] = {
     "artifact-manifest": ArtifactManifest,
     "bundle": Bundle,
 }
-
-
-class UsageError(Exception):
-    """Bad arguments or unreadable inputs: exit status 2, never confused with a rejection."""
 
 
 def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

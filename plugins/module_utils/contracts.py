@@ -111,6 +111,8 @@ Name = Annotated[
     str,
     Field(pattern=r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$", description="lowercase name, 1-63 characters"),
 ]
+
+
 def _not_reserved_version(value: str) -> str:
     if value == "current":
         raise ValueError("version 'current' is reserved: the artifact store uses it for the promoted version")

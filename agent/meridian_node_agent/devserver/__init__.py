@@ -1,0 +1,6 @@
+"""``meridian-node-devserver``: the reference control plane for protocol v1 (docs/PROTOCOL.md).
+
+Modules, each with one job: ``ca`` (certificates), ``store`` (SQLite), ``control`` (what the control
+plane does, shared by HTTP and CLI), ``app`` (FastAPI handlers), ``tls`` (mutual TLS under uvicorn),
+``server`` (running uvicorn), ``cli`` (the command line), ``files`` (private key files).
+"""

@@ -1,0 +1,174 @@
+"""Protocol v1 over HTTP: the FastAPI application (see docs/PROTOCOL.md for the wire contract).
+
+Handlers are thin: read and validate the body with the contract models, authenticate the client
+certificate from the ASGI TLS extension, call ``ControlPlane``, shape the response. Every error body is
+``{"reason": "<code>", "detail": "<sentence>"}``.
+
+Store calls are synchronous SQLite statements of well under a millisecond; they run on the event loop
+rather than in a thread pool because the only slow operation, the long-poll, waits with ``asyncio.sleep``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    EnrollmentRequest,
+    Observation,
+    ValidationError,
+    describe_validation_error,
+)
+from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
+from meridian_node_agent.devserver.store import PublishedState
+from meridian_node_agent.devserver.tls import peer_certificate_der
+
+__all__ = ["MAX_REQUEST_BYTES", "POLL_INTERVAL_SECONDS", "create_app"]
+
+# Requests are small JSON documents; an observation of a busy 8-GPU host is a few tens of KiB.
+MAX_REQUEST_BYTES = 1024 * 1024
+# How often a long-poll looks at the database's change counter (a header read, not a query).
+POLL_INTERVAL_SECONDS = 0.05
+GENERATION_HEADER = "X-Meridian-Generation"
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def create_app(control: ControlPlane) -> FastAPI:
+    app = FastAPI(title="meridian-node devserver", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(_request: Request, exc: ProtocolError) -> JSONResponse:
+        return JSONResponse({"reason": exc.reason, "detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        reason = "not-found" if exc.status_code == 404 else "http-error"
+        detail = f"no such endpoint: {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+        return JSONResponse({"reason": reason, "detail": detail}, status_code=exc.status_code)
+
+    @app.get("/v1/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/enroll")
+    async def enroll(request: Request) -> Response:
+        body = await _read_model(request, EnrollmentRequest)
+        response = control.enroll(body)
+        return _json(response)
+
+    @app.post("/v1/nodes/{node_id}/heartbeat")
+    async def heartbeat(node_id: str, request: Request) -> Response:
+        _authenticate(control, request, node_id)
+        return _json(control.heartbeat(node_id))
+
+    @app.get("/v1/nodes/{node_id}/desired-state")
+    async def desired_state(node_id: str, request: Request) -> Response:
+        _authenticate(control, request, node_id)
+        wait = _wait_seconds(request, control.settings.max_wait_seconds)
+        known = _etags(request.headers.get("if-none-match"))
+        current = await _wait_for_change(control, request, node_id, known, wait)
+        if current is None:
+            return Response(status_code=204)
+        headers = {"ETag": current.etag, GENERATION_HEADER: str(current.generation), "Cache-Control": "no-cache"}
+        if current.etag in known or ("*" in known):
+            return Response(status_code=304, headers=headers)
+        return Response(content=current.envelope, media_type="application/json", headers=headers)
+
+    @app.post("/v1/nodes/{node_id}/observations")
+    async def observations(node_id: str, request: Request) -> Response:
+        _authenticate(control, request, node_id)
+        observation = await _read_model(request, Observation)
+        remote = request.client.host if request.client else "unknown"
+        control.observe(node_id, observation, remote)
+        return Response(status_code=204)
+
+    @app.get("/v1/serving")
+    async def serving(request: Request) -> Response:
+        _authenticate(control, request, None)
+        return _json(control.serving())
+
+    return app
+
+
+def _authenticate(control: ControlPlane, request: Request, node_id: str | None) -> str:
+    return control.authenticate(peer_certificate_der(request.scope), node_id)
+
+
+async def _wait_for_change(
+    control: ControlPlane, request: Request, node_id: str, known: set[str], wait: float
+) -> PublishedState | None:
+    """The node's latest state, waiting up to ``wait`` seconds for one whose ETag the client does not have.
+
+    Publishes come from this process or from the CLI writing the same database file; both move the
+    store's change marker, and only then is the state queried again.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    marker: tuple[int, int] | None = None
+    current: PublishedState | None = None
+    while True:
+        now_marker = control.store.change_marker()
+        if now_marker != marker:
+            marker = now_marker
+            current = control.desired_state(node_id)
+            if current is not None and current.etag not in known and "*" not in known:
+                return current
+        remaining = deadline - loop.time()
+        if remaining <= 0 or await request.is_disconnected():
+            return current
+        await asyncio.sleep(min(POLL_INTERVAL_SECONDS, remaining))
+
+
+def _wait_seconds(request: Request, limit: float) -> float:
+    raw = request.query_params.get("wait")
+    if raw is None:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= limit:
+        raise ProtocolError(
+            422, "invalid-request", f"wait must be a number of seconds from 0 to {limit:g}, got {raw!r}"
+        )
+    return value
+
+
+def _etags(header: str | None) -> set[str]:
+    if not header:
+        return set()
+    tags = set()
+    for part in header.split(","):
+        tag = part.strip()
+        # Weak and strong comparison agree here: a state's bytes never change under one ETag.
+        tags.add(tag[2:] if tag.startswith("W/") else tag)
+    return tags
+
+
+async def _read_model(request: Request, model: type[Model]) -> Model:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise ProtocolError(413, "too-large", f"the request body is {declared} bytes; the limit is {MAX_REQUEST_BYTES}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_REQUEST_BYTES:
+            raise ProtocolError(413, "too-large", f"the request body exceeds {MAX_REQUEST_BYTES} bytes")
+        chunks.append(chunk)
+    try:
+        return model.model_validate_json(b"".join(chunks))
+    except ValidationError as exc:
+        raise ProtocolError(
+            422, "invalid-request", f"not a valid {model.__name__}: {describe_validation_error(exc)}"
+        ) from exc
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(content=model.model_dump_json(), media_type="application/json")

@@ -1,0 +1,341 @@
+"""``meridian-node-devserver``: run the reference control plane and operate it.
+
+``serve`` runs the HTTPS server; the other verbs work on the same data dir (and the same SQLite file)
+from another process while it runs: ``publish`` reaches a long-polling node within a poll interval,
+``revoke`` and ``fence`` apply to the next request.
+
+Exit status: 0 done, 1 refused (unknown node, used token name, invalid document), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meridian_node_agent import __version__
+from meridian_node_agent.devserver.control import ControlPlane, Settings, open_control_plane
+from meridian_node_agent.devserver.store import NodeRow, UnknownNode
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_PORT = 8443
+_MAX_DOCUMENT_BYTES = 1024 * 1024
+
+
+class UsageError(Exception):
+    """Bad arguments or unreadable inputs: exit status 2."""
+
+
+class Refused(Exception):
+    """The control plane refused the operation: exit status 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meridian-node-devserver",
+        description="The meridian.node reference control plane (protocol v1, dev/CI scale): HTTPS with mutual "
+        "TLS, an embedded SQLite database, its own CA and control signing key, all in --data-dir.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    serve = _verb(
+        verbs,
+        "serve",
+        "run the HTTPS server",
+        "Serve protocol v1 with mutual TLS. Prints the CA "
+        "bundle and control public key paths, any tokens created, and the URL once listening.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free)")
+    serve.add_argument(
+        "--token",
+        action="append",
+        default=[],
+        metavar="NAME:auto|NAME:VALUE",
+        help="create a one-time enrollment token before serving (repeatable); 'auto' generates the value",
+    )
+    serve.add_argument(
+        "--database", help="SQLite database: a file path or ':memory:' (default DATA_DIR/devserver.sqlite3)"
+    )
+    serve.add_argument("--lease-seconds", type=int, default=Settings.lease_seconds, help="lease length per heartbeat")
+    serve.add_argument(
+        "--certificate-days", type=int, default=Settings.certificate_days, help="validity of issued client certs"
+    )
+    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(handler=cmd_serve)
+
+    token = _verb(
+        verbs,
+        "token",
+        "create an enrollment token",
+        "Create one-time enrollment token NAME; the "
+        "value is generated unless given as NAME:VALUE. Prints the value (only ever shown here).",
+    )
+    token.add_argument("spec", metavar="NAME[:VALUE]")
+    token.set_defaults(handler=cmd_token)
+
+    publish = _verb(
+        verbs,
+        "publish",
+        "sign and publish a desired state",
+        "Publish DESIRED.yaml as NODE's next "
+        "desired state: assigns the next generation and the node's current lease epoch, sets "
+        "issued_at/expires_at, signs it with the control key. Prints the generation.",
+    )
+    publish.add_argument("node", metavar="NODE")
+    publish.add_argument("document", type=Path, metavar="DESIRED.yaml")
+    publish.add_argument(
+        "--ttl", type=int, default=Settings.state_ttl_seconds, help="seconds until the state expires (default 3600)"
+    )
+    publish.set_defaults(handler=cmd_publish)
+
+    fence = _verb(
+        verbs,
+        "fence",
+        "bump a node's lease epoch",
+        "Increase NODE's lease epoch by one, as a "
+        "control-plane failover does: writers holding the old epoch are refused from now on.",
+    )
+    fence.add_argument("node", metavar="NODE")
+    fence.set_defaults(handler=cmd_fence)
+
+    revoke = _verb(
+        verbs,
+        "revoke",
+        "revoke a node's certificates",
+        "Revoke every certificate issued to NODE; "
+        "its next request is refused. Enrolling again with a new token issues a new one.",
+    )
+    revoke.add_argument("node", metavar="NODE")
+    revoke.set_defaults(handler=cmd_revoke)
+
+    nodes = _verb(
+        verbs,
+        "nodes",
+        "list nodes",
+        "Print a table of nodes: epoch, lease, certificates, generation, last observation.",
+    )
+    nodes.set_defaults(handler=cmd_nodes)
+
+    info = _verb(
+        verbs,
+        "info",
+        "print the trust paths",
+        "Print the CA bundle path, the control public key "
+        "path and keyid (put them in a node's config and policy), and the database path.",
+    )
+    info.set_defaults(handler=cmd_info)
+    return parser
+
+
+def _verb(
+    verbs: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, description: str
+) -> argparse.ArgumentParser:
+    parser = verbs.add_parser(name, help=summary, description=description)
+    parser.add_argument("--data-dir", required=True, type=Path, help="the devserver's state directory")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.handler(args)
+    except UsageError as exc:
+        print(f"meridian-node-devserver {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except Refused as exc:
+        print(f"meridian-node-devserver {args.verb}: refused: {exc}", file=sys.stderr)
+        return 1
+    return status
+
+
+def _open(args: argparse.Namespace, settings: Settings | None = None, database: str | None = None) -> ControlPlane:
+    try:
+        return open_control_plane(args.data_dir, database=database, settings=settings)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot open data dir {str(args.data_dir)!r}: {exc}") from exc
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from meridian_node_agent.devserver.server import bind, prepare_tls, serve
+
+    try:
+        settings = Settings(lease_seconds=args.lease_seconds, certificate_days=args.certificate_days)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    tokens = [_token_spec(spec, allow_auto=True) for spec in args.token]
+    control = _open(args, settings, args.database)
+    try:
+        try:
+            sock = bind(args.host, args.port)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+        tls = prepare_tls(control, args.host)
+        _say(f"data dir: {args.data_dir}")
+        _say(f"ca bundle: {tls.ca}")
+        _say(f"control public key: {control.paths.control_public_key} (keyid {control.control_keyid})")
+        for name, value in tokens:
+            _say(f"token {name}: {_create_token(control, name, value)}")
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        _say(f"listening on https://{shown}:{port}")
+        serve(control, sock, tls, log_level=args.log_level)
+    finally:
+        control.close()
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    name, value = _token_spec(args.spec, allow_auto=False)
+    control = _open(args)
+    try:
+        _say(_create_token(control, name, value))
+    finally:
+        control.close()
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    document = _read_document(args.document)
+    control = _open(args)
+    try:
+        published = control.publish(args.node, document, ttl_seconds=args.ttl)
+    except ValueError as exc:
+        raise Refused(str(exc)) from exc
+    finally:
+        control.close()
+    _say(f"node {args.node}: generation {published.generation} (lease epoch {published.lease_epoch})")
+    return 0
+
+
+def cmd_fence(args: argparse.Namespace) -> int:
+    control = _open(args)
+    try:
+        epoch = control.fence(args.node)
+    except UnknownNode as exc:
+        raise Refused(f"node {args.node!r} is not known to this control plane") from exc
+    finally:
+        control.close()
+    _say(f"node {args.node}: lease epoch {epoch}")
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    control = _open(args)
+    try:
+        count = control.revoke(args.node)
+    except UnknownNode as exc:
+        raise Refused(f"node {args.node!r} is not known to this control plane") from exc
+    finally:
+        control.close()
+    _say(f"node {args.node}: revoked {count} certificate(s)")
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    control = _open(args)
+    try:
+        rows = control.nodes()
+        now = control.now()
+    finally:
+        control.close()
+    _say(format_nodes(rows, now))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    control = _open(args)
+    try:
+        _say(f"ca bundle: {control.ca.cert_path}")
+        _say(f"control public key: {control.paths.control_public_key} (keyid {control.control_keyid})")
+        _say(f"database: {control.store.path}")
+    finally:
+        control.close()
+    return 0
+
+
+def format_nodes(rows: list[NodeRow], now: datetime) -> str:
+    header = ("NODE", "EPOCH", "LEASE", "ENROLLED", "CERTS", "REVOKED", "GENERATION", "LAST OBSERVATION")
+    table = [header]
+    for row in rows:
+        table.append(
+            (
+                row.node_id,
+                str(row.epoch),
+                _lease_text(row.lease_expires_at, now),
+                _stamp(row.enrolled_at),
+                str(row.certificates),
+                "yes" if row.revoked_at else "no",
+                "-" if row.generation is None else str(row.generation),
+                _stamp(row.last_observed_at),
+            )
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in table
+    )
+
+
+def _lease_text(expires: datetime | None, now: datetime) -> str:
+    if expires is None:
+        return "none"
+    seconds = int((expires - now).total_seconds())
+    return f"{seconds}s left" if seconds >= 0 else f"lapsed {-seconds}s ago"
+
+
+def _stamp(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _token_spec(spec: str, *, allow_auto: bool) -> tuple[str, str | None]:
+    name, sep, value = spec.partition(":")
+    if not name:
+        raise UsageError(f"token {spec!r}: the name before ':' is empty")
+    if not sep:
+        if allow_auto:
+            raise UsageError(f"--token {spec!r}: write NAME:auto for a generated value or NAME:VALUE")
+        return name, None
+    if value == "auto" and allow_auto:
+        return name, None
+    if not value:
+        raise UsageError(f"token {spec!r}: the value after ':' is empty")
+    return name, value
+
+
+def _create_token(control: ControlPlane, name: str, value: str | None) -> str:
+    try:
+        return control.create_token(name, value)
+    except ValueError as exc:
+        raise Refused(str(exc)) from exc
+
+
+def _read_document(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(_MAX_DOCUMENT_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from exc
+    if len(data) > _MAX_DOCUMENT_BYTES:
+        raise UsageError(f"{str(path)!r} is larger than {_MAX_DOCUMENT_BYTES} bytes; not a desired state")
+    try:
+        document = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{str(path)!r} is not valid YAML: {exc}") from exc
+    if not isinstance(document, dict):
+        raise UsageError(f"{str(path)!r} must hold a mapping (a desired state), got {type(document).__name__}")
+    return document
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""What the control plane does, independent of HTTP: the HTTP app and the CLI both call these methods.
+
+Every refusal is a ``ProtocolError`` carrying the HTTP status, a short reason code for programs and a
+sentence with the values for people; the app turns it into ``{"reason": ..., "detail": ...}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ansible_collections.meridian.node.plugins.module_utils import dsse
+from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    DRIVERS,
+    DesiredState,
+    EnrollmentRequest,
+    EnrollmentResponse,
+    Lease,
+    Observation,
+    ServingProjection,
+    ValidationError,
+    describe_validation_error,
+    format_rfc3339,
+)
+from meridian_node_agent.devserver.ca import CertificateAuthority, CsrError, PeerCertificateError, node_ids_in
+from meridian_node_agent.devserver.files import private_file_exclusive, write_public_file
+from meridian_node_agent.devserver.store import (
+    LeaseRecord,
+    NodeRow,
+    PublishedState,
+    Store,
+    StoreConflict,
+    UnknownNode,
+)
+
+__all__ = [
+    "SERVER_ASSIGNED_FIELDS",
+    "ControlPlane",
+    "DataDir",
+    "ProtocolError",
+    "Settings",
+    "open_control_plane",
+]
+
+# Fields of a desired state that publish fills in; a document that sets them is refused.
+SERVER_ASSIGNED_FIELDS = ("generation", "lease_epoch", "issued_at", "expires_at")
+
+
+class ProtocolError(Exception):
+    def __init__(self, status: int, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Tunables, with the limits the server enforces."""
+
+    lease_seconds: int = 30
+    certificate_days: int = 30
+    state_ttl_seconds: int = 3600
+    max_wait_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("lease_seconds", "certificate_days", "state_ttl_seconds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DataDir:
+    """Where the devserver keeps its state. Private keys are 0600, the directory 0700."""
+
+    root: Path
+
+    @property
+    def database(self) -> Path:
+        return self.root / "devserver.sqlite3"
+
+    @property
+    def ca_dir(self) -> Path:
+        return self.root / "ca"
+
+    @property
+    def ca_bundle(self) -> Path:
+        return self.ca_dir / "ca.pem"
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.root / "tls"
+
+    @property
+    def control_key(self) -> Path:
+        return self.root / "control" / "control.key.pem"
+
+    @property
+    def control_public_key(self) -> Path:
+        return self.root / "control" / "control.pub.pem"
+
+
+def open_control_plane(
+    data_dir: Path, *, database: str | None = None, settings: Settings | None = None
+) -> ControlPlane:
+    """Open (creating on first use) the CA, control key and database in ``data_dir``."""
+    paths = DataDir(data_dir)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ca = CertificateAuthority(paths.ca_dir)
+    key = _load_or_create_control_key(paths)
+    store = Store(database if database is not None else str(paths.database))
+    return ControlPlane(store=store, ca=ca, control_key=key, paths=paths, settings=settings or Settings())
+
+
+def _load_or_create_control_key(paths: DataDir) -> Ed25519PrivateKey:
+    paths.control_key.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not paths.control_key.exists():
+        pem, _keyid = dsse.generate_private_key_pem()
+        private_file_exclusive(paths.control_key, pem)
+    key = dsse.load_private_key_pem(paths.control_key.read_bytes())
+    public = dsse.public_key_pem(key)
+    if not paths.control_public_key.exists() or paths.control_public_key.read_bytes() != public:
+        write_public_file(paths.control_public_key, public)
+    return key
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        ca: CertificateAuthority,
+        control_key: Ed25519PrivateKey,
+        paths: DataDir,
+        settings: Settings,
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        self.store = store
+        self.ca = ca
+        self.control_key = control_key
+        self.paths = paths
+        self.settings = settings
+        self._clock = clock or (lambda: datetime.now(UTC))
+
+    @property
+    def control_keyid(self) -> str:
+        return dsse.keyid_for(self.control_key.public_key())
+
+    def now(self) -> datetime:
+        return self._clock()
+
+    def close(self) -> None:
+        self.store.close()
+
+    # Operator verbs
+
+    def create_token(self, name: str, value: str | None = None) -> str:
+        """Create enrollment token ``name`` (a random value unless given); returns the value."""
+        if not name or ":" in name:
+            raise ValueError(f"token name {name!r} must be non-empty and contain no ':'")
+        if value is not None and len(value) < 8:
+            raise ValueError(f"token {name!r}: a value needs at least 8 characters, got {len(value)}")
+        token = value if value is not None else secrets.token_urlsafe(24)
+        try:
+            self.store.put_token(name, token, self.now())
+        except StoreConflict as exc:
+            raise ValueError(exc.detail) from exc
+        return token
+
+    def publish(self, node_id: str, document: Mapping[str, Any], *, ttl_seconds: int | None = None) -> PublishedState:
+        """Sign and store ``document`` as the node's next desired state (generation, epoch and times filled in)."""
+        ttl = timedelta(seconds=ttl_seconds if ttl_seconds is not None else self.settings.state_ttl_seconds)
+        if ttl <= timedelta(0):
+            raise ValueError(f"the state's time to live must be positive, got {ttl.total_seconds():g} s")
+        body_fields = _publishable(node_id, document)
+        now = self.now().replace(microsecond=0)
+
+        def build(generation: int, epoch: int) -> tuple[bytes, str]:
+            payload = {
+                **body_fields,
+                "generation": generation,
+                "lease_epoch": epoch,
+                "issued_at": format_rfc3339(now),
+                "expires_at": format_rfc3339(now + ttl),
+            }
+            try:
+                state = DesiredState.model_validate(payload)
+            except ValidationError as exc:
+                raise ValueError(
+                    f"the desired state for {node_id!r} is invalid: {describe_validation_error(exc)}"
+                ) from exc
+            body = json.dumps(state.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+            envelope = dsse.sign(dsse.PAYLOAD_TYPES["desired-state"], body, [self.control_key])
+            data = json.dumps(envelope, separators=(",", ":")).encode()
+            return data, f'"{hashlib.sha256(data).hexdigest()}"'
+
+        return self.store.publish(node_id, build, self.now())
+
+    def fence(self, node_id: str) -> int:
+        return self.store.fence(node_id)
+
+    def revoke(self, node_id: str) -> int:
+        return self.store.revoke(node_id, self.now())
+
+    def nodes(self) -> list[NodeRow]:
+        return self.store.nodes()
+
+    # Protocol
+
+    def enroll(self, request: EnrollmentRequest) -> EnrollmentResponse:
+        try:
+            issued = self.ca.issue_node_certificate(
+                request.node_id, request.csr_pem, days=self.settings.certificate_days
+            )
+        except CsrError as exc:
+            raise ProtocolError(422, "bad-csr", str(exc)) from exc
+        try:
+            lease = self.store.enroll(
+                token=request.token,
+                node_id=request.node_id,
+                serial=_serial_key(issued.serial),
+                not_after=issued.not_after,
+                lease_for=timedelta(seconds=self.settings.lease_seconds),
+                now=self.now(),
+            )
+        except StoreConflict as exc:
+            raise ProtocolError(403, exc.reason, exc.detail) from exc
+        return EnrollmentResponse(
+            node_id=request.node_id,
+            certificate_pem=issued.pem,
+            ca_bundle_pem=self.ca.bundle_pem,
+            lease=_lease(lease),
+        )
+
+    def authenticate(self, certificate_der: bytes | None, node_id: str | None) -> str:
+        """The node a request speaks for, from its client certificate; 403 unless it may speak for ``node_id``.
+
+        ``node_id`` None (an endpoint without a node in its path) accepts any valid, unrevoked certificate.
+        Revocation is looked up per request, so ``revoke`` takes effect on the next one.
+        """
+        if certificate_der is None:
+            raise ProtocolError(
+                403,
+                "client-certificate-required",
+                "this endpoint needs the node's client certificate (mutual TLS); enroll first and present it",
+            )
+        try:
+            certificate = self.ca.check_peer(certificate_der, self.now())
+        except PeerCertificateError as exc:
+            raise ProtocolError(403, "certificate-untrusted", str(exc)) from exc
+        serial = _serial_key(certificate.serial_number)
+        record = self.store.certificate(serial)
+        if record is None:
+            raise ProtocolError(
+                403, "certificate-unknown", f"certificate serial {serial} was never issued by this control plane"
+            )
+        if record.revoked_at is not None:
+            raise ProtocolError(
+                403,
+                "certificate-revoked",
+                f"the certificate of node {record.node_id!r} (serial {serial[:16]}...) was revoked at "
+                f"{format_rfc3339(record.revoked_at)}; enroll again with a new token",
+            )
+        names = node_ids_in(certificate)
+        if node_id is not None and (node_id not in names or record.node_id != node_id):
+            raise ProtocolError(
+                403,
+                "wrong-node",
+                f"the client certificate is for node {record.node_id!r}, but the request is for node {node_id!r}",
+            )
+        return record.node_id
+
+    def heartbeat(self, node_id: str) -> Lease:
+        try:
+            record = self.store.renew_lease(node_id, timedelta(seconds=self.settings.lease_seconds), self.now())
+        except UnknownNode as exc:
+            raise _unknown(node_id) from exc
+        return _lease(record)
+
+    def desired_state(self, node_id: str) -> PublishedState | None:
+        return self.store.latest_desired(node_id)
+
+    def observe(self, node_id: str, observation: Observation, remote_host: str) -> None:
+        if observation.node_id != node_id:
+            raise ProtocolError(
+                403,
+                "wrong-node",
+                f"the observation is about node {observation.node_id!r}, but was posted for node {node_id!r}",
+            )
+        try:
+            self.store.record_observation(
+                node_id,
+                observation.lease_epoch,
+                observation.observed_at,
+                remote_host,
+                observation.model_dump_json(),
+                self.now(),
+            )
+        except UnknownNode as exc:
+            raise _unknown(node_id) from exc
+        except StoreConflict as exc:
+            raise ProtocolError(409, exc.reason, exc.detail) from exc
+
+    def serving(self) -> ServingProjection:
+        """Every engine that its node last reported ready and not draining, with the address to route to.
+
+        The host part of the address is where the node's last observation came from: the control plane
+        knows no better address for a node, and it is the one that reached us.
+        """
+        endpoints: list[dict[str, Any]] = []
+        for record in self.store.serving_observations():
+            observation = Observation.model_validate_json(record.body)
+            host = f"[{record.remote_host}]" if ":" in record.remote_host else record.remote_host
+            for engine in observation.engines:
+                if not engine.ready or engine.draining or engine.port is None or engine.driver not in DRIVERS:
+                    continue
+                endpoints.append(
+                    {
+                        "node_id": record.node_id,
+                        "engine": engine.name,
+                        "driver": engine.driver,
+                        "served_model_name": engine.served_model_name or engine.name,
+                        "address": f"{host}:{engine.port}",
+                    }
+                )
+        return ServingProjection.model_validate(
+            {
+                "apiVersion": "meridian.node/v1",
+                "kind": "ServingProjection",
+                "generated_at": format_rfc3339(self.now()),
+                "endpoints": endpoints,
+            }
+        )
+
+
+def _publishable(node_id: str, document: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(document, Mapping):
+        raise ValueError(f"a desired state document must be a mapping, got {type(document).__name__}")
+    assigned = [name for name in SERVER_ASSIGNED_FIELDS if name in document]
+    if assigned:
+        raise ValueError(
+            f"the document sets {', '.join(assigned)}; publish assigns generation, lease_epoch, issued_at and "
+            "expires_at itself - remove them (use --ttl for the lifetime)"
+        )
+    for name, expected in (("node_id", node_id), ("apiVersion", "meridian.node/v1"), ("kind", "DesiredState")):
+        if name in document and document[name] != expected:
+            raise ValueError(f"the document's {name} is {document[name]!r}, expected {expected!r}")
+    return {**dict(document), "apiVersion": "meridian.node/v1", "kind": "DesiredState", "node_id": node_id}
+
+
+def _lease(record: LeaseRecord) -> Lease:
+    return Lease(node_id=record.node_id, epoch=record.epoch, expires_at=record.expires_at, renewed_at=record.renewed_at)
+
+
+def _serial_key(serial: int) -> str:
+    return format(serial, "x")
+
+
+def _unknown(node_id: str) -> ProtocolError:
+    return ProtocolError(404, "unknown-node", f"node {node_id!r} is not known to this control plane")

@@ -1,0 +1,487 @@
+"""Protocol v1 end to end: the real devserver process on 127.0.0.1, real TLS, the agent's real client.
+
+One server per module; each test uses its own node ids so the tests stay independent. Operator verbs
+(``token``, ``publish``, ``fence``, ``revoke``) run as separate processes against the same data dir,
+exactly as an operator would run them next to ``serve``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from ansible_collections.meridian.node.plugins.module_utils import trust
+from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation, format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
+from meridian_node_agent.control_client import (
+    ControlClient,
+    ControlPlaneRejected,
+    ControlPlaneUnavailable,
+    DesiredStateFetch,
+    FetchStatus,
+)
+from meridian_node_agent.identity import NodeIdentity
+
+_names = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
+    root = tmp_path_factory.mktemp("devserver")
+    with running(root / "data", tokens=["banner:auto", "fixed:fixed-token-value"]) as started:
+        yield started
+
+
+@pytest.fixture
+def node_id() -> str:
+    return f"gpu-node-{next(_names)}"
+
+
+def _enroll(server: DevServer, tmp_path: Path, node_id: str) -> ControlClient:
+    return enroll_node(server, tmp_path / node_id, node_id)
+
+
+def _publish(server: DevServer, tmp_path: Path, node_id: str, document: dict[str, Any] | None = None) -> int:
+    path = tmp_path / f"desired-{node_id}-{next(_names)}.yaml"
+    path.write_text(yaml.safe_dump(document if document is not None else {"engines": [], "artifacts": []}))
+    output = server.cli("publish", node_id, str(path)).stdout
+    return int(output.split("generation ")[1].split()[0])
+
+
+def _observation(node_id: str, epoch: int, engines: list[dict[str, Any]] | None = None) -> Observation:
+    return Observation.model_validate(
+        {
+            "apiVersion": "meridian.node/v1",
+            "kind": "Observation",
+            "node_id": node_id,
+            "lease_epoch": epoch,
+            "observed_at": format_rfc3339(datetime.now(UTC)),
+            "mode": "managed-host",
+            "applied_generation": 0,
+            "gpu": {"nvml_available": False, "reason": "no NVIDIA driver on this test host"},
+            "engines": engines or [],
+        }
+    )
+
+
+def _engine(name: str, port: int, *, ready: bool, draining: bool) -> dict[str, Any]:
+    return {
+        "name": name,
+        "managed": True,
+        "driver": "vllm",
+        "image": "registry.local/vllm@sha256:" + "a" * 64,
+        "state": "running",
+        "ready": ready,
+        "draining": draining,
+        "port": port,
+        "served_model_name": f"model-{name}",
+    }
+
+
+# Enrollment
+
+
+def test_enrollment_with_token_issues_certificate_naming_the_node(server: DevServer, tmp_path: Path) -> None:
+    identity = NodeIdentity(tmp_path / "id")
+    with ControlClient(server.base_url, server.ca_bundle) as anonymous:
+        response = anonymous.enroll("gpu-enroll-1", server.tokens["banner"], identity.csr_pem("gpu-enroll-1"))
+    info = identity.store(response)
+
+    assert response.node_id == "gpu-enroll-1"
+    assert info.node_ids == ("gpu-enroll-1",)
+    certificate = x509.load_pem_x509_certificate(response.certificate_pem.encode())
+    certificate.verify_directly_issued_by(x509.load_pem_x509_certificate(server.ca_bundle.read_bytes()))
+    assert response.ca_bundle_pem == server.ca_bundle.read_text()
+    assert response.lease.node_id == "gpu-enroll-1"
+    assert response.lease.epoch == 1
+    assert response.lease.expires_at > response.lease.renewed_at
+    assert (identity.key_path.stat().st_mode & 0o777) == 0o600
+
+
+def test_reused_enrollment_token_is_refused(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    token = server.new_token(f"once-{node_id}")
+    enroll_node(server, tmp_path / "first", node_id, token).close()
+
+    with pytest.raises(ControlPlaneRejected) as refused:
+        enroll_node(server, tmp_path / "second", f"{node_id}-thief", token)
+    assert refused.value.status == 403
+    assert refused.value.reason == "token-used"
+    assert "one-time" in refused.value.detail
+
+
+def test_unknown_enrollment_token_is_refused(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    with pytest.raises(ControlPlaneRejected) as refused:
+        enroll_node(server, tmp_path, node_id, "a-token-nobody-created")
+    assert (refused.value.status, refused.value.reason) == (403, "token-unknown")
+
+
+def test_enrollment_with_a_garbage_csr_is_refused_and_keeps_the_token(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    token = server.new_token(f"csr-{node_id}")
+    bogus = "-----BEGIN CERTIFICATE REQUEST-----\nbm90IGEgY3Ny\n-----END CERTIFICATE REQUEST-----\n"
+    with ControlClient(server.base_url, server.ca_bundle) as anonymous, pytest.raises(ControlPlaneRejected) as bad:
+        anonymous.enroll(node_id, token, bogus)
+    assert (bad.value.status, bad.value.reason) == (422, "bad-csr")
+
+    enroll_node(server, tmp_path, node_id, token).close()
+
+
+# Mutual TLS
+
+
+def test_call_without_client_certificate_after_enrollment_is_refused(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    _enroll(server, tmp_path, node_id).close()
+    with ControlClient(server.base_url, server.ca_bundle) as anonymous:
+        for call in (lambda: anonymous.heartbeat(node_id), lambda: anonymous.fetch_desired_state(node_id)):
+            with pytest.raises(ControlPlaneRejected) as refused:
+                call()
+            assert (refused.value.status, refused.value.reason) == (403, "client-certificate-required")
+        with pytest.raises(ControlPlaneRejected):
+            anonymous.serving()
+
+
+def test_certificate_for_node_a_on_node_b_path_is_403(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    node_b = f"{node_id}-b"
+    client_a = _enroll(server, tmp_path, node_id)
+    _enroll(server, tmp_path, node_b).close()
+    lease_b = server.cli("nodes").stdout
+    assert node_b in lease_b
+
+    with client_a:
+        for call in (
+            lambda: client_a.heartbeat(node_b),
+            lambda: client_a.fetch_desired_state(node_b),
+            lambda: client_a.post_observation(_observation(node_b, 1)),
+        ):
+            with pytest.raises(ControlPlaneRejected) as refused:
+                call()
+            assert (refused.value.status, refused.value.reason) == (403, "wrong-node")
+            assert node_id in refused.value.detail and node_b in refused.value.detail
+        assert client_a.heartbeat(node_id).node_id == node_id
+
+
+def test_client_certificate_from_a_foreign_ca_fails_the_handshake(server: DevServer, tmp_path: Path) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpu-forged")])
+    now = datetime.now(UTC)
+    forged = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now.replace(year=now.year - 1))
+        .not_valid_after(now.replace(year=now.year + 1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("gpu-forged")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "forged.pem", tmp_path / "forged.key.pem"
+    cert_path.write_bytes(forged.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    with (
+        ControlClient(server.base_url, server.ca_bundle, cert_path, key_path) as forger,
+        pytest.raises(ControlPlaneUnavailable),
+    ):
+        forger.heartbeat("gpu-forged")
+
+
+def test_revoked_certificate_is_refused_on_the_next_request(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        client.heartbeat(node_id)
+        assert "revoked 1 certificate" in server.cli("revoke", node_id).stdout
+
+        with pytest.raises(ControlPlaneRejected) as refused:
+            client.heartbeat(node_id)
+        assert (refused.value.status, refused.value.reason) == (403, "certificate-revoked")
+        with pytest.raises(ControlPlaneRejected):
+            client.fetch_desired_state(node_id)
+
+    # Recovery is a fresh enrollment with a new token; the old certificate stays revoked.
+    token = server.new_token(f"again-{node_id}")
+    with enroll_node(server, tmp_path / "re-enrolled", node_id, token) as fresh:
+        assert fresh.heartbeat(node_id).node_id == node_id
+
+
+# Leases
+
+
+def test_heartbeat_keeps_the_epoch_and_fence_bumps_it(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        first = client.heartbeat(node_id)
+        second = client.heartbeat(node_id)
+        assert first.epoch == second.epoch == 1
+        assert second.expires_at >= first.expires_at
+
+        assert f"lease epoch {first.epoch + 1}" in server.cli("fence", node_id).stdout
+        fenced = client.heartbeat(node_id)
+        assert fenced.epoch == first.epoch + 1
+        assert client.heartbeat(node_id).epoch == fenced.epoch
+
+
+def test_fence_of_an_unknown_node_is_refused(server: DevServer) -> None:
+    result = server.cli("fence", "gpu-nobody", check=False)
+    assert result.returncode == 1
+    assert "gpu-nobody" in result.stderr
+
+
+# Desired state
+
+
+def _policy_trusting(server: DevServer, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "policy.yaml"
+    path.write_text(
+        yaml.safe_dump({"trust": {"control": {"threshold": 1, "public_keys": [str(server.control_public_key)]}}})
+    )
+    return path
+
+
+def test_published_state_is_a_signed_envelope_the_trust_core_accepts(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        assert client.fetch_desired_state(node_id).status is FetchStatus.NONE_PUBLISHED
+        server.cli("fence", node_id)
+        engine = {
+            "name": "chat",
+            "driver": "vllm",
+            "image": "registry.local/vllm@sha256:" + "b" * 64,
+            "model": {"name": "tiny"},
+            "port": 18080,
+        }
+        generation = _publish(server, tmp_path, node_id, {"engines": [engine]})
+        fetched = client.fetch_desired_state(node_id)
+
+    assert fetched.status is FetchStatus.NEW and fetched.envelope is not None
+    assert fetched.generation == generation
+    policy = load_policy(_policy_trusting(server, tmp_path / "policy"))
+    verified = trust.verify_desired_state(
+        fetched.envelope, policy, node_id=node_id, now=datetime.now(UTC), applied=trust.AppliedState()
+    )
+    assert verified.state.generation == generation
+    assert verified.state.lease_epoch == 2
+    assert [e.name for e in verified.state.engines] == ["chat"]
+
+    # Another node must not accept it, whoever signed it.
+    with pytest.raises(trust.Rejection) as rejected:
+        trust.verify_desired_state(
+            fetched.envelope, policy, node_id="gpu-other", now=datetime.now(UTC), applied=trust.AppliedState()
+        )
+    assert rejected.value.code is trust.RejectionCode.WRONG_NODE
+
+
+def test_if_none_match_with_the_current_etag_is_304(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        _publish(server, tmp_path, node_id)
+        first = client.fetch_desired_state(node_id)
+        again = client.fetch_desired_state(node_id, etag=first.etag)
+        short_wait = client.fetch_desired_state(node_id, etag=first.etag, wait=0.2)
+        stale = client.fetch_desired_state(node_id, etag='"not-the-current-etag"')
+
+    assert first.status is FetchStatus.NEW and first.etag
+    assert again == DesiredStateFetch(FetchStatus.NOT_MODIFIED, etag=first.etag, generation=first.generation)
+    assert short_wait.status is FetchStatus.NOT_MODIFIED
+    assert stale.status is FetchStatus.NEW and stale.envelope == first.envelope
+
+
+def test_publish_generations_strictly_increase(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    generations = [_publish(server, tmp_path, node_id) for _ in range(3)]
+    assert generations == [1, 2, 3]
+
+
+def test_long_poll_returns_the_state_published_by_another_process(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        _publish(server, tmp_path, node_id)
+        current = client.fetch_desired_state(node_id)
+        results: list[DesiredStateFetch | BaseException] = []
+
+        def poll() -> None:
+            try:
+                results.append(client.fetch_desired_state(node_id, etag=current.etag, wait=30))
+            except BaseException as exc:
+                results.append(exc)
+
+        waiter = threading.Thread(target=poll)
+        waiter.start()
+        # The poller must still be parked when the publish happens (its ETag is current, so the server
+        # holds the request); its answer must then be the new generation, not a 304.
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not results
+        published = _publish(server, tmp_path, node_id)
+        waiter.join(timeout=40)
+
+    assert not waiter.is_alive()
+    assert len(results) == 1
+    result = results[0]
+    assert isinstance(result, DesiredStateFetch), result
+    assert result.status is FetchStatus.NEW
+    assert result.generation == published == (current.generation or 0) + 1
+    assert result.envelope is not None and json.loads(result.envelope)["payloadType"].endswith("desired-state.v1+json")
+
+
+def test_publish_refuses_a_document_that_sets_server_assigned_fields(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    path = tmp_path / "desired.yaml"
+    path.write_text(yaml.safe_dump({"generation": 99, "engines": []}))
+    result = server.cli("publish", node_id, str(path), check=False)
+    assert result.returncode == 1
+    assert "generation" in result.stderr
+
+
+def test_publish_refuses_an_invalid_state_and_assigns_no_generation(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    bad = {"engines": [{"name": "x", "driver": "not-a-driver", "image": "a@sha256:" + "c" * 64, "port": 1}]}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    result = server.cli("publish", node_id, str(path), check=False)
+    assert result.returncode == 1
+    assert "driver" in result.stderr
+    assert _publish(server, tmp_path, node_id) == 1
+
+
+# Observations and the serving projection
+
+
+def test_observation_with_a_stale_epoch_is_409(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        epoch = client.heartbeat(node_id).epoch
+        client.post_observation(_observation(node_id, epoch))
+        server.cli("fence", node_id)
+
+        with pytest.raises(ControlPlaneRejected) as refused:
+            client.post_observation(_observation(node_id, epoch))
+        assert (refused.value.status, refused.value.reason) == (409, "stale-epoch")
+        assert f"epoch {epoch}" in refused.value.detail and f"epoch {epoch + 1}" in refused.value.detail
+
+        with pytest.raises(ControlPlaneRejected) as future:
+            client.post_observation(_observation(node_id, epoch + 5))
+        assert (future.value.status, future.value.reason) == (409, "future-epoch")
+
+        client.post_observation(_observation(node_id, client.heartbeat(node_id).epoch))
+
+
+def test_serving_projection_lists_only_ready_engines_that_are_not_draining(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        engines = [
+            _engine("serving", 19001, ready=True, draining=False),
+            _engine("draining", 19002, ready=True, draining=True),
+            _engine("starting", 19003, ready=False, draining=False),
+        ]
+        client.post_observation(_observation(node_id, client.heartbeat(node_id).epoch, engines))
+        ours = [e for e in client.serving().endpoints if e.node_id == node_id]
+        assert [(e.engine, e.address, e.served_model_name, e.driver) for e in ours] == [
+            ("serving", "127.0.0.1:19001", "model-serving", "vllm")
+        ]
+
+        # The next observation replaces the last one: the engine is now draining, so it leaves the projection.
+        engines[0]["draining"] = True
+        client.post_observation(_observation(node_id, client.heartbeat(node_id).epoch, engines))
+        assert [e for e in client.serving().endpoints if e.node_id == node_id] == []
+
+
+def test_revoked_node_leaves_the_serving_projection(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    watcher = _enroll(server, tmp_path, f"{node_id}-watcher")
+    with _enroll(server, tmp_path, node_id) as client, watcher:
+        epoch = client.heartbeat(node_id).epoch
+        client.post_observation(_observation(node_id, epoch, [_engine("e", 19010, ready=True, draining=False)]))
+        assert any(e.node_id == node_id for e in watcher.serving().endpoints)
+        server.cli("revoke", node_id)
+        assert not any(e.node_id == node_id for e in watcher.serving().endpoints)
+
+
+def test_observation_about_another_node_is_refused(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        epoch = client.heartbeat(node_id).epoch
+        observation = _observation("gpu-someone-else", epoch)
+        body = observation.model_dump_json().encode()
+        identity = NodeIdentity(tmp_path / node_id)
+        answer = requests.post(
+            f"{server.base_url}/v1/nodes/{node_id}/observations",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            verify=str(identity.ca_path),
+            cert=(str(identity.cert_path), str(identity.key_path)),
+            timeout=10,
+        )
+    assert answer.status_code == 403
+    assert answer.json()["reason"] == "wrong-node"
+
+
+def test_malformed_observation_is_422_with_the_field_named(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    _enroll(server, tmp_path, node_id).close()
+    identity = NodeIdentity(tmp_path / node_id)
+    answer = requests.post(
+        f"{server.base_url}/v1/nodes/{node_id}/observations",
+        data=json.dumps({"apiVersion": "meridian.node/v1", "kind": "Observation", "node_id": node_id}),
+        headers={"Content-Type": "application/json"},
+        verify=str(identity.ca_path),
+        cert=(str(identity.cert_path), str(identity.key_path)),
+        timeout=10,
+    )
+    assert answer.status_code == 422
+    assert answer.json()["reason"] == "invalid-request"
+    assert "lease_epoch" in answer.json()["detail"]
+
+
+def test_oversized_response_is_a_transfer_failure(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    _enroll(server, tmp_path, node_id).close()
+    _publish(server, tmp_path, node_id)
+    identity = NodeIdentity(tmp_path / node_id)
+    with (
+        ControlClient(
+            server.base_url, identity.ca_path, identity.cert_path, identity.key_path, max_response_bytes=64
+        ) as small,
+        pytest.raises(ControlPlaneUnavailable, match="64-byte limit"),
+    ):
+        small.fetch_desired_state(node_id)
+
+
+def test_nodes_table_shows_epoch_generation_and_revocation(server: DevServer, tmp_path: Path, node_id: str) -> None:
+    _enroll(server, tmp_path, node_id).close()
+    _publish(server, tmp_path, node_id)
+    server.cli("fence", node_id)
+    server.cli("revoke", node_id)
+    table = server.cli("nodes").stdout.splitlines()
+    header = table[0].split()
+    assert header[:2] == ["NODE", "EPOCH"]
+    row = next(line.split() for line in table if line.startswith(node_id + " "))
+    # NODE EPOCH LEASE(2 words) ENROLLED(2 words) CERTS REVOKED GENERATION LAST-OBSERVATION
+    assert row[1] == "2"
+    assert row[-4:] == ["0", "yes", "1", "-"]
+
+
+def test_oversized_request_body_is_413_before_anything_is_parsed(server: DevServer) -> None:
+    answer = requests.post(
+        f"{server.base_url}/v1/enroll",
+        data=b"{" + b" " * (2 * 1024 * 1024),
+        headers={"Content-Type": "application/json"},
+        verify=str(server.ca_bundle),
+        timeout=30,
+    )
+    assert answer.status_code == 413
+    assert answer.json()["reason"] == "too-large"

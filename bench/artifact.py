@@ -16,27 +16,21 @@ import argparse
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from timing import median_seconds
 
 from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import fetch_file, hash_file
 
 MIB = 1024 * 1024
 
 
-def timed(run: Callable[[], object], repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def make_file(path: Path, size: int) -> str:
@@ -100,8 +94,8 @@ def main() -> int:
         size = args.size_mib * MIB
         digest = make_file(source, size)
 
-        ours_hash = timed(lambda: hash_file(str(source)), args.repeat)
-        openssl_hash = timed(lambda: openssl_sha256(source), args.repeat)
+        ours_hash = median_seconds(lambda: hash_file(str(source)), args.repeat)
+        openssl_hash = median_seconds(lambda: openssl_sha256(source), args.repeat)
 
         target = root / "download.bin"
         with http_server(served) as base:
@@ -117,8 +111,8 @@ def main() -> int:
                 subprocess.run(["curl", "-sS", "-o", str(target), url], check=True)
                 assert openssl_sha256(target) == digest
 
-            ours_download = timed(ours, args.repeat)
-            pair_download = timed(pair, args.repeat)
+            ours_download = median_seconds(ours, args.repeat)
+            pair_download = median_seconds(pair, args.repeat)
 
     gib = size / (1024 * MIB)
     where = args.dir or tempfile.gettempdir()

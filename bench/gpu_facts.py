@@ -12,15 +12,11 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 FAKES = REPO / "tests" / "fakes"
@@ -30,21 +26,12 @@ ANSIBLE = Path(sys.executable).parent / "ansible"
 SIZES = (0, 8, 64)
 
 sys.path.insert(0, str(COLLECTIONS))
+from timing import median_seconds  # noqa: E402
+
 from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import (  # noqa: E402
     collect_gpu_facts,
 )
 from ansible_collections.meridian.node.tests.helpers.fake_nvml import load_fake_pynvml  # noqa: E402
-
-
-def median_seconds(run: Callable[[], Any], repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 
 
 def module_env(scenario: str | None) -> dict[str, str]:

@@ -1,0 +1,662 @@
+"""Converge one inference engine container: every check first, then the planned actions, one by one.
+
+``converge`` is everything ``meridian.node.engine_instance`` does except talking to Ansible. Its order is
+the safety argument, so it is spelt out here:
+
+1. the spec is validated as the ``EngineSpec`` contract;
+2. policy: the image's repository is allowed and the image is digest-pinned, the driver is allowed, the
+   port is inside the policy's range;
+3. the driver turns the spec into launch settings (a promoted artifact is resolved in the store here);
+4. Docker is observed: the container with the engine's name, if any (a foreign one fails, untouched);
+5. ``engine_plan.plan_engine`` decides the actions;
+6. for plans that create a container: the image is local and safe, the requested GPUs / MIG instances
+   exist, free VRAM covers ``min_vram_mib`` after the other owned engines' reservations, the port is free
+   on the bind address, the NVIDIA runtime is there when GPUs are asked for;
+7. check mode stops here, reporting the actions and the diff;
+8. the actions run: drain (durable mark, then wait for the engine's in-flight gauges to reach 0), stop,
+   remove, create, start, wait until ready (on timeout the new container is stopped, never left
+   half-running).
+
+Nothing is created, stopped or removed before step 8, so every refusal leaves the host as it was.
+
+VRAM reservations: each container we create carries ``meridian.node/min-vram-mib`` and its GPUs (in the
+``meridian.node/spec`` label). A device's room for a new engine is ``min(free, total - reserved)``, where
+``reserved`` sums the reservations of the *other* engines we own on it (stopped ones too: starting them
+again is not re-checked) and ``free`` is NVML's, plus the reservation of the container being replaced,
+which is stopped before the new one starts. ``min_vram_mib`` is asked of every requested device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
+    RESERVED_LABELS,
+    ContainerInfo,
+    ContainerSettings,
+    DockerEngine,
+    DockerEngineError,
+)
+from ansible_collections.meridian.node.plugins.module_utils.drain_state import (
+    DrainStateError,
+    clear_draining,
+    mark_draining,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engine_containers import (
+    container_settings,
+    probe_readiness,
+    read_in_flight,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import (
+    Driver,
+    DriverError,
+    InFlight,
+    MetricsFormatError,
+    ProbeVerdict,
+    get_driver,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engine_plan import (
+    Action,
+    EnginePlan,
+    ForeignContainerError,
+    Observed,
+    ReplaceStrategy,
+    TargetState,
+    plan_engine,
+)
+from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, PolicyError, load_policy
+
+__all__ = [
+    "LABEL_MIN_VRAM",
+    "LABEL_SPEC",
+    "Device",
+    "EngineInstanceError",
+    "Options",
+    "Reservation",
+    "artifact_dir",
+    "build_spec",
+    "check_policy",
+    "converge",
+    "placement_problem",
+    "public_spec",
+    "reservations_from",
+    "resolve_devices",
+]
+
+LABEL_SPEC = "meridian.node/spec"
+LABEL_MIN_VRAM = "meridian.node/min-vram-mib"
+_POLL_S = 0.25
+_PROBE_TIMEOUT_S = 2.0
+_LOG_LINES = 30
+
+
+class EngineInstanceError(Exception):
+    """A check refused the engine or an action failed; ``check`` names which, ``result`` what was done."""
+
+    def __init__(self, message: str, *, check: str, result: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.check = check
+        self.result = dict(result or {})
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to converge, beside the spec itself."""
+
+    state: TargetState = "started"
+    health_path: str | None = None
+    replace_strategy: ReplaceStrategy = "drain-then-replace"
+    wait_ready: bool = True
+    ready_timeout_s: float = 600
+    drain_timeout_s: float = 300
+    drain_grace_s: float = 10
+    policy_path: str = "/etc/meridian/policy.yaml"
+    state_dir: str = "/var/lib/meridian-node"
+    store_path: str | None = None
+
+
+# --- the spec --------------------------------------------------------------------------------------------
+
+_SPEC_KEYS = ("name", "driver", "image", "model", "served_model_name", "gpus", "min_vram_mib", "port", "args", "env")
+
+
+def build_spec(
+    params: Mapping[str, Any], replace_strategy: ReplaceStrategy = "drain-then-replace"
+) -> contracts.EngineSpec:
+    """The ``EngineSpec`` contract from the module's parameters (None means 'not given')."""
+    contracts.require_pydantic()
+    data = {key: params[key] for key in _SPEC_KEYS if params.get(key) is not None}
+    if isinstance(data.get("model"), Mapping):
+        data["model"] = {key: value for key, value in data["model"].items() if value is not None}
+    data["replace_strategy"] = replace_strategy
+    try:
+        return contracts.EngineSpec.model_validate(data)
+    except contracts.ValidationError as exc:
+        raise EngineInstanceError(
+            f"engine {params.get('name')!r}: invalid spec: {contracts.describe_validation_error(exc)}", check="spec"
+        ) from exc
+
+
+def public_spec(spec: contracts.EngineSpec) -> dict[str, Any]:
+    """The spec without secrets, for the label and the diff: env keys only, never their values.
+
+    The generic driver's health path is left out: it changes how the engine is probed, not the
+    container, so changing it must not replace a serving engine.
+    """
+    return {
+        "name": spec.name,
+        "driver": spec.driver,
+        "image": spec.image,
+        "model": {key: value for key, value in spec.model.model_dump().items() if value is not None},
+        "served_model_name": spec.served_model_name,
+        "gpus": list(spec.gpus),
+        "min_vram_mib": spec.min_vram_mib,
+        "port": spec.port,
+        "args": list(spec.args),
+        "env_keys": sorted(spec.env),
+    }
+
+
+def check_policy(policy: Policy, spec: contracts.EngineSpec) -> None:
+    """Image, driver and port against the host's policy; the first refusal raises, naming the check."""
+    for check, problem in (
+        ("policy-image", policy.image_allowed(spec.image)),
+        ("policy-driver", policy.driver_allowed(spec.driver)),
+        ("policy-port", policy.port_allowed(spec.port)),
+    ):
+        if problem is not None:
+            raise EngineInstanceError(f"engine {spec.name!r} refused by policy: {problem}", check=check)
+
+
+def artifact_dir(store_path: str, artifact: str) -> str:
+    """The promoted version's directory of ``artifact``: ``<store>/artifacts/<name>/current``, resolved.
+
+    Resolved to the version directory so the container mounts one fixed version, and a newly promoted
+    version changes the settings (and so replaces the engine) instead of changing under it.
+    """
+    link = os.path.join(store_path, "artifacts", artifact, "current")
+    if not os.path.isdir(link):
+        raise EngineInstanceError(
+            f"artifact {artifact!r} has no promoted version in the store: {link} does not exist; make it "
+            "present first with meridian.node.verified_artifact (promote: true)",
+            check="artifact",
+        )
+    return os.path.realpath(link)
+
+
+def _model_files(directory: str) -> list[str]:
+    files = []
+    for root, _dirs, names in os.walk(directory):
+        for name in names:
+            files.append(os.path.relpath(os.path.join(root, name), directory))
+    return sorted(files)
+
+
+# --- placement -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU or MIG instance a spec can ask for; ``key`` is its uuid, whatever id the spec used."""
+
+    key: str
+    requested_as: str
+    total_mib: int
+    free_mib: int
+    mig_mode: bool = False
+    mig_uuids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """VRAM an owned engine holds on its devices (ids as its spec gave them)."""
+
+    name: str
+    gpus: tuple[str, ...]
+    min_vram_mib: int
+
+
+def resolve_devices(requested: Sequence[str], gpu_facts: Mapping[str, Any]) -> tuple[list[Device], list[str]]:
+    """The devices ``requested`` names (GPU uuid, GPU index or MIG uuid), and the ids that name none."""
+    found: list[Device] = []
+    missing: list[str] = []
+    for wanted in requested:
+        device = _find_device(wanted, gpu_facts.get("gpus") or [])
+        if device is None:
+            missing.append(wanted)
+        else:
+            found.append(device)
+    return found, missing
+
+
+def _find_device(wanted: str, gpus: Sequence[Mapping[str, Any]]) -> Device | None:
+    for gpu in gpus:
+        memory = gpu.get("memory") or {}
+        total = memory.get("total_mib")
+        if wanted in (gpu.get("uuid"), str(gpu.get("index"))) and total is not None:
+            instances = gpu.get("mig_instances") or []
+            free = memory.get("free_mib")
+            return Device(
+                key=str(gpu["uuid"]),
+                requested_as=wanted,
+                total_mib=int(total),
+                free_mib=int(total if free is None else free),
+                mig_mode=bool(gpu.get("mig_mode")),
+                mig_uuids=tuple(str(m["uuid"]) for m in instances),
+            )
+        for instance in gpu.get("mig_instances") or []:
+            if instance.get("uuid") == wanted and instance.get("memory_mib") is not None:
+                # NVML's per-process memory is not split by MIG instance here: the instance's size is the room.
+                size = int(instance["memory_mib"])
+                return Device(key=wanted, requested_as=wanted, total_mib=size, free_mib=size)
+    return None
+
+
+def placement_problem(
+    *,
+    name: str,
+    gpus: Sequence[str],
+    min_vram_mib: int,
+    gpu_facts: Mapping[str, Any] | None,
+    others: Sequence[Reservation],
+    replaced: Reservation | None = None,
+) -> tuple[str, str] | None:
+    """None when the GPUs exist and have room, else ``(check, message with the numbers)``. Pure."""
+    if not gpus:
+        if min_vram_mib:
+            return "placement-vram", (
+                f"engine {name!r} asks for min_vram_mib={min_vram_mib} but no gpus; name the GPUs or MIG "
+                "instances it should run on"
+            )
+        return None
+    if gpu_facts is None or not gpu_facts.get("nvml_available"):
+        reason = (gpu_facts or {}).get("reason") or "no GPU facts"
+        return "placement-gpus", f"engine {name!r} asks for GPUs {list(gpus)} but NVML cannot be read: {reason}"
+    devices, missing = resolve_devices(gpus, gpu_facts)
+    if missing:
+        known = _known_ids(gpu_facts)
+        return "placement-gpus", (
+            f"engine {name!r} asks for GPU(s) {missing}, which this host does not have (GPUs by index, uuid "
+            f"or MIG uuid: {', '.join(known) or 'none'})"
+        )
+    for device in devices:
+        if device.mig_mode:
+            return "placement-gpus", (
+                f"engine {name!r} asks for whole GPU {device.requested_as!r}, which is in MIG mode; ask for one "
+                f"of its MIG instances instead: {', '.join(device.mig_uuids) or 'none configured'}"
+            )
+    if not min_vram_mib:
+        return None
+    for device in devices:
+        reserved = sum(
+            other.min_vram_mib for other in others if device.key in {_device_key(g, gpu_facts) for g in other.gpus}
+        )
+        credit = 0
+        if replaced is not None and device.key in {_device_key(g, gpu_facts) for g in replaced.gpus}:
+            credit = replaced.min_vram_mib
+        free = min(device.total_mib, device.free_mib + credit)
+        room = min(free, device.total_mib - reserved)
+        if room < min_vram_mib:
+            return "placement-vram", (
+                f"engine {name!r} needs {min_vram_mib} MiB on GPU {device.requested_as!r} ({device.key}) "
+                f"but only {max(room, 0)} MiB is available: {device.free_mib} MiB free of {device.total_mib} MiB"
+                + (f" (+{credit} MiB of the container it replaces)" if credit else "")
+                + f", {reserved} MiB reserved by other meridian.node engines"
+            )
+    return None
+
+
+def _device_key(gpu: str, gpu_facts: Mapping[str, Any]) -> str:
+    device = _find_device(gpu, gpu_facts.get("gpus") or [])
+    return gpu if device is None else device.key
+
+
+def _known_ids(gpu_facts: Mapping[str, Any]) -> list[str]:
+    known = []
+    for gpu in gpu_facts.get("gpus") or []:
+        known.append(f"{gpu.get('index')}={gpu.get('uuid')}")
+        known.extend(str(m.get("uuid")) for m in gpu.get("mig_instances") or [])
+    return known
+
+
+def reservations_from(containers: Sequence[ContainerInfo], exclude: str | None = None) -> list[Reservation]:
+    """The VRAM reservations our containers' labels record; ``exclude`` is the engine being converged."""
+    reservations = []
+    for container in containers:
+        if not container.owned or container.instance == exclude:
+            continue
+        spec = _label_spec(container)
+        try:
+            vram = int(container.labels.get(LABEL_MIN_VRAM, "0"))
+        except ValueError:
+            vram = 0
+        gpus = spec.get("gpus") if isinstance(spec, dict) else None
+        if vram and isinstance(gpus, list):
+            reservations.append(Reservation(str(container.instance), tuple(str(g) for g in gpus), vram))
+    return reservations
+
+
+def _label_spec(container: ContainerInfo) -> dict[str, Any]:
+    try:
+        spec = json.loads(container.labels.get(LABEL_SPEC, "{}"))
+    except ValueError:
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+# --- converging ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    """What one converge run knows; ``result`` grows as actions are done, so a failure can report it."""
+
+    name: str
+    options: Options
+    engine: DockerEngine
+    plan: EnginePlan
+    config_hash: str
+    current: ContainerInfo | None
+    driver: Driver | None = None
+    settings: ContainerSettings | None = None
+    probe_host: str = "127.0.0.1"
+    done: list[str] = field(default_factory=list)
+
+    def result(self, **extra: Any) -> dict[str, Any]:
+        container = None
+        if self.current is not None:
+            container = {"id": self.current.id, "name": self.current.name, "status": self.current.state}
+        return {
+            "changed": bool(self.done) or bool(extra.pop("planned", False)),
+            "actions": [str(action) for action in self.plan.actions],
+            "done": list(self.done),
+            "config_hash": self.config_hash or None,
+            "container": container,
+            "diff": self.plan.diff(),
+            **extra,
+        }
+
+
+def converge(
+    params: Mapping[str, Any],
+    options: Options,
+    *,
+    check_mode: bool,
+    engine: DockerEngine,
+    gpu_facts: Callable[[], Mapping[str, Any]] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any]:
+    """Take engine ``params['name']`` to ``options.state``; returns the module's result.
+
+    Raises ``EngineInstanceError`` (with ``check`` and the partial result) for every refusal and failure.
+    """
+    name = str(params["name"])
+    read_gpus = gpu_facts or (lambda: collect_gpu_facts(processes=False, nvlink=False))
+    try:
+        run = _prepare(name, params, options, engine, read_gpus)
+        if check_mode or not run.plan.actions:
+            return _report(run, check_mode)
+        return _apply(run, sleep, clock)
+    except DockerEngineError as exc:
+        raise EngineInstanceError(str(exc), check="docker") from exc
+    except DrainStateError as exc:
+        raise EngineInstanceError(str(exc), check="drain-state") from exc
+
+
+def _prepare(
+    name: str,
+    params: Mapping[str, Any],
+    options: Options,
+    engine: DockerEngine,
+    read_gpus: Callable[[], Mapping[str, Any]],
+) -> _Run:
+    if options.state == "absent":
+        observed, current = _observe(engine, name)
+        plan = _plan(name, options, "", {}, observed)
+        return _Run(name, options, engine, plan, "", current)
+
+    spec = build_spec(params, options.replace_strategy)
+    try:
+        policy = load_policy(options.policy_path)
+    except PolicyError as exc:
+        raise EngineInstanceError(str(exc), check="policy") from exc
+    check_policy(policy, spec)
+    try:
+        driver = get_driver(spec.driver, health_path=options.health_path)
+        model_dir = files = None
+        if spec.model.artifact is not None:
+            model_dir = artifact_dir(options.store_path or policy.store.path, spec.model.artifact)
+            files = _model_files(model_dir)
+        launch = driver.container_settings(spec, model_dir=model_dir, model_files=files or ())
+    except DriverError as exc:
+        raise EngineInstanceError(str(exc), check="driver") from exc
+    bind = policy.engines.bind_address
+    base = container_settings(name=spec.name, driver=spec.driver, launch=launch, bind_address=bind)
+    labels = {
+        LABEL_SPEC: json.dumps(public_spec(spec), sort_keys=True, separators=(",", ":")),
+        LABEL_MIN_VRAM: str(spec.min_vram_mib),
+    }
+    settings = _with_labels(base, labels)
+    config_hash = settings.config_hash()
+
+    observed, current = _observe(engine, name)
+    plan = _plan(name, options, config_hash, public_spec(spec), observed)
+    run = _Run(name, options, engine, plan, config_hash, current, driver, settings, _loopback_for(bind))
+    if Action.CREATE in plan.actions:
+        _check_placement(run, spec, bind, read_gpus)
+    return run
+
+
+def _with_labels(settings: ContainerSettings, labels: Mapping[str, str]) -> ContainerSettings:
+    return dataclasses.replace(settings, labels={**settings.labels, **labels})
+
+
+def _observe(engine: DockerEngine, name: str) -> tuple[Observed | None, ContainerInfo | None]:
+    container = engine.find(name)
+    if container is None:
+        return None, None
+    return (
+        Observed(
+            owned=container.owned,
+            status=container.state,
+            config_hash=container.config_hash,
+            spec=_label_spec(container),
+        ),
+        container,
+    )
+
+
+def _plan(name: str, options: Options, config_hash: str, spec: dict[str, Any], observed: Observed | None) -> EnginePlan:
+    try:
+        return plan_engine(
+            name=name,
+            state=options.state,
+            config_hash=config_hash,
+            spec=spec,
+            observed=observed,
+            replace_strategy=options.replace_strategy,
+            wait_ready=options.wait_ready,
+        )
+    except ForeignContainerError as exc:
+        raise EngineInstanceError(str(exc), check="ownership") from exc
+
+
+def _loopback_for(bind: str) -> str:
+    # An engine published on every address is probed on loopback.
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)  # noqa: S104
+
+
+def _check_placement(
+    run: _Run, spec: contracts.EngineSpec, bind: str, read_gpus: Callable[[], Mapping[str, Any]]
+) -> None:
+    image = run.engine.resolve_image(spec.image)
+    spoofing = sorted(set(image.labels) & set(RESERVED_LABELS))
+    if spoofing:
+        raise EngineInstanceError(
+            f"engine {spec.name!r}: image {spec.image!r} carries labels {spoofing}, which would make its "
+            "containers pass as meridian.node's; rebuild it without them",
+            check="image",
+        )
+    replaced = None
+    if run.current is not None:
+        replaced_list = reservations_from([run.current])
+        replaced = replaced_list[0] if replaced_list else None
+    problem = placement_problem(
+        name=spec.name,
+        gpus=spec.gpus,
+        min_vram_mib=spec.min_vram_mib,
+        gpu_facts=read_gpus() if spec.gpus else None,
+        others=reservations_from(run.engine.list_owned(), exclude=spec.name),
+        replaced=replaced,
+    )
+    if problem is not None:
+        raise EngineInstanceError(problem[1], check=problem[0])
+    # The port of the container being replaced is ours: it is freed before the new one starts.
+    ours = run.current is not None and any(p.host_port == spec.port for p in run.current.ports)
+    if not ours:
+        taken = run.engine.port_in_use(bind, spec.port)
+        if taken is not None:
+            raise EngineInstanceError(f"engine {spec.name!r}: {taken}", check="placement-port")
+    if spec.gpus and not run.engine.has_nvidia_runtime():
+        raise EngineInstanceError(
+            f"engine {spec.name!r} asks for GPUs {list(spec.gpus)} but this host's Docker Engine has no NVIDIA "
+            "runtime; install the NVIDIA Container Toolkit, run 'nvidia-ctk runtime configure --runtime=docker' "
+            "and restart dockerd",
+            check="placement-runtime",
+        )
+
+
+def _report(run: _Run, check_mode: bool) -> dict[str, Any]:
+    ready: bool | None = None
+    detail: str | None = None
+    if not check_mode and run.current is not None and run.current.running and run.driver is not None:
+        verdict = _probe(run)
+        ready, detail = verdict.ready, verdict.detail
+    return run.result(planned=check_mode and bool(run.plan.actions), ready=ready, probe=detail)
+
+
+def _probe(run: _Run) -> ProbeVerdict:
+    if run.driver is None or run.settings is None or run.settings.port is None:
+        raise RuntimeError(f"engine {run.name!r}: probing needs the driver and the published port")
+    return probe_readiness(run.driver, run.probe_host, run.settings.port.host_port, timeout=_PROBE_TIMEOUT_S)
+
+
+def _existing(run: _Run, action: str) -> ContainerInfo:
+    # The planner only orders drain/stop/remove/start/wait-ready where a container exists.
+    if run.current is None:
+        raise RuntimeError(f"engine {run.name!r}: the plan asks to {action} but there is no container")
+    return run.current
+
+
+def _apply(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]) -> dict[str, Any]:
+    verdict: ProbeVerdict | None = None
+    drained = False
+    for action in run.plan.actions:
+        if action is Action.DRAIN:
+            _drain(run, sleep, clock)
+            drained = True
+        elif action is Action.STOP:
+            current = _existing(run, "stop")
+            run.engine.stop(current, timeout=_driver_of(current).facts.stop_timeout_s)
+            run.current = run.engine.container(current.id)
+        elif action is Action.REMOVE:
+            run.engine.remove(_existing(run, "remove"))
+            run.current = None
+        elif action is Action.CREATE:
+            if run.settings is None:
+                raise RuntimeError(f"engine {run.name!r}: the plan asks to create without settings")
+            run.current = run.engine.create(run.settings)
+        elif action is Action.START:
+            current = _existing(run, "start")
+            run.engine.start(current)
+            run.current = run.engine.container(current.id)
+        elif action is Action.WAIT_READY:
+            verdict = _wait_ready(run, sleep, clock)
+        run.done.append(str(action))
+    if run.options.state == "absent" or drained:
+        clear_draining(run.options.state_dir, run.name)
+    if run.current is not None:
+        run.current = run.engine.container(run.current.id)
+    if verdict is None and run.current is not None and run.current.running and run.driver is not None:
+        verdict = _probe(run)
+    return run.result(
+        ready=None if verdict is None else verdict.ready, probe=None if verdict is None else verdict.detail
+    )
+
+
+def _driver_of(container: ContainerInfo) -> Driver:
+    """The driver a container was made by (its label), for its stop timeout and gauges."""
+    try:
+        return get_driver(container.driver or "openai")
+    except DriverError:
+        return get_driver("openai")
+
+
+def _drain(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+    """Mark the old engine draining, then wait until nothing is in flight; on timeout restore and fail."""
+    old = _existing(run, "drain")
+    mark_draining(run.options.state_dir, run.name, reason=f"replacing with {run.config_hash}")
+    driver = _driver_of(old)
+    ports = [p for p in old.ports if p.protocol == "tcp"]
+    if not driver.facts.has_metrics or not ports:
+        sleep(min(run.options.drain_grace_s, run.options.drain_timeout_s))
+        return
+    host = _loopback_for(ports[0].host_ip or "127.0.0.1")
+    deadline = clock() + run.options.drain_timeout_s
+    last: InFlight | None = None
+    while True:
+        try:
+            last = read_in_flight(driver, host, ports[0].host_port, timeout=_PROBE_TIMEOUT_S)
+        except MetricsFormatError:
+            last = None
+        if last is not None and last.total == 0:
+            return
+        if clock() >= deadline:
+            break
+        sleep(_POLL_S)
+    # Nothing was stopped: the old engine keeps serving, so it must not stay out of the serving set.
+    clear_draining(run.options.state_dir, run.name)
+    seen = "its metrics did not answer" if last is None else f"{last.running} running, {last.waiting} waiting"
+    raise EngineInstanceError(
+        f"engine {run.name!r}: drain timed out after {run.options.drain_timeout_s:g}s ({seen}); the old container "
+        "is left running and serving. Raise drain_timeout, or use replace_strategy: stop-then-start",
+        check="drain",
+        result=run.result(),
+    )
+
+
+def _wait_ready(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]) -> ProbeVerdict:
+    """Probe until ready; on timeout (or an exited container) stop it and fail with the verdict and logs."""
+    container = _existing(run, "wait-ready")
+    deadline = clock() + run.options.ready_timeout_s
+    while True:
+        verdict = _probe(run)
+        if verdict.ready:
+            return verdict
+        state = run.engine.container(container.id).state
+        if state != "running" or clock() >= deadline:
+            break
+        sleep(_POLL_S)
+    if state == "running":
+        run.engine.stop(container, timeout=_driver_of(container).facts.stop_timeout_s)
+        why = f"did not become ready within {run.options.ready_timeout_s:g}s"
+    else:
+        why = f"exited ({state}) before it became ready"
+    # Read after stopping: the tail then also says how the engine took the stop.
+    logs = run.engine.logs_tail(container, _LOG_LINES)
+    run.current = run.engine.container(container.id)
+    raise EngineInstanceError(
+        f"engine {run.name!r} {why}; last probe: {verdict.detail}. The container is left "
+        f"{run.current.state}, not serving. Last {_LOG_LINES} log lines:\n{logs}",
+        check="readiness",
+        result=run.result(ready=False, probe=verdict.detail),
+    )

@@ -1,0 +1,334 @@
+#!/usr/bin/python
+# Copyright: (c) 2026, meridian.node developers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: engine_instance
+short_description: Run an inference engine (vLLM, TGI, SGLang, Ollama, llama.cpp, LMDeploy, ...) as a container
+version_added: 0.1.0
+author:
+  - Meridian node maintainers (@meridian)
+description:
+  - Makes one inference engine present, started, stopped or absent as a Docker container, built by the
+    engine's driver from one generic spec (the C(EngineSpec) contract).
+  - Every check runs before anything changes - the spec, the host policy (image repository allowed and
+    pinned by digest, driver allowed, port inside the policy's range), the promoted model artifact, the
+    container's ownership, then for a new container the image, the GPUs or MIG instances, free VRAM after
+    the reservations of the other engines this collection owns, the port on the policy's bind address and
+    the NVIDIA runtime. A refused engine leaves the host exactly as it was, and the message names the
+    check with the numbers.
+  - Only containers with meridian.node's ownership labels are touched. A container with the engine's name
+    but without them makes the module fail and is left alone.
+  - A re-run with the same spec changes nothing. A changed spec replaces the container; with
+    O(replace_strategy=drain-then-replace) the old engine is first marked draining (durably, under
+    O(state_dir)) and given until its running and waiting requests reach zero.
+  - With O(wait_ready=true) the module waits until the engine's readiness probe passes. An engine that is
+    not ready within O(ready_timeout) is stopped (never left half-running) and the module fails with the
+    last probe result and the container's last log lines.
+requirements:
+  - docker (the Docker SDK for Python, >= 7.0), pydantic, cryptography and PyYAML on the managed host.
+  - nvidia-ml-py on hosts whose engines ask for GPUs.
+options:
+  name:
+    description:
+      - The engine's name, also the container's name (1-63 lowercase letters, digits, C(.), C(_), C(-)).
+    type: str
+    required: true
+  state:
+    description:
+      - V(started) - the container exists with this spec and runs (and is ready, with O(wait_ready)).
+      - V(present) - the container exists with this spec; a running one is kept running, a new one is not started.
+      - V(stopped) - the container exists with this spec and does not run.
+      - V(absent) - no container; only O(name) is needed.
+    type: str
+    choices: [present, started, stopped, absent]
+    default: started
+  driver:
+    description:
+      - The engine. Required unless O(state=absent).
+    type: str
+    choices: [vllm, tgi, sglang, ollama, llamacpp, lmdeploy, openai]
+  image:
+    description:
+      - The engine image, C(repository[:tag]@sha256:<digest>). It must already be in the local Docker
+        Engine (nothing is pulled) and be allowed by the policy. Required unless O(state=absent).
+    type: str
+  model:
+    description:
+      - The model to serve - exactly one of O(model.artifact) or O(model.name). Required unless O(state=absent).
+    type: dict
+    suboptions:
+      artifact:
+        description:
+          - A model artifact promoted in the local store (C(<store>/artifacts/<artifact>/current)); it is
+            mounted read-only into the container.
+        type: str
+      name:
+        description:
+          - A model name, for engines that fetch and manage their own models.
+        type: str
+  served_model_name:
+    description:
+      - The model name clients use. Defaults to the model name, else the engine's name.
+    type: str
+  gpus:
+    description:
+      - GPUs by uuid or index, or MIG instances by uuid. Empty runs the engine without any GPU.
+    type: list
+    elements: str
+    default: []
+  min_vram_mib:
+    description:
+      - Free VRAM, in MiB, that each requested GPU or MIG instance must have for this engine, after the
+        reservations of the other engines this collection owns. Recorded on the container as its reservation.
+    type: int
+    default: 0
+  port:
+    description:
+      - The host port the engine is published on, on the policy's bind address. Required unless O(state=absent).
+    type: int
+  args:
+    description:
+      - Extra engine arguments. Flags the driver sets itself (port, host, model, served name) are refused.
+    type: list
+    elements: str
+    default: []
+  env:
+    description:
+      - Environment variables for the engine. Values are treated as secrets - never logged, never put into
+        a label or the diff (only the names are).
+    type: dict
+    default: {}
+  health_path:
+    description:
+      - The readiness path of a generic O(driver=openai) server (default C(/v1/models)). Not for other drivers.
+    type: str
+  replace_strategy:
+    description:
+      - How a running engine is replaced when its spec changes.
+      - V(drain-then-replace) - mark it draining, wait until nothing is in flight (or fail after
+        O(drain_timeout), leaving it running), then stop it and start the new one.
+      - V(stop-then-start) - stop it at once; requests in flight are lost on engines that abort them.
+    type: str
+    choices: [drain-then-replace, stop-then-start]
+    default: drain-then-replace
+  wait_ready:
+    description:
+      - Wait after every start until the engine's readiness probe passes.
+    type: bool
+    default: true
+  ready_timeout:
+    description:
+      - Seconds to wait for readiness (model loading included).
+    type: int
+    default: 600
+  drain_timeout:
+    description:
+      - Seconds to wait for in-flight requests to finish when draining before a replacement.
+    type: int
+    default: 300
+  drain_grace:
+    description:
+      - Seconds to wait when draining an engine that publishes no in-flight metrics (Ollama, generic servers).
+    type: int
+    default: 10
+  policy:
+    description:
+      - The host policy file.
+    type: path
+    default: /etc/meridian/policy.yaml
+  state_dir:
+    description:
+      - The host's state directory; draining marks live in C(<state_dir>/draining/).
+    type: path
+    default: /var/lib/meridian-node
+  store_path:
+    description:
+      - The artifact store to resolve O(model.artifact) in. Defaults to the policy's C(store.path).
+    type: path
+extends_documentation_fragment:
+  - meridian.node.attributes
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: full
+  idempotent:
+    support: full
+notes:
+  - Containers are created from the image id the reference resolved to, so what runs is what was checked.
+  - A stopped engine keeps its VRAM reservation; remove it (O(state=absent)) to release it.
+seealso:
+  - name: Engine drivers
+    description: What each driver runs and where its facts come from (docs/ENGINE_DRIVERS.md).
+    link: https://github.com/meridian/node/blob/main/docs/ENGINE_DRIVERS.md
+"""
+
+EXAMPLES = r"""
+- name: Serve a promoted artifact with vLLM on two GPUs
+  meridian.node.engine_instance:
+    name: llama-70b
+    driver: vllm
+    image: registry.example.com/vllm/vllm-openai@sha256:4f5c0a6a0e0e7f1d2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192
+    model:
+      artifact: llama-3-70b-instruct
+    served_model_name: llama-70b
+    gpus: ["0", "1"]
+    min_vram_mib: 70000
+    port: 8001
+    env:
+      HF_TOKEN: "{{ vault_hf_token }}"
+
+- name: Stop an engine, keeping its container
+  meridian.node.engine_instance:
+    name: llama-70b
+    state: stopped
+    driver: vllm
+    image: registry.example.com/vllm/vllm-openai@sha256:4f5c0a6a0e0e7f1d2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192
+    model:
+      artifact: llama-3-70b-instruct
+    port: 8001
+
+- name: Remove an engine
+  meridian.node.engine_instance:
+    name: llama-70b
+    state: absent
+"""
+
+RETURN = r"""
+actions:
+  description: The actions planned, in order (in check mode, the ones that would run).
+  returned: always
+  type: list
+  elements: str
+  sample: [drain, stop, remove, create, start, wait-ready]
+done:
+  description: The actions actually done (empty in check mode).
+  returned: always
+  type: list
+  elements: str
+  sample: [create, start, wait-ready]
+config_hash:
+  description: The hash of the container settings (the C(meridian.node/config-hash) label); V(null) for O(state=absent).
+  returned: always
+  type: str
+  sample: sha256:9b0c1f8e6f0e4d1b2a3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192
+container:
+  description: The engine's container after the run; V(null) when there is none.
+  returned: always
+  type: dict
+  contains:
+    id:
+      description: Container id.
+      type: str
+    name:
+      description: Container name (the engine's name).
+      type: str
+    status:
+      description: Docker state, such as C(running), C(created) or C(exited).
+      type: str
+ready:
+  description: Whether the engine's readiness probe passed; V(null) when the engine does not run or in check mode.
+  returned: always
+  type: bool
+probe:
+  description: The last readiness probe's verdict, in words.
+  returned: always
+  type: str
+  sample: GET /health answered 200
+check:
+  description: On failure, the check or step that failed (for example C(policy-image), C(placement-vram), C(readiness)).
+  returned: failed
+  type: str
+  sample: placement-port
+diff:
+  description: Running state, config hash and the non-secret spec, before and after.
+  returned: always
+  type: dict
+"""
+
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+
+from ansible_collections.meridian.node.plugins.module_utils import contracts, docker_engine, dsse
+from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
+    EngineInstanceError,
+    Options,
+    converge,
+)
+
+_SPEC_REQUIRED = ["driver", "image", "model", "port"]
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "name": {"type": "str", "required": True},
+            "state": {"type": "str", "default": "started", "choices": ["present", "started", "stopped", "absent"]},
+            "driver": {"type": "str", "choices": list(contracts.DRIVERS)},
+            "image": {"type": "str"},
+            "model": {
+                "type": "dict",
+                "options": {"artifact": {"type": "str"}, "name": {"type": "str"}},
+                "mutually_exclusive": [["artifact", "name"]],
+                "required_one_of": [["artifact", "name"]],
+            },
+            "served_model_name": {"type": "str"},
+            "gpus": {"type": "list", "elements": "str", "default": []},
+            "min_vram_mib": {"type": "int", "default": 0},
+            "port": {"type": "int"},
+            "args": {"type": "list", "elements": "str", "default": []},
+            "env": {"type": "dict", "default": {}, "no_log": True},
+            "health_path": {"type": "str"},
+            "replace_strategy": {
+                "type": "str",
+                "default": "drain-then-replace",
+                "choices": ["drain-then-replace", "stop-then-start"],
+            },
+            "wait_ready": {"type": "bool", "default": True},
+            "ready_timeout": {"type": "int", "default": 600},
+            "drain_timeout": {"type": "int", "default": 300},
+            "drain_grace": {"type": "int", "default": 10},
+            "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
+            "state_dir": {"type": "path", "default": "/var/lib/meridian-node"},
+            "store_path": {"type": "path"},
+        },
+        required_if=[("state", state, _SPEC_REQUIRED) for state in ("present", "started", "stopped")],
+        supports_check_mode=True,
+    )
+    for package, error in (
+        ("docker", docker_engine.DOCKER_IMPORT_ERROR),
+        ("pydantic", contracts.PYDANTIC_IMPORT_ERROR),
+        ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR),
+    ):
+        if error is not None:
+            module.fail_json(msg=missing_required_lib(package), exception=error)
+    params = module.params
+    options = Options(
+        state=params["state"],
+        health_path=params["health_path"],
+        replace_strategy=params["replace_strategy"],
+        wait_ready=params["wait_ready"],
+        ready_timeout_s=params["ready_timeout"],
+        drain_timeout_s=params["drain_timeout"],
+        drain_grace_s=params["drain_grace"],
+        policy_path=params["policy"],
+        state_dir=params["state_dir"],
+        store_path=params["store_path"],
+    )
+    try:
+        engine = docker_engine.DockerEngine.from_env()
+    except docker_engine.DockerEngineError as exc:
+        module.fail_json(msg=str(exc), check="docker")
+    try:
+        result = converge(params, options, check_mode=module.check_mode, engine=engine)
+    except EngineInstanceError as exc:
+        module.fail_json(msg=str(exc), check=exc.check, **exc.result)
+    finally:
+        engine.close()
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,531 @@
+"""meridian.node.engine_instance run by ansible-playbook on the real Docker Engine.
+
+Each state is driven in the four steps (check, apply, idempotent, idempotent-check) in one playbook; the
+registered results are written to a JSON file the test reads. Engines are the stand-in images
+(tests/engines/standin_server.py playing each engine); NVML is faked at the pynvml seam only where a test
+asks for GPUs. Every container carries the test's random prefix and is removed afterwards, pass or fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import LABEL_CONFIG_HASH, port_bind_problem
+from ansible_collections.meridian.node.plugins.module_utils.engine_instance import LABEL_MIN_VRAM, LABEL_SPEC
+from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = REPO / ".venv" / "bin"
+SERVER = REPO / "tests" / "engines" / "standin_server.py"
+BIND = "127.0.0.1"
+PORTS = (8100, 8999)
+# Only used as an env value: no_log masks every occurrence of it in the output, so it must be unusual.
+SECRET = "tok-5e3c7a9f-not-for-labels"
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+
+def free_port() -> int:
+    start = 8100 + secrets.randbelow(700)
+    for port in range(start, PORTS[1]):
+        if port_bind_problem(BIND, port) is None:
+            return port
+    raise RuntimeError(f"no free port in {start}-{PORTS[1]} on {BIND}")
+
+
+@pytest.fixture
+def prefix(docker_client: Any) -> Iterator[str]:
+    name = f"mn-ei-{secrets.token_hex(3)}"
+    yield name
+    for container in docker_client.containers.list(all=True, filters={"name": name}):
+        container.remove(force=True)
+
+
+@pytest.fixture(scope="module")
+def images(docker_client: Any, standin_base_image: LocalImage) -> dict[str, LocalImage]:
+    return {
+        driver: ensure_engine_image(docker_client, standin_base_image, SERVER, engine=driver)
+        for driver in ("vllm", "llamacpp", "tgi", "sglang", "ollama", "lmdeploy", "openai")
+    }
+
+
+class Host:
+    """A policy, an artifact store and a state dir in a temporary directory; runs playbooks against them."""
+
+    def __init__(self, root: Path, docker_client: Any) -> None:
+        self.root = root
+        self.client = docker_client
+        self.store = root / "store"
+        self.state_dir = root / "state"
+        version = self.store / "artifacts" / "tiny" / "v1"
+        version.mkdir(parents=True)
+        (version / "config.json").write_text("{}")
+        (version / "tiny-q4.gguf").write_bytes(b"GGUF")
+        (self.store / "artifacts" / "tiny" / "current").symlink_to("v1")
+        self.state_dir.mkdir()
+        self.policy = write_policy(
+            root / "policy",
+            control=[make_key()],
+            extra={
+                "images": {"allowed_repositories": ["meridian-node/standin"]},
+                "engines": {
+                    "allowed_drivers": ["vllm", "llamacpp", "ollama", "openai", "sglang", "lmdeploy"],
+                    "bind_address": BIND,
+                    "port_range": list(PORTS),
+                },
+                "store": {"path": str(self.store)},
+            },
+        )
+
+    def params(self, **spec: Any) -> dict[str, Any]:
+        return {"policy": str(self.policy), "state_dir": str(self.state_dir), **spec}
+
+    def play(self, steps: Sequence[tuple[str, Mapping[str, Any], bool]], nvml: str | None = None) -> dict[str, Any]:
+        """Run ``(label, module params, check_mode)`` steps in order; every step's registered result by label."""
+        out = self.root / f"results-{secrets.token_hex(4)}.json"
+        tasks: list[dict[str, Any]] = [
+            {
+                "name": label,
+                "meridian.node.engine_instance": dict(params),
+                "check_mode": check,
+                "register": f"step_{index}",
+                "ignore_errors": True,
+            }
+            for index, (label, params, check) in enumerate(steps)
+        ]
+        collected = ", ".join(f"{json.dumps(label)}: step_{index}" for index, (label, _p, _c) in enumerate(steps))
+        tasks.append(
+            {
+                "name": "save the results",
+                "ansible.builtin.copy": {"content": "{{ {" + collected + "} | to_json }}", "dest": str(out)},
+                "check_mode": False,
+            }
+        )
+        playbook = self.root / "play.yml"
+        playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
+        env = {
+            **os.environ,
+            "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".build" / "collections"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_DEPRECATION_WARNINGS": "0",
+            "ANSIBLE_LOCAL_TEMP": str(self.root / "ansible-tmp"),
+        }
+        if nvml is not None:
+            env["PYTHONPATH"] = str(REPO / "tests" / "fakes")
+            env["MERIDIAN_FAKE_NVML_SCENARIO"] = nvml
+        proc = subprocess.run(
+            [
+                str(VENV_BIN / "ansible-playbook"),
+                "-i",
+                "localhost,",
+                "-e",
+                f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
+                "--diff",
+                str(playbook),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        results: dict[str, Any] = json.loads(out.read_text())
+        return results
+
+    def container(self, name: str) -> Any:
+        """The container called exactly ``name``, or None."""
+        found = [c for c in self.client.containers.list(all=True, filters={"name": name}) if c.name == name]
+        return found[0] if found else None
+
+
+@pytest.fixture
+def host(tmp_path: Path, docker_client: Any) -> Host:
+    return Host(tmp_path, docker_client)
+
+
+def four_steps(params: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], bool]]:
+    return [
+        ("check", params, True),
+        ("apply", params, False),
+        ("idempotent", params, False),
+        ("idem-check", params, True),
+    ]
+
+
+def assert_four_steps(results: Mapping[str, Any], actions: list[str]) -> None:
+    for label in results:
+        assert not results[label].get("failed"), (label, results[label].get("msg"))
+    assert results["check"]["changed"] is True
+    assert results["check"]["actions"] == actions
+    assert results["check"]["done"] == []
+    assert results["apply"]["changed"] is True
+    assert results["apply"]["done"] == actions
+    for label in ("idempotent", "idem-check"):
+        assert results[label]["changed"] is False, results[label]
+        assert results[label]["actions"] == []
+
+
+def test_vllm_engine_started_ready_idempotent_then_absent(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    name = f"{prefix}-vllm"
+    started = host.params(
+        name=name,
+        driver="vllm",
+        image=images["vllm"].pinned,
+        model={"artifact": "tiny"},
+        served_model_name="tiny-chat",
+        port=free_port(),
+        env={"API_TOKEN": SECRET},
+    )
+    results = host.play(four_steps(started))
+
+    assert_four_steps(results, ["create", "start", "wait-ready"])
+    assert results["apply"]["ready"] is True
+    assert results["idempotent"]["ready"] is True
+    assert results["check"]["diff"]["after"]["spec"]["env_keys"] == ["API_TOKEN"]
+    container = host.container(name)
+    assert container is not None and container.status == "running"
+    assert container.id == results["apply"]["container"]["id"] == results["idempotent"]["container"]["id"]
+    labels = container.labels
+    assert labels[LABEL_CONFIG_HASH] == results["apply"]["config_hash"]
+    assert labels[LABEL_MIN_VRAM] == "0"
+    # The secret is in the container's environment, and nowhere in its labels.
+    assert SECRET not in json.dumps(labels)
+    assert json.loads(labels[LABEL_SPEC])["env_keys"] == ["API_TOKEN"]
+    assert f"API_TOKEN={SECRET}" in container.attrs["Config"]["Env"]
+    mounts = container.attrs["Mounts"]
+    assert [(m["Source"], m["RW"]) for m in mounts] == [(str(host.store / "artifacts" / "tiny" / "v1"), False)]
+
+    absent = host.params(name=name, state="absent")
+    results = host.play(four_steps(absent))
+
+    assert_four_steps(results, ["stop", "remove"])
+    assert results["apply"]["container"] is None
+    assert host.container(name) is None
+
+
+def test_llamacpp_engine_started_and_ready(host: Host, images: dict[str, LocalImage], prefix: str) -> None:
+    name = f"{prefix}-llama"
+    params = host.params(
+        name=name,
+        driver="llamacpp",
+        image=images["llamacpp"].pinned,
+        model={"artifact": "tiny"},
+        port=free_port(),
+        env={"STANDIN_LOAD_SECONDS": "2.5"},
+    )
+    results = host.play(four_steps(params))
+
+    assert_four_steps(results, ["create", "start", "wait-ready"])
+    assert results["apply"]["ready"] is True
+    assert results["apply"]["probe"] == "GET /health answered 200"
+    container = host.container(name)
+    assert container is not None and container.status == "running"
+    assert "/meridian/model/tiny-q4.gguf" in container.attrs["Args"]
+
+
+def test_sglang_ollama_lmdeploy_and_generic_engines_start_and_become_ready(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    specs: dict[str, dict[str, Any]] = {
+        "sglang": {"model": {"artifact": "tiny"}},
+        "ollama": {"model": {"name": "tiny"}},
+        "lmdeploy": {"model": {"artifact": "tiny"}},
+        # The generic driver's probe path is configurable; the stand-in serves its model list there.
+        "openai": {"model": {"name": "tiny"}, "health_path": "/v1/models"},
+    }
+    steps: list[tuple[str, Mapping[str, Any], bool]] = []
+    for driver, extra in specs.items():
+        params = host.params(
+            name=f"{prefix}-{driver}", driver=driver, image=images[driver].pinned, port=free_port(), **extra
+        )
+        steps += [(f"{driver} apply", params, False), (f"{driver} idempotent", params, False)]
+    results = host.play(steps)
+
+    for driver in specs:
+        applied, again = results[f"{driver} apply"], results[f"{driver} idempotent"]
+        assert not applied.get("failed"), (driver, applied.get("msg"))
+        assert applied["done"] == ["create", "start", "wait-ready"], driver
+        assert applied["ready"] is True, (driver, applied["probe"])
+        assert again["changed"] is False, (driver, again)
+        assert again["ready"] is True, driver
+        assert host.container(f"{prefix}-{driver}").status == "running"
+
+
+def test_stopped_then_started_in_four_steps_each(host: Host, images: dict[str, LocalImage], prefix: str) -> None:
+    name = f"{prefix}-stop"
+    spec = {
+        "name": name,
+        "driver": "vllm",
+        "image": images["vllm"].pinned,
+        "model": {"name": "tiny"},
+        "port": free_port(),
+    }
+    results = host.play(four_steps(host.params(state="stopped", **spec)))
+    assert_four_steps(results, ["create"])
+    assert results["apply"]["container"]["status"] == "created"
+    assert results["apply"]["ready"] is None
+
+    results = host.play(four_steps(host.params(state="started", **spec)))
+    assert_four_steps(results, ["start", "wait-ready"])
+    assert results["apply"]["ready"] is True
+
+    results = host.play(four_steps(host.params(state="stopped", **spec)))
+    assert_four_steps(results, ["stop"])
+    container = host.container(name)
+    assert container is not None and container.status == "exited"
+
+
+def test_config_change_drains_and_replaces_and_the_old_container_is_gone(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    name = f"{prefix}-repl"
+    spec = {
+        "name": name,
+        "driver": "vllm",
+        "image": images["vllm"].pinned,
+        "model": {"artifact": "tiny"},
+        "served_model_name": "first",
+        "port": free_port(),
+    }
+    first = host.play([("apply", host.params(**spec), False)])["apply"]
+    assert first["ready"] is True, first
+    changed = host.params(**{**spec, "served_model_name": "second"})
+    results = host.play(four_steps(changed))
+
+    assert_four_steps(results, ["drain", "stop", "remove", "create", "start", "wait-ready"])
+    diff = results["check"]["diff"]
+    assert diff["before"]["spec"]["served_model_name"] == "first"
+    assert diff["after"]["spec"]["served_model_name"] == "second"
+    new_id = results["apply"]["container"]["id"]
+    assert new_id != first["container"]["id"]
+    assert [c.id for c in host.client.containers.list(all=True, filters={"name": name})] == [new_id]
+    assert "second" in host.container(name).attrs["Args"]
+    # The draining mark lived only until the replacement was ready.
+    assert list((host.state_dir / "draining").iterdir()) == []
+
+
+def test_foreign_container_with_our_name_is_left_untouched(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    name = f"{prefix}-foreign"
+    foreign = host.client.containers.run(
+        images["vllm"].id,
+        entrypoint=["python3", "-c", "import time; time.sleep(600)"],
+        name=name,
+        detach=True,
+        init=True,
+    )
+    params = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=free_port())
+    results = host.play([("check", params, True), ("apply", params, False)])
+
+    for label in ("check", "apply"):
+        assert results[label]["failed"] is True
+        assert results[label]["check"] == "ownership"
+        assert "not created by meridian.node" in results[label]["msg"]
+    foreign.reload()
+    assert foreign.status == "running"
+    assert host.container(name).id == foreign.id
+
+
+def _refusal_cases(images: dict[str, LocalImage], port: int) -> dict[str, tuple[dict[str, Any], str, str]]:
+    pinned = images["vllm"].pinned
+    return {
+        "unpinned image": ({"image": images["vllm"].tag}, "policy-image", "unpinned"),
+        "disallowed repository": (
+            {"image": "meridian-node/other@" + images["vllm"].id},
+            "policy-image",
+            "is not allowed by policy",
+        ),
+        "disallowed driver": (
+            {"driver": "tgi", "image": images["tgi"].pinned},
+            "policy-driver",
+            "'tgi' is not allowed",
+        ),
+        "port out of range": ({"port": 9500}, "policy-port", "port 9500 is outside"),
+        "unknown GPU": ({"image": pinned, "gpus": ["GPU-00000000-dead-beef"]}, "placement-gpus", "does not have"),
+        "VRAM short": ({"gpus": ["0"], "min_vram_mib": 20000}, "placement-vram", "only 6837 MiB is available"),
+        "no NVIDIA runtime": ({"gpus": ["7"], "min_vram_mib": 1000}, "placement-runtime", "no NVIDIA runtime"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unpinned image",
+        "disallowed repository",
+        "disallowed driver",
+        "port out of range",
+        "port taken",
+        "unknown GPU",
+        "VRAM short",
+        "no NVIDIA runtime",
+    ],
+)
+def test_refused_engine_creates_nothing(host: Host, images: dict[str, LocalImage], prefix: str, case: str) -> None:
+    name = f"{prefix}-refused"
+    port = free_port()
+    params = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=port)
+    with socket.socket() as holder:
+        if case == "port taken":
+            holder.bind((BIND, port))
+            holder.listen()
+            overrides: dict[str, Any] = {}
+            check, words = "placement-port", f"port {port} on {BIND} is already in use"
+        else:
+            overrides, check, words = _refusal_cases(images, port)[case]
+        params.update(overrides)
+        results = host.play([("check", params, True), ("apply", params, False)], nvml="eight-gpus")
+
+    for label in ("check", "apply"):
+        assert results[label]["failed"] is True, results[label]
+        assert results[label]["check"] == check, results[label]["msg"]
+        assert words in results[label]["msg"]
+    assert host.container(name) is None
+
+
+def test_engine_that_never_becomes_ready_fails_with_its_log_tail_and_is_left_stopped(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    name = f"{prefix}-never"
+    params = host.params(
+        name=name,
+        driver="llamacpp",
+        image=images["llamacpp"].pinned,
+        model={"name": "m"},
+        port=free_port(),
+        env={"STANDIN_NEVER_READY": "1"},
+        ready_timeout=3,
+    )
+    result = host.play([("apply", params, False)])["apply"]
+
+    assert result["failed"] is True
+    assert result["check"] == "readiness"
+    assert "did not become ready" in result["msg"]
+    assert "503 Loading model" in result["msg"], "the last probe verdict is missing"
+    assert "GET /health -> 503" in result["msg"], "the container's log tail is missing from the message"
+    assert result["done"] == ["create", "start"]
+    container = host.container(name)
+    assert container is not None
+    assert container.status == "exited", "left half-running"
+
+
+# --- drain-then-replace -------------------------------------------------------------------------------------
+
+
+def post_completion(port: int, seconds: float, outcomes: list[Any]) -> None:
+    body = json.dumps({"model": "tiny-chat", "prompt": "hi", "max_tokens": 4, "standin_seconds": seconds}).encode()
+    request = urllib.request.Request(
+        f"http://{BIND}:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            outcomes.append((response.status, time.monotonic()))
+    except Exception as exc:  # the outcome is what the test asserts on
+        outcomes.append((repr(exc), time.monotonic()))
+
+
+def in_flight_total(port: int) -> int:
+    with urllib.request.urlopen(f"http://{BIND}:{port}/standin/in-flight", timeout=5) as response:
+        gauges = json.loads(response.read())
+    return int(gauges["running"]) + int(gauges["waiting"])
+
+
+def hold_requests(port: int, count: int, seconds: float) -> tuple[list[threading.Thread], list[Any]]:
+    outcomes: list[Any] = []
+    threads = [threading.Thread(target=post_completion, args=(port, seconds, outcomes)) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while in_flight_total(port) < count:
+        assert time.monotonic() < deadline, "the requests never reached the engine"
+        time.sleep(0.05)
+    return threads, outcomes
+
+
+def watch_mark(path: Path, stop: threading.Event, seen: list[float]) -> None:
+    while not stop.is_set():
+        if path.exists() and not seen:
+            seen.append(time.monotonic())
+        time.sleep(0.02)
+
+
+def started_vllm(host: Host, images: dict[str, LocalImage], name: str, served: str) -> dict[str, Any]:
+    return host.params(
+        name=name,
+        driver="vllm",
+        image=images["vllm"].pinned,
+        model={"name": "tiny"},
+        served_model_name=served,
+        port=free_port(),
+    )
+
+
+def test_drain_then_replace_lets_eight_slow_requests_finish_before_the_aborting_engine_stops(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    name = f"{prefix}-drain"
+    first = started_vllm(host, images, name, "tiny-chat")
+    assert host.play([("apply", first, False)])["apply"]["ready"] is True
+    # vLLM aborts requests in flight on SIGTERM: only the drain keeps these 8 (4 running, 4 queued) alive.
+    threads, outcomes = hold_requests(first["port"], 8, seconds=3)
+    stop = threading.Event()
+    seen: list[float] = []
+    watcher = threading.Thread(target=watch_mark, args=(host.state_dir / "draining" / f"{name}.json", stop, seen))
+    watcher.start()
+    try:
+        result = host.play([("apply", {**first, "served_model_name": "renamed", "drain_timeout": 60}, False)])["apply"]
+    finally:
+        stop.set()
+        watcher.join()
+        for thread in threads:
+            thread.join(timeout=60)
+
+    assert not result.get("failed"), result.get("msg")
+    assert result["done"] == ["drain", "stop", "remove", "create", "start", "wait-ready"]
+    assert [status for status, _at in outcomes] == [200] * 8
+    assert seen, "the engine was never marked draining"
+    assert seen[0] < max(at for _status, at in outcomes), "marked draining only after the requests finished"
+    assert not (host.state_dir / "draining" / f"{name}.json").exists()
+    assert "renamed" in host.container(name).attrs["Args"]
+
+
+def test_drain_timeout_fails_and_leaves_the_old_engine_running_and_serving(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    name = f"{prefix}-stuck"
+    first = started_vllm(host, images, name, "tiny-chat")
+    applied = host.play([("apply", first, False)])["apply"]
+    threads, outcomes = hold_requests(first["port"], 2, seconds=300)
+    try:
+        result = host.play([("apply", {**first, "served_model_name": "renamed", "drain_timeout": 2}, False)])["apply"]
+        container = host.container(name)
+        assert container.id == applied["container"]["id"]
+        assert container.status == "running"
+    finally:
+        # SIGUSR1 is the stand-in's "finish every request now".
+        host.client.containers.get(applied["container"]["id"]).kill(signal="SIGUSR1")
+        for thread in threads:
+            thread.join(timeout=60)
+
+    assert result["failed"] is True
+    assert result["check"] == "drain"
+    assert "drain timed out after 2s" in result["msg"]
+    assert "left running" in result["msg"]
+    assert result["done"] == []
+    assert [status for status, _at in outcomes] == [200, 200]
+    assert not (host.state_dir / "draining" / f"{name}.json").exists(), "a still-serving engine stayed marked"

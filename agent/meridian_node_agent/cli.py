@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from meridian_node_agent import __version__, artifact_cli, config_cli, trust_cli
+from meridian_node_agent import __version__, agent_cli, artifact_cli, config_cli, trust_cli
 from meridian_node_agent.config import default_config_path
 from meridian_node_agent.usage import UsageError
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     artifact_cli.add_parsers(subparsers)
     config_cli.add_parsers(subparsers)
     trust_cli.add_parsers(subparsers)
+    agent_cli.add_parsers(subparsers)
     return parser
 
 

@@ -1,0 +1,224 @@
+"""``meridian-node enroll | run | status``: the agent's own verbs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
+from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
+from meridian_node_agent.config import AgentConfig, ConfigError, load_config
+from meridian_node_agent.control_client import ControlClient, ControlPlaneError
+from meridian_node_agent.identity import IdentityError, NodeIdentity
+from meridian_node_agent.logs import EventLogger, configure_logging
+from meridian_node_agent.oplog import OpLog
+from meridian_node_agent.usage import UsageError
+
+__all__ = ["TOKEN_ENV", "add_parsers", "build_agent", "cmd_enroll", "cmd_run", "cmd_status", "format_status"]
+
+TOKEN_ENV = "MERIDIAN_NODE_TOKEN"  # noqa: S105 - the variable's name, not a token
+
+
+def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    enroll = subparsers.add_parser(
+        "enroll",
+        help="enroll this node with the control plane",
+        description="Create the node key (once), send a CSR with a one-time enrollment token and store the "
+        "issued client certificate and the control plane's CA bundle under <state_dir>/identity.",
+    )
+    enroll.add_argument("--token", help=f"the one-time enrollment token (default: ${TOKEN_ENV})")
+    enroll.add_argument(
+        "--ca-bundle",
+        required=True,
+        metavar="PATH",
+        help="the control plane's CA certificate, obtained out of band; it authenticates the server",
+    )
+    enroll.set_defaults(handler=cmd_enroll)
+
+    run = subparsers.add_parser(
+        "run",
+        help="run the agent loop",
+        description="Heartbeat, fetch the signed desired state, verify it, apply it through ansible-runner "
+        "(unless the mode is observe-only), observe and report; repeat. Exit status with --once: 0 when the "
+        "cycle succeeded, 1 when the control plane was unreachable or the state was rejected or failed.",
+    )
+    run.add_argument("--once", action="store_true", help="run one cycle (no long-poll) and exit")
+    run.set_defaults(handler=cmd_run)
+
+    status = subparsers.add_parser(
+        "status",
+        help="show the node's lease, applied generation and last run",
+        description="Print a table: node, mode, lease epoch and expiry, applied generation, last run ident "
+        "and result, and the agent's counters, from the state dir (the agent need not be running).",
+    )
+    status.set_defaults(handler=cmd_status)
+
+
+def _config(args: argparse.Namespace) -> AgentConfig:
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def cmd_enroll(args: argparse.Namespace) -> int:
+    config = _config(args)
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise UsageError(f"no enrollment token: pass --token or set {TOKEN_ENV}")
+    if config.control_plane is None:
+        raise UsageError(f"config {args.config}: mode {config.mode} has no control plane to enroll with")
+    identity = NodeIdentity(config.identity_dir)
+    try:
+        csr = identity.csr_pem(config.node_id)
+        control = config.control_plane
+        with ControlClient(str(control.url), args.ca_bundle, timeout=control.timeout_seconds) as client:
+            response = client.enroll(config.node_id, token, csr)
+        info = identity.store(response)
+    except IdentityError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ControlPlaneError as exc:
+        print(f"error: enrollment of node {config.node_id} failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"enrolled node {config.node_id}; certificate serial {info.serial:x} in {identity.cert_path}")
+    print(identity.describe_expiry(datetime.now(UTC)))
+    return 0
+
+
+def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
+    """The agent wired with the real client, applier and observer."""
+    from meridian_node_agent.apply import Applier
+    from meridian_node_agent.cycle import Agent
+    from meridian_node_agent.observe import Observer
+
+    try:
+        policy = load_policy(config.policy)
+    except PolicyError as exc:
+        raise UsageError(str(exc)) from exc
+    refusal = policy.mode_allowed(config.mode)
+    if refusal:
+        raise UsageError(f"mode: {refusal}")
+    if config.control_plane is None:
+        raise UsageError(f"mode {config.mode} is run from bundles, not by 'run'")
+    identity = NodeIdentity(config.identity_dir)
+    if not identity.enrolled:
+        raise UsageError(f"node {config.node_id} is not enrolled ({config.identity_dir}); run 'meridian-node enroll'")
+    client = ControlClient(
+        str(config.control_plane.url),
+        identity.ca_path,
+        identity.cert_path,
+        identity.key_path,
+        timeout=config.control_plane.timeout_seconds,
+    )
+    applier = Applier(
+        state_dir=Path(config.state_dir),
+        node_id=config.node_id,
+        policy_path=config.policy,
+        keep_runs=config.journal.keep_runs,
+    )
+    observer = Observer(store_path=policy.store.path, engines=_engine_source(config, policy.engines.bind_address, log))
+    metrics = None
+    if config.metrics is not None:
+        from meridian_node_agent.metrics import Metrics
+
+        metrics = Metrics.serve(config.metrics.listen)
+    return Agent(config, policy, client, applier, observer, log=log, metrics=metrics)
+
+
+def _engine_source(config: AgentConfig, probe_host: str, log: EventLogger | None) -> Any:
+    from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
+        DockerEngine,
+        DockerEngineError,
+    )
+    from meridian_node_agent.observe import DockerEngines, no_engines
+
+    try:
+        engine = DockerEngine.from_env(timeout=5)
+    except DockerEngineError as exc:
+        (log or EventLogger()).warning("engines-not-observed", reason=str(exc))
+        return no_engines
+    return DockerEngines(engine, state_dir=Path(config.state_dir), probe_host=probe_host)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    configure_logging(config.log.level, config.log.format)
+    agent = build_agent(config)
+    try:
+        status: int = agent.run(once=args.once)
+    except KeyboardInterrupt:
+        return 130
+    except StateStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        agent.client.close()
+    return status
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from meridian_node_agent.cycle import read_status
+
+    config = _config(args)
+    state_dir = Path(config.state_dir)
+    try:
+        applied = StateStore(state_dir).load()
+    except StateStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    oplog = OpLog(state_dir / "oplog.jsonl")
+    print(format_status(config, applied.generation, applied.epoch, read_status(state_dir), oplog))
+    return 0
+
+
+def format_status(config: AgentConfig, generation: int, epoch: int, status: dict[str, Any] | None, oplog: OpLog) -> str:
+    last = oplog.last()
+    run = (status or {}).get("last_run") or {}
+    counters = (status or {}).get("counters") or {}
+    rejections = counters.get("rejections") or {}
+    rows = [
+        ("node", config.node_id),
+        ("mode", config.mode),
+        ("lease epoch", _text((status or {}).get("lease_epoch"))),
+        ("lease expires", _text((status or {}).get("lease_expires_at"))),
+        ("applied generation", f"{generation} (epoch {epoch})"),
+        ("last run", f"{last.run_ident} {last.result} at {last.at}" if last else "none"),
+        ("last run tasks", f"changed {run.get('changed', '-')}, failed {run.get('failed', '-')}" if run else "-"),
+        (
+            "counters",
+            f"cycles {counters.get('cycles', 0)}, applies {counters.get('applies', 0)}, "
+            f"apply failures {counters.get('apply_failures', 0)}, unavailable {counters.get('unavailable', 0)}"
+            if counters
+            else "-",
+        ),
+        ("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none"),
+        ("engines", _engines_text((status or {}).get("engines") or [])),
+        ("status updated", _text((status or {}).get("updated_at"))),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _engines_text(engines: list[dict[str, Any]]) -> str:
+    if not engines:
+        return "none"
+    parts = []
+    for engine in engines:
+        flags = [str(engine.get("state", "?"))]
+        if engine.get("ready"):
+            flags.append("ready")
+        if engine.get("draining"):
+            flags.append("draining")
+        if not engine.get("managed"):
+            flags.append("unmanaged")
+        parts.append(f"{engine.get('name')} ({', '.join(flags)})")
+    return "; ".join(parts)

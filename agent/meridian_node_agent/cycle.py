@@ -1,0 +1,421 @@
+"""The agent's cycle: heartbeat → conditional fetch → verify → spool → apply → observe → report.
+
+One ``Agent`` object owns the loop's memory (lease, ETag, counters); everything with a side effect is
+injected (control client, applier, observer, clock, sleep, random source), so tests drive the real loop
+against a real control plane with a fake clock or sleep where they need one.
+
+Rules the loop keeps:
+
+- An unchanged state (304, or a generation already applied with the same bytes) runs no playbook.
+- A rejected state changes nothing on the host: no spool write, no apply, no record. The rejection is
+  counted by reason and logged once per distinct envelope.
+- Control plane unreachable: back off with jitter, never touching running engines.
+- No apply without a live lease: a lapsed lease stops new applies (the control plane may have handed
+  this node's work to someone else), never running engines.
+- ``observe-only`` verifies and reports but never applies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation, format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils.policy import Policy
+from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection, VerifiedState, verify_desired_state
+from meridian_node_agent.apply import ApplyResult
+from meridian_node_agent.config import AgentConfig
+from meridian_node_agent.control_client import (
+    ControlPlaneError,
+    ControlPlaneRejected,
+    DesiredStateFetch,
+    FetchStatus,
+)
+from meridian_node_agent.logs import EventLogger
+from meridian_node_agent.oplog import OpLog
+
+__all__ = [
+    "REPORT_REFRESH_SECONDS",
+    "SPOOL_FILE",
+    "STATUS_FILE",
+    "Agent",
+    "Backoff",
+    "CycleOutcome",
+    "Outcome",
+    "read_status",
+]
+
+SPOOL_FILE = Path("spool") / "desired-state.json"
+STATUS_FILE = "status.json"
+# An unchanged observation is re-sent at least this often; a changed one at once. The heartbeat already
+# proves the node alive each cycle, and posting identical observations is most of an idle cycle's cost.
+REPORT_REFRESH_SECONDS = 60.0
+
+
+class Outcome(StrEnum):
+    APPLIED = "applied"
+    APPLY_FAILED = "apply-failed"
+    UNCHANGED = "unchanged"
+    NONE_PUBLISHED = "none-published"
+    REJECTED = "rejected"
+    OBSERVED_ONLY = "observe-only"
+    LEASE_LAPSED = "lease-lapsed"
+
+
+@dataclass(frozen=True)
+class CycleOutcome:
+    outcome: Outcome
+    generation: int | None = None
+    rejection: str | None = None
+    run: ApplyResult | None = None
+
+
+class ControlPlane(Protocol):
+    def heartbeat(self, node_id: str) -> Lease: ...
+    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch: ...
+    def post_observation(self, observation: Observation) -> None: ...
+
+
+class ApplyPort(Protocol):
+    def apply(
+        self, envelope: bytes, *, generation: int, epoch: int, payload_sha256: str, secrets: Any = ()
+    ) -> ApplyResult: ...
+
+
+class ObservePort(Protocol):
+    def observe(
+        self,
+        *,
+        node_id: str,
+        mode: str,
+        epoch: int,
+        applied_generation: int,
+        last_run: dict[str, Any] | None,
+        now: datetime,
+    ) -> Observation: ...
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with jitter: attempt n waits a random time in [base/2, base], base = initial·2^(n-1)."""
+
+    initial: float
+    maximum: float
+    rng: random.Random = field(default_factory=random.Random)
+
+    def base(self, attempt: int) -> float:
+        return float(min(self.maximum, self.initial * 2 ** max(0, attempt - 1)))
+
+    def delay(self, attempt: int) -> float:
+        base = self.base(attempt)
+        # Half fixed, half random: failing agents spread out instead of returning in lockstep, and
+        # the wait still grows with every failure.
+        return base / 2 + self.rng.uniform(0, base / 2)
+
+
+@dataclass
+class Counters:
+    cycles: int = 0
+    applies: int = 0
+    apply_failures: int = 0
+    unavailable: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+
+
+class Agent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        policy: Policy,
+        client: ControlPlane,
+        applier: ApplyPort,
+        observer: ObservePort,
+        *,
+        log: EventLogger | None = None,
+        clock: Callable[[], datetime] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+        metrics: Any = None,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.client = client
+        self.applier = applier
+        self.observer = observer
+        self.log = log or EventLogger()
+        self.clock = clock or (lambda: datetime.now(UTC))
+        self.sleep = sleep
+        self.metrics = metrics
+        self.backoff = Backoff(config.backoff.initial_seconds, config.backoff.max_seconds, rng or random.Random())  # noqa: S311 - jitter, not secrecy
+        self.state_dir = Path(config.state_dir)
+        self.store = StateStore(self.state_dir)
+        self.oplog = OpLog(self.state_dir / "oplog.jsonl")
+        self.spool = self.state_dir / SPOOL_FILE
+        self.counters = Counters()
+        self.lease: Lease | None = None
+        self.etag: str | None = None
+        self.last_run: ApplyResult | None = None
+        self._rejected_etag: str | None = None
+        self._reported: tuple[str, float] | None = None
+        self._renewed_at: float | None = None
+        self._epoch_ok = True
+        self._engines: list[dict[str, Any]] = []
+        control = config.control_plane
+        self.wait = float(min(control.long_poll_seconds, control.heartbeat_seconds)) if control else 0.0
+        self.pause = float(control.heartbeat_seconds) if control else 30.0
+
+    # The loop
+
+    def run(self, *, once: bool = False, max_cycles: int | None = None) -> int:
+        """Cycle until stopped (or once). Returns 0 when the last cycle succeeded, 1 otherwise."""
+        self.recover()
+        failures = 0
+        attempts = 0
+        while True:
+            attempts += 1
+            ok = True
+            try:
+                outcome = self.cycle(wait=0 if once else self.wait)
+                ok = outcome.outcome not in (Outcome.APPLY_FAILED, Outcome.REJECTED, Outcome.LEASE_LAPSED)
+                failed_call = outcome.outcome == Outcome.APPLY_FAILED
+            except ControlPlaneError as exc:
+                self.counters.unavailable += 1
+                self.log.warning("control-plane-unavailable", error=str(exc), attempt=failures + 1)
+                ok = False
+                failed_call = True
+            self.write_status()
+            if once or (max_cycles is not None and attempts >= max_cycles):
+                return 0 if ok else 1
+            if failed_call:
+                failures += 1
+                delay = self.backoff.delay(failures)
+                self.log.info("backing-off", seconds=round(delay, 3), attempt=failures)
+                self.sleep(delay)
+                continue
+            failures = 0
+            if self.wait == 0:
+                self.sleep(self.pause)
+
+    def cycle(self, *, wait: float = 0) -> CycleOutcome:
+        started = time.monotonic()
+        self.counters.cycles += 1
+        node = self.config.node_id
+        if self._heartbeat_due():
+            self.lease = self.client.heartbeat(node)
+            self._renewed_at = time.monotonic()
+            self._epoch_ok = self._observe_epoch(self.lease.epoch)
+        fetched = self.client.fetch_desired_state(node, etag=self.etag, wait=wait)
+        if fetched.status == FetchStatus.NOT_MODIFIED:
+            outcome = CycleOutcome(Outcome.UNCHANGED, fetched.generation)
+        elif fetched.status == FetchStatus.NONE_PUBLISHED:
+            outcome = CycleOutcome(Outcome.NONE_PUBLISHED)
+        else:
+            assert fetched.envelope is not None  # FetchStatus.NEW always carries one
+            outcome = self._handle(fetched.envelope, fetched.etag, epoch_ok=self._epoch_ok)
+        self._report()
+        if self.metrics is not None:
+            self.metrics.cycle_done(time.monotonic() - started, outcome)
+        return outcome
+
+    def recover(self) -> ApplyResult | None:
+        """Apply again an operation the oplog shows as started and never finished (a crash mid-apply)."""
+        pending = self.oplog.pending()
+        if pending is None:
+            return None
+        if self.config.mode == "observe-only":
+            self.log.warning("interrupted-apply-not-resumed", run_ident=pending.run_ident, reason="observe-only")
+            return None
+        self.oplog.append(
+            op=pending.op,
+            generation=pending.generation,
+            epoch=pending.epoch,
+            payload_sha256=pending.payload_sha256,
+            run_ident=pending.run_ident,
+            result="interrupted",
+        )
+        try:
+            envelope = self.spool.read_bytes()
+            verified = self._verify(envelope)
+        except (OSError, Rejection) as exc:
+            self.log.error("interrupted-apply-abandoned", run_ident=pending.run_ident, error=str(exc))
+            return None
+        if verified.payload_sha256 != pending.payload_sha256:
+            self.log.error(
+                "interrupted-apply-abandoned",
+                run_ident=pending.run_ident,
+                error=f"the spool holds sha256 {verified.payload_sha256}, the operation was {pending.payload_sha256}",
+            )
+            return None
+        self.log.info("resuming-interrupted-apply", run_ident=pending.run_ident, generation=pending.generation)
+        return self._apply(envelope, verified)
+
+    # Steps
+
+    def _handle(self, envelope: bytes, etag: str | None, *, epoch_ok: bool) -> CycleOutcome:
+        try:
+            verified = self._verify(envelope)
+        except Rejection as exc:
+            code = exc.code.value
+            self.counters.rejections[code] = self.counters.rejections.get(code, 0) + 1
+            if self.metrics is not None:
+                self.metrics.rejected(code)
+            if etag is None or etag != self._rejected_etag:
+                self.log.warning("desired-state-rejected", reason=code, detail=exc.message)
+            # Remember it so the same rejected bytes are not fetched and verified again every cycle.
+            self.etag = self._rejected_etag = etag
+            return CycleOutcome(Outcome.REJECTED, rejection=code)
+        state = verified.state
+        if verified.already_applied:
+            self.etag = etag
+            return CycleOutcome(Outcome.UNCHANGED, state.generation)
+        atomic_write(self.spool_path(), envelope, mode=0o600)
+        if self.config.mode == "observe-only":
+            self.log.info("desired-state-verified-not-applied", generation=state.generation, mode=self.config.mode)
+            self.etag = etag
+            return CycleOutcome(Outcome.OBSERVED_ONLY, state.generation)
+        if not epoch_ok or self.lease is None or self.lease.expires_at <= self.clock():
+            self.log.warning("apply-held-lease-lapsed", generation=state.generation)
+            return CycleOutcome(Outcome.LEASE_LAPSED, state.generation)
+        result = self._apply(envelope, verified)
+        if not result.ok:
+            # The ETag stays old, so the next cycle fetches and tries this generation again.
+            return CycleOutcome(Outcome.APPLY_FAILED, state.generation, run=result)
+        self.etag = etag
+        return CycleOutcome(Outcome.APPLIED, state.generation, run=result)
+
+    def _verify(self, envelope: bytes) -> VerifiedState:
+        return verify_desired_state(
+            envelope, self.policy, node_id=self.config.node_id, now=self.clock(), applied=self.store.load()
+        )
+
+    def _apply(self, envelope: bytes, verified: VerifiedState) -> ApplyResult:
+        state = verified.state
+        secrets = [value for engine in state.engines for value in engine.env.values()]
+        self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch)
+        result = self.applier.apply(
+            envelope,
+            generation=state.generation,
+            epoch=state.lease_epoch,
+            payload_sha256=verified.payload_sha256,
+            secrets=secrets,
+        )
+        self.last_run = result
+        if result.ok:
+            self.counters.applies += 1
+        else:
+            self.counters.apply_failures += 1
+        if self.metrics is not None:
+            self.metrics.applied(result)
+        self.log.info(
+            "apply-finished",
+            generation=state.generation,
+            run_ident=result.ident,
+            status=result.status,
+            changed=result.changed,
+            failed=result.failed,
+            seconds=round(result.wall_seconds, 3),
+            failures=result.failures,
+        )
+        return result
+
+    def _heartbeat_due(self) -> bool:
+        """Renew every ``heartbeat_seconds``, and always while the lease is unknown or about to lapse.
+
+        Cycles come faster than that only when states change quickly (a long-poll returns early); then
+        one renewal per interval is enough, and a fence is still seen within one interval.
+        """
+        if self.lease is None or self._renewed_at is None:
+            return True
+        if time.monotonic() - self._renewed_at >= self.pause:
+            return True
+        return (self.lease.expires_at - self.clock()).total_seconds() < self.pause
+
+    def _observe_epoch(self, epoch: int) -> bool:
+        try:
+            self.store.observe_epoch(epoch)
+        except StateStoreError as exc:
+            # The control plane reported an epoch below one already seen: do not apply under it.
+            self.log.error("lease-epoch-went-backwards", epoch=epoch, error=str(exc))
+            return False
+        return True
+
+    def _report(self) -> None:
+        assert self.lease is not None
+        observation = self.observer.observe(
+            node_id=self.config.node_id,
+            mode=self.config.mode,
+            epoch=self.lease.epoch,
+            applied_generation=self.store.load().generation,
+            last_run=_run_summary(self.last_run),
+            now=self.clock(),
+        )
+        self._engines = [
+            {"name": e.name, "managed": e.managed, "state": e.state, "ready": e.ready, "draining": e.draining}
+            for e in observation.engines
+        ]
+        fingerprint = observation.model_dump_json(exclude={"observed_at"})
+        now = time.monotonic()
+        if self._reported and self._reported[0] == fingerprint and now - self._reported[1] < REPORT_REFRESH_SECONDS:
+            return
+        try:
+            self.client.post_observation(observation)
+        except ControlPlaneRejected as exc:
+            self.log.warning("observation-refused", status=exc.status, reason=exc.reason, detail=exc.detail)
+        self._reported = (fingerprint, now)
+
+    def spool_path(self) -> Path:
+        self.spool.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return self.spool
+
+    # Status for ``meridian-node status`` (another process): small, rewritten each cycle, not fsync'd.
+
+    def write_status(self) -> None:
+        applied = self.store.load()
+        document = {
+            "node_id": self.config.node_id,
+            "mode": self.config.mode,
+            "updated_at": format_rfc3339(self.clock()),
+            "lease_epoch": self.lease.epoch if self.lease else None,
+            "lease_expires_at": format_rfc3339(self.lease.expires_at) if self.lease else None,
+            "applied_generation": applied.generation,
+            "applied_epoch": applied.epoch,
+            "last_run": _run_summary(self.last_run),
+            "counters": asdict(self.counters),
+            "engines": self._engines,
+        }
+        path = self.state_dir / STATUS_FILE
+        temp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(document, indent=2) + "\n")
+        temp.replace(path)
+
+
+def read_status(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        document: Any = json.loads((Path(state_dir) / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _run_summary(result: ApplyResult | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    status = result.status if result.status in ("successful", "failed", "canceled", "timeout") else "failed"
+    return {
+        "ident": result.ident,
+        "generation": result.generation,
+        "status": status,
+        "changed": result.changed,
+        "failed": result.failed,
+        "finished_at": format_rfc3339(result.finished_at),
+    }

@@ -1,0 +1,161 @@
+"""What the agent reports each cycle: GPU facts, artifacts in the store, engines, the last run.
+
+Each source is a plain callable so the agent stays usable where one is missing (no NVML, no Docker)
+and tests can swap the hardware seam. GPU facts are re-read at most every ``gpu_refresh_seconds``:
+NVML reads cost far more than the rest of an unchanged cycle, and they change slowly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.artifact_store import Store
+from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    DRIVERS,
+    GpuFacts,
+    Observation,
+    format_rfc3339,
+)
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerEngineError
+from ansible_collections.meridian.node.plugins.module_utils.engine_containers import probe_readiness
+from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import get_driver
+from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+
+__all__ = ["DockerEngines", "EngineSource", "Observer", "no_engines"]
+
+EngineSource = Callable[[], list[dict[str, Any]]]
+
+
+def no_engines() -> list[dict[str, Any]]:
+    """The default engine source until Docker discovery is wired in: report none."""
+    return []
+
+
+class DockerEngines:
+    """Engines as the local Docker Engine lists them: ours (ownership labels) and unmanaged containers.
+
+    An owned, running engine is ready when its driver's readiness probe says so on its published port;
+    an unmanaged container is never reported ready (nothing routes to what we do not run). Draining
+    marks are the files ``<state_dir>/draining/<name>.json`` the drain path writes. The listing is
+    re-read at most every ``refresh_seconds``.
+    """
+
+    def __init__(
+        self,
+        engine: DockerEngine,
+        *,
+        state_dir: Path,
+        probe_host: str = "127.0.0.1",
+        refresh_seconds: float = 5.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.draining_dir = Path(state_dir) / "draining"
+        self.probe_host = probe_host
+        self.refresh_seconds = refresh_seconds
+        self._monotonic = monotonic
+        self._cache: tuple[float, list[dict[str, Any]]] | None = None
+
+    def __call__(self) -> list[dict[str, Any]]:
+        now = self._monotonic()
+        if self._cache is not None and now - self._cache[0] < self.refresh_seconds:
+            return self._cache[1]
+        try:
+            containers = self.engine.list_containers()
+        except DockerEngineError:
+            # Docker down is an observation problem, not a cycle failure; engines keep their last report.
+            return self._cache[1] if self._cache else []
+        engines = []
+        for container in containers:
+            name = container.instance if container.owned and container.instance else container.name
+            port = container.ports[0].host_port if container.ports else None
+            driver = container.driver if container.driver in DRIVERS else None
+            ready = False
+            if container.owned and container.running and driver is not None and port is not None:
+                ready = probe_readiness(get_driver(driver), self.probe_host, port, timeout=1.0).ready
+            engines.append(
+                {
+                    "name": name,
+                    "managed": container.owned,
+                    "driver": driver,
+                    "image": container.image or None,
+                    "state": container.state or "unknown",
+                    "ready": ready,
+                    "draining": container.owned and (self.draining_dir / f"{name}.json").exists(),
+                    "port": port,
+                }
+            )
+        self._cache = (now, engines)
+        return engines
+
+
+class Observer:
+    def __init__(
+        self,
+        *,
+        store_path: str | None,
+        gpu_facts: Callable[[], dict[str, Any]] | None = None,
+        engines: EngineSource = no_engines,
+        gpu_refresh_seconds: float = 30.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = Store(store_path) if store_path else None
+        self._gpu_facts = gpu_facts or (lambda: collect_gpu_facts(processes=False, nvlink=False))
+        self._engines = engines
+        self._gpu_refresh = gpu_refresh_seconds
+        self._monotonic = monotonic
+        self._gpu_cache: tuple[float, GpuFacts] | None = None
+
+    def gpu(self) -> GpuFacts:
+        now = self._monotonic()
+        if self._gpu_cache is None or now - self._gpu_cache[0] >= self._gpu_refresh:
+            self._gpu_cache = (now, GpuFacts.model_validate(self._gpu_facts()))
+        return self._gpu_cache[1]
+
+    def artifacts(self) -> list[dict[str, Any]]:
+        if self._store is None:
+            return []
+        try:
+            rows = self._store.list_versions()
+        except OSError:
+            return []
+        return [
+            {
+                "name": r["name"],
+                "version": r["version"],
+                "size_bytes": r["size"],
+                "pinned": r["pinned"],
+                "current": r["current"],
+            }
+            for r in rows
+        ]
+
+    def observe(
+        self,
+        *,
+        node_id: str,
+        mode: str,
+        epoch: int,
+        applied_generation: int,
+        last_run: dict[str, Any] | None,
+        now: datetime,
+    ) -> Observation:
+        return Observation.model_validate(
+            {
+                "apiVersion": "meridian.node/v1",
+                "kind": "Observation",
+                "node_id": node_id,
+                "lease_epoch": epoch,
+                "observed_at": format_rfc3339(now),
+                "mode": mode,
+                "applied_generation": applied_generation,
+                "gpu": self.gpu(),
+                "engines": self._engines(),
+                "artifacts": self.artifacts(),
+                "last_run": last_run,
+            }
+        )

@@ -1,0 +1,196 @@
+#!/usr/bin/python
+# Copyright: (c) 2026, meridian.node developers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: desired_state
+short_description: Verify a signed desired state on the host and record it as applied
+version_added: 0.1.0
+author:
+  - Meridian node maintainers (@meridian)
+description:
+  - Verifies a C(DesiredState) DSSE envelope against the host policy's C(control) keys and threshold and
+    against the host's durable applied state (highest generation applied, highest lease epoch seen), the
+    same checks the agent made, because the apply side does not trust the agent.
+  - Fails with the rejection code and message when the state is for another node, expired, not yet
+    valid, replayed (a lower generation, or the applied generation with different content), from a
+    fenced (older) lease epoch, signed by too few trusted keys, or malformed.
+  - Returns what a reconcile playbook needs (artifacts, engines without environment values, artifact
+    names in use).
+  - With O(record=true), records the generation as applied; recording the same generation again changes
+    nothing.
+requirements:
+  - pydantic, cryptography and PyYAML on the managed host.
+options:
+  envelope:
+    description:
+      - Path to a file holding the desired-state DSSE envelope (JSON), byte for byte as it was signed.
+    type: path
+    required: true
+  node_id:
+    description:
+      - This node's id; a state for any other node is refused.
+    type: str
+    required: true
+  policy:
+    description:
+      - The host policy (trusted control keys and threshold).
+    type: path
+    default: /etc/meridian/policy.yaml
+  state_dir:
+    description:
+      - Directory holding the applied-state record C(applied.json).
+    type: path
+    default: /var/lib/meridian-node
+  record:
+    description:
+      - Record the generation as applied (run this last, after everything else converged).
+    type: bool
+    default: false
+  secrets:
+    description:
+      - Also return C(engine_env), the engines' environment values. Run such a task with C(no_log).
+    type: bool
+    default: false
+extends_documentation_fragment:
+  - meridian.node.attributes
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: full
+  idempotent:
+    support: full
+"""
+
+EXAMPLES = r"""
+- name: Verify the desired state before changing anything
+  meridian.node.desired_state:
+    envelope: /var/lib/meridian-node/spool/desired-state.json
+    node_id: gpu-node-1
+  register: verified
+
+- name: Record the generation once everything converged
+  meridian.node.desired_state:
+    envelope: /var/lib/meridian-node/spool/desired-state.json
+    node_id: gpu-node-1
+    record: true
+"""
+
+RETURN = r"""
+generation:
+  description: The state's generation.
+  returned: success
+  type: int
+  sample: 7
+lease_epoch:
+  description: The lease epoch the state was issued under.
+  returned: success
+  type: int
+  sample: 2
+payload_sha256:
+  description: sha256 of the signed payload.
+  returned: success
+  type: str
+already_applied:
+  description: Whether this generation (with these bytes) was already recorded as applied.
+  returned: success
+  type: bool
+recorded:
+  description: Whether this run recorded the generation.
+  returned: success
+  type: bool
+signers:
+  description: Key ids of the trusted keys that signed the state.
+  returned: success
+  type: list
+  elements: str
+artifacts:
+  description: The artifacts to make present (name, version, manifest envelope, pin, optional source).
+  returned: success
+  type: list
+  elements: dict
+engines:
+  description: The engine specs, with C(env) replaced by C(env_keys), the variable names only.
+  returned: success
+  type: list
+  elements: dict
+in_use:
+  description: Artifact names the desired engines use (never evicted).
+  returned: success
+  type: list
+  elements: str
+engine_env:
+  description: Environment values per engine name.
+  returned: when O(secrets=true)
+  type: dict
+rejection:
+  description: The rejection code (for example V(expired), V(replayed), V(stale-epoch), V(wrong-node)).
+  returned: failure by rejection
+  type: str
+"""
+
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+
+from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse
+from ansible_collections.meridian.node.plugins.module_utils.desired_state import (
+    EnvelopeInputError,
+    read_envelope,
+    reconcile_desired_state,
+)
+from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError
+from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "envelope": {"type": "path", "required": True},
+            "node_id": {"type": "str", "required": True},
+            "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
+            "state_dir": {"type": "path", "default": "/var/lib/meridian-node"},
+            "record": {"type": "bool", "default": False},
+            "secrets": {"type": "bool", "default": False},
+        },
+        supports_check_mode=True,
+    )
+    for package, error in (
+        ("pydantic", contracts.PYDANTIC_IMPORT_ERROR),
+        ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR),
+    ):
+        if error is not None:
+            module.fail_json(msg=missing_required_lib(package), exception=error)
+    params = module.params
+    try:
+        outcome = reconcile_desired_state(
+            read_envelope(params["envelope"]),
+            policy_path=params["policy"],
+            node_id=params["node_id"],
+            state_dir=params["state_dir"],
+            record=params["record"],
+            check_mode=module.check_mode,
+            secrets=params["secrets"],
+        )
+    except Rejection as exc:
+        module.fail_json(msg=f"Error verifying desired state {params['envelope']}: {exc}", rejection=exc.code.value)
+    except (PolicyError, StateStoreError, EnvelopeInputError) as exc:
+        module.fail_json(msg=f"Error verifying desired state {params['envelope']}: {exc}")
+    except RuntimeError as exc:
+        # The policy reader's way of saying a required package (PyYAML) is missing on this host.
+        module.fail_json(msg=str(exc), exception=traceback.format_exc())
+    result = outcome.result
+    before = result["applied_generation_before"]
+    diff = {
+        "before": {"applied_generation": before},
+        "after": {"applied_generation": result["generation"] if outcome.changed else before},
+    }
+    module.exit_json(changed=outcome.changed, diff=diff, **result)
+
+
+if __name__ == "__main__":
+    main()

@@ -44,6 +44,12 @@ from ansible_collections.meridian.node.plugins.module_utils.docker_engine import
     DockerEngine,
     DockerEngineError,
 )
+from ansible_collections.meridian.node.plugins.module_utils.drain import (
+    driver_of,
+    loopback_for,
+    probe_address,
+    wait_until_idle,
+)
 from ansible_collections.meridian.node.plugins.module_utils.drain_state import (
     DrainStateError,
     clear_draining,
@@ -52,13 +58,10 @@ from ansible_collections.meridian.node.plugins.module_utils.drain_state import (
 from ansible_collections.meridian.node.plugins.module_utils.engine_containers import (
     container_settings,
     probe_readiness,
-    read_in_flight,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import (
     Driver,
     DriverError,
-    InFlight,
-    MetricsFormatError,
     ProbeVerdict,
     get_driver,
 )
@@ -450,7 +453,7 @@ def _prepare(
 
     observed, current = _observe(engine, name)
     plan = _plan(name, options, config_hash, public_spec(spec), observed)
-    run = _Run(name, options, engine, plan, config_hash, current, driver, settings, _loopback_for(bind))
+    run = _Run(name, options, engine, plan, config_hash, current, driver, settings, loopback_for(bind))
     if Action.CREATE in plan.actions:
         _check_placement(run, spec, bind, read_gpus)
     return run
@@ -488,11 +491,6 @@ def _plan(name: str, options: Options, config_hash: str, spec: dict[str, Any], o
         )
     except ForeignContainerError as exc:
         raise EngineInstanceError(str(exc), check="ownership") from exc
-
-
-def _loopback_for(bind: str) -> str:
-    # An engine published on every address is probed on loopback.
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)  # noqa: S104
 
 
 def _check_placement(
@@ -566,7 +564,7 @@ def _apply(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]
             drained = True
         elif action is Action.STOP:
             current = _existing(run, "stop")
-            run.engine.stop(current, timeout=_driver_of(current).facts.stop_timeout_s)
+            run.engine.stop(current, timeout=driver_of(current).facts.stop_timeout_s)
             run.current = run.engine.container(current.id)
         elif action is Action.REMOVE:
             run.engine.remove(_existing(run, "remove"))
@@ -593,42 +591,26 @@ def _apply(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]
     )
 
 
-def _driver_of(container: ContainerInfo) -> Driver:
-    """The driver a container was made by (its label), for its stop timeout and gauges."""
-    try:
-        return get_driver(container.driver or "openai")
-    except DriverError:
-        return get_driver("openai")
-
-
 def _drain(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
     """Mark the old engine draining, then wait until nothing is in flight; on timeout restore and fail."""
     old = _existing(run, "drain")
     mark_draining(run.options.state_dir, run.name, reason=f"replacing with {run.config_hash}")
-    driver = _driver_of(old)
-    ports = [p for p in old.ports if p.protocol == "tcp"]
-    if not driver.facts.has_metrics or not ports:
-        sleep(min(run.options.drain_grace_s, run.options.drain_timeout_s))
+    driver = driver_of(old)
+    outcome = wait_until_idle(
+        driver,
+        probe_address(old, driver),
+        timeout_s=run.options.drain_timeout_s,
+        grace_s=run.options.drain_grace_s,
+        sleep=sleep,
+        clock=clock,
+    )
+    if outcome.idle:
         return
-    host = _loopback_for(ports[0].host_ip or "127.0.0.1")
-    deadline = clock() + run.options.drain_timeout_s
-    last: InFlight | None = None
-    while True:
-        try:
-            last = read_in_flight(driver, host, ports[0].host_port, timeout=_PROBE_TIMEOUT_S)
-        except MetricsFormatError:
-            last = None
-        if last is not None and last.total == 0:
-            return
-        if clock() >= deadline:
-            break
-        sleep(_POLL_S)
     # Nothing was stopped: the old engine keeps serving, so it must not stay out of the serving set.
     clear_draining(run.options.state_dir, run.name)
-    seen = "its metrics did not answer" if last is None else f"{last.running} running, {last.waiting} waiting"
     raise EngineInstanceError(
-        f"engine {run.name!r}: drain timed out after {run.options.drain_timeout_s:g}s ({seen}); the old container "
-        "is left running and serving. Raise drain_timeout, or use replace_strategy: stop-then-start",
+        f"engine {run.name!r}: drain timed out after {run.options.drain_timeout_s:g}s ({outcome.describe()}); the "
+        "old container is left running and serving. Raise drain_timeout, or use replace_strategy: stop-then-start",
         check="drain",
         result=run.result(),
     )
@@ -647,7 +629,7 @@ def _wait_ready(run: _Run, sleep: Callable[[float], None], clock: Callable[[], f
             break
         sleep(_POLL_S)
     if state == "running":
-        run.engine.stop(container, timeout=_driver_of(container).facts.stop_timeout_s)
+        run.engine.stop(container, timeout=driver_of(container).facts.stop_timeout_s)
         why = f"did not become ready within {run.options.ready_timeout_s:g}s"
     else:
         why = f"exited ({state}) before it became ready"

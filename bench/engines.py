@@ -1,0 +1,282 @@
+"""Engine containers: the no-op converge of 8 running engines, ours vs community.docker, and create-to-ready.
+
+    .venv/bin/python bench/engines.py [--repeat 3] [--count 8]
+
+Prints:
+1. the median wall time of one ansible-playbook run that converges --count running stand-in engines that
+   are already as specified (a no-op: every item reports ok), through ``meridian.node.engine_instance``
+   vs ``community.docker.docker_container`` for the same number of equivalent containers (same image,
+   command, environment, published port, init, stop signal), as a ratio (ours / theirs; target <= 1.0).
+   Both playbooks loop over the items in one task; the time of a playbook whose task loops the same number
+   of times over ``ansible.builtin.meta: noop`` is printed too, and the ratio without that start-up cost.
+   Our module also probes each engine's readiness once per run; docker_container does not.
+2. create-to-ready seconds for one stand-in engine through ``engine_instance.converge`` (create, start,
+   wait until its readiness probe passes), median of --repeat.
+
+community.docker comes from the ``ansible`` wheel on PyPI (Galaxy is unreachable here): the wheel is
+downloaded once with pip into ``.build/bench-wheels`` and only ``community/docker`` is extracted into
+``.build/bench-collections``. Every container the bench makes carries one random prefix and is removed at
+the end, whatever happens.
+"""
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import docker
+from timing import median_seconds
+
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, port_bind_problem
+from ansible_collections.meridian.node.plugins.module_utils.engine_instance import Options, converge
+from ansible_collections.meridian.node.tests.helpers.standin_image import ensure_base_image, ensure_engine_image
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = REPO / ".venv" / "bin"
+BUILD = REPO / ".build"
+WHEELS = BUILD / "bench-wheels"
+COLLECTIONS = BUILD / "bench-collections"
+SERVER = REPO / "tests" / "engines" / "standin_server.py"
+ANSIBLE_WHEEL = "ansible>=12,<13"  # the Ansible release that goes with ansible-core 2.19
+BIND = "127.0.0.1"
+PORTS = (8100, 8999)
+
+
+def community_docker() -> Path:
+    """The directory holding ``ansible_collections/community/docker``, extracted from the ansible wheel once."""
+    target = COLLECTIONS / "ansible_collections" / "community" / "docker"
+    if (target / "MANIFEST.json").is_file():
+        return COLLECTIONS
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(WHEELS.glob("ansible-*.whl"))
+    if not wheels:
+        subprocess.run(
+            [str(VENV_BIN / "pip"), "download", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS), ANSIBLE_WHEEL],
+            check=True,
+        )
+        wheels = sorted(WHEELS.glob("ansible-*.whl"))
+    prefix = "ansible_collections/community/docker/"
+    staging = Path(tempfile.mkdtemp(dir=BUILD))
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        wheel.extractall(staging, members=[name for name in wheel.namelist() if name.startswith(prefix)])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)
+    (staging / prefix).rename(target)
+    shutil.rmtree(staging)
+    return COLLECTIONS
+
+
+def free_ports(count: int) -> list[int]:
+    start = PORTS[0] + secrets.randbelow(400)
+    found = [port for port in range(start, PORTS[1]) if port_bind_problem(BIND, port) is None][:count]
+    if len(found) < count:
+        raise SystemExit(f"bench: only {len(found)} free ports in {start}-{PORTS[1]} on {BIND}, need {count}")
+    return found
+
+
+class Bench:
+    def __init__(self, root: Path, client: Any, count: int) -> None:
+        self.root = root
+        self.client = client
+        self.prefix = f"mn-bench-{secrets.token_hex(3)}"
+        base = ensure_base_image(client)
+        self.image = ensure_engine_image(client, base, SERVER, engine="vllm")
+        self.state_dir = root / "state"
+        self.state_dir.mkdir()
+        self.policy = write_policy(
+            root / "policy",
+            control=[make_key()],
+            extra={
+                "images": {"allowed_repositories": ["meridian-node/standin"]},
+                "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
+            },
+        )
+        ports = free_ports(2 * count + 1)
+        self.ours = [self._spec(f"{self.prefix}-ours-{i}", ports[i]) for i in range(count)]
+        self.theirs_ports = ports[count : 2 * count]
+        self.ready_port = ports[-1]
+        self.collections = f"{community_docker()}:{BUILD / 'collections'}"
+
+    def _spec(self, name: str, port: int) -> dict[str, Any]:
+        return {
+            "name": name,
+            "driver": "vllm",
+            "image": self.image.pinned,
+            "model": {"name": "tiny"},
+            "served_model_name": "tiny-chat",
+            "port": port,
+            "policy": str(self.policy),
+            "state_dir": str(self.state_dir),
+        }
+
+    def theirs(self) -> list[dict[str, Any]]:
+        """docker_container parameters equivalent to our containers (read back from the first of them)."""
+        model = self.client.containers.get(self.ours[0]["name"]).attrs
+        image_env = set(self.client.images.get(self.image.id).attrs["Config"].get("Env") or [])
+        env = dict(item.split("=", 1) for item in model["Config"]["Env"] if item not in image_env)
+        return [
+            {
+                "name": f"{self.prefix}-theirs-{i}",
+                "image": self.image.tag,
+                "command": model["Config"]["Cmd"],
+                "env": env,
+                "published_ports": [f"{BIND}:{port}:8000"],
+                "init": True,
+                "stop_signal": model["Config"].get("StopSignal") or "SIGTERM",
+                "stop_timeout": model["Config"].get("StopTimeout") or 30,
+                "state": "started",
+                "pull": "never",
+            }
+            for i, port in enumerate(self.theirs_ports)
+        ]
+
+    def playbook(self, module: str, items: list[Any]) -> Path:
+        path = self.root / f"{module.rsplit('.', 1)[-1]}.yml"
+        task: dict[str, Any] = {"name": "converge", module: "{{ item }}", "loop": items, "register": "converged"}
+        if module == "ansible.builtin.meta":
+            task = {"name": "converge", module: "noop", "loop": items}
+        path.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [task]}]))
+        return path
+
+    def run(self, playbook: Path) -> str:
+        env = {
+            **os.environ,
+            "ANSIBLE_COLLECTIONS_PATH": self.collections,
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_DEPRECATION_WARNINGS": "0",
+            "ANSIBLE_LOCAL_TEMP": str(self.root / "ansible-tmp"),
+        }
+        proc = subprocess.run(
+            [
+                str(VENV_BIN / "ansible-playbook"),
+                "-i",
+                "localhost,",
+                "-e",
+                f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
+                str(playbook),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"bench: {playbook.name} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return proc.stdout
+
+    def noop_run(self, playbook: Path) -> None:
+        recap = self.run(playbook).rsplit("PLAY RECAP", 1)[-1]
+        if "changed=0" not in recap:
+            raise SystemExit(f"bench: {playbook.name} was not a no-op:\n{recap}")
+
+    def create_to_ready(self, repeat: int) -> float:
+        spec = self._spec(f"{self.prefix}-ready", self.ready_port)
+        options = Options(state="started", policy_path=str(self.policy), state_dir=str(self.state_dir))
+        absent = Options(state="absent", policy_path=str(self.policy), state_dir=str(self.state_dir))
+        engine = DockerEngine.from_env()
+        try:
+
+            def once() -> None:
+                result = converge(spec, options, check_mode=False, engine=engine)
+                if result.get("ready") is not True or result["done"] != ["create", "start", "wait-ready"]:
+                    raise SystemExit(f"bench: the engine did not go from nothing to ready: {result}")
+
+            samples = []
+            for _ in range(repeat):
+                samples.append(median_seconds(once, 1))
+                converge({"name": spec["name"]}, absent, check_mode=False, engine=engine)
+            return sorted(samples)[len(samples) // 2]
+        finally:
+            engine.close()
+
+    def inprocess_noop(self, repeat: int) -> float:
+        """The same no-op through ``engine_instance.converge`` in this process: the module without Ansible and
+        without its imports."""
+        options = Options(state="started", policy_path=str(self.policy), state_dir=str(self.state_dir))
+        engine = DockerEngine.from_env()
+
+        def once() -> None:
+            for spec in self.ours:
+                if converge(spec, options, check_mode=False, engine=engine)["changed"]:
+                    raise SystemExit(f"bench: {spec['name']} was not a no-op in process")
+
+        try:
+            return median_seconds(once, repeat)
+        finally:
+            engine.close()
+
+    def cleanup(self) -> None:
+        for container in self.client.containers.list(all=True, filters={"name": self.prefix}):
+            if container.name.startswith(self.prefix):
+                container.remove(force=True)
+
+
+def import_seconds(modules: list[str], repeat: int) -> float:
+    """What importing ``modules`` costs a fresh interpreter (an Ansible module pays it on every task)."""
+    python = str(VENV_BIN / "python")
+    code = "import " + ", ".join(modules)
+    bare = median_seconds(lambda: subprocess.run([python, "-c", "pass"], check=True), repeat)
+    loaded = median_seconds(lambda: subprocess.run([python, "-c", code], check=True), repeat)
+    return loaded - bare
+
+
+OUR_IMPORTS = [
+    "ansible.module_utils.basic",
+    "ansible_collections.meridian.node.plugins.modules.engine_instance",
+]
+THEIR_IMPORTS = [
+    "ansible.module_utils.basic",
+    "ansible_collections.community.docker.plugins.modules.docker_container",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--count", type=int, default=8)
+    args = parser.parse_args()
+    client = docker.from_env(timeout=60)
+    with tempfile.TemporaryDirectory(prefix="mn-bench-") as tmp:
+        bench = Bench(Path(tmp), client, args.count)
+        try:
+            ours = bench.playbook("meridian.node.engine_instance", bench.ours)
+            bench.run(ours)  # creates and starts them: not timed
+            theirs = bench.playbook("community.docker.docker_container", bench.theirs())
+            bench.run(theirs)
+            baseline = bench.playbook("ansible.builtin.meta", list(range(args.count)))
+            bench.noop_run(ours)
+            bench.noop_run(theirs)
+            t_base = median_seconds(lambda: bench.run(baseline), args.repeat)
+            t_ours = median_seconds(lambda: bench.noop_run(ours), args.repeat)
+            t_theirs = median_seconds(lambda: bench.noop_run(theirs), args.repeat)
+            t_inproc = bench.inprocess_noop(args.repeat)
+            ready = bench.create_to_ready(args.repeat)
+        finally:
+            bench.cleanup()
+    print(f"no-op converge of {args.count} running engines, one ansible-playbook run, median of {args.repeat}:")
+    print(f"  meridian.node.engine_instance      {t_ours:7.2f} s")
+    print(f"  community.docker.docker_container  {t_theirs:7.2f} s")
+    print(f"  ansible.builtin.meta noop (start-up) {t_base:5.2f} s")
+    print(f"  ratio ours/theirs                  {t_ours / t_theirs:7.2f}  (target <= 1.0)")
+    print(f"  ratio without start-up             {(t_ours - t_base) / max(t_theirs - t_base, 1e-9):7.2f}")
+    print(f"  engine_instance.converge in process, no Ansible  {t_inproc:5.2f} s for all {args.count}")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(COLLECTIONS), os.environ.get("PYTHONPATH", "")])
+    ours_import, theirs_import = import_seconds(OUR_IMPORTS, args.repeat), import_seconds(THEIR_IMPORTS, args.repeat)
+    print(f"  module imports per task: ours {ours_import:.2f} s, docker_container {theirs_import:.2f} s")
+    print(f"create-to-ready of one stand-in engine (converge: create, start, wait-ready): {ready:.2f} s")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    main()
+    print(f"(bench took {time.monotonic() - started:.0f} s)")

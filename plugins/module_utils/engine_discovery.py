@@ -1,0 +1,227 @@
+"""What engines run on this host, and what room is left: the engine half of the agent's observation.
+
+``discover_engines`` lists every container that is an inference engine, as plain dicts shaped like
+``contracts.EngineObservation``:
+
+- ours (meridian.node's ownership labels): name, driver and served model name from our labels, state
+  from Docker, ``ready`` from one readiness probe the driver's way (only when running), ``draining``
+  from the durable mark (``drain_state``), the published host port;
+- anybody else's, when they look like an engine: ``managed: false``, read-only. Nothing is ever done to
+  them; they are listed so the control plane knows what holds VRAM and ports here.
+
+Recognising a foreign engine (a heuristic, so it errs towards "not an engine"):
+
+1. the image's repository name (the part after the last ``/``, tag and digest dropped, lowercased)
+   contains a known engine word: ``vllm``, ``text-generation-inference`` or ``tgi``, ``sglang``,
+   ``ollama``, ``llama.cpp`` / ``llama-cpp`` / ``llamacpp`` / ``llama-server``, ``lmdeploy``; the
+   driver is then that engine;
+2. else, a published container port that only one engine uses by default: 11434 (Ollama),
+   30000 (SGLang), 23333 (LMDeploy). Common ports (80, 8000, 8080) alone say nothing;
+3. else it is not an engine and is left out.
+
+A running foreign engine with a published port for its guessed driver's container port is probed once
+on its health path (a GET, read-only); otherwise ``ready`` is false, meaning "not known to be ready".
+
+``capacity`` is what a new engine could still get, shaped like ``contracts.Capacity``: per GPU uuid (and
+per MIG instance uuid), ``min(free, total - reserved)`` where ``reserved`` sums the ``min_vram_mib``
+of the engines we own on it (the same rule placement uses); and the ports of the policy range that no
+container publishes on the bind address and the kernel lets us bind, the lowest ``max_ports`` of them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
+    ContainerInfo,
+    DockerEngine,
+    _overlaps,
+    port_bind_problem,
+)
+from ansible_collections.meridian.node.plugins.module_utils.drain import driver_of, probe_address
+from ansible_collections.meridian.node.plugins.module_utils.drain_state import list_draining
+from ansible_collections.meridian.node.plugins.module_utils.engine_containers import probe_readiness
+from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import Driver, get_driver
+from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
+    LABEL_SPEC,
+    Reservation,
+    reservations_from,
+    resolve_devices,
+)
+
+__all__ = ["MAX_PORTS", "capacity", "discover_engines", "guess_driver", "observe_engines", "vram_left"]
+
+MAX_PORTS = 100
+_PROBE_TIMEOUT_S = 1.0
+# Checked in this order: "llama" would also match inside other names, so the specific words come first.
+_IMAGE_WORDS: tuple[tuple[str, str], ...] = (
+    ("text-generation-inference", "tgi"),
+    ("lmdeploy", "lmdeploy"),
+    ("sglang", "sglang"),
+    ("ollama", "ollama"),
+    ("vllm", "vllm"),
+    ("llama.cpp", "llamacpp"),
+    ("llama-cpp", "llamacpp"),
+    ("llamacpp", "llamacpp"),
+    ("llama-server", "llamacpp"),
+)
+_TGI_WORD = re.compile(r"(^|[^a-z0-9])tgi([^a-z0-9]|$)")
+_DISTINCT_PORTS = {11434: "ollama", 30000: "sglang", 23333: "lmdeploy"}
+
+
+def _repository_name(image: str) -> str:
+    reference = image.split("@", 1)[0]
+    last = reference.rsplit("/", 1)[-1]
+    return last.split(":", 1)[0].lower()
+
+
+def guess_driver(container: ContainerInfo) -> str | None:
+    """The engine a foreign container looks like (see the module docstring), or None: not an engine."""
+    repository = _repository_name(container.image)
+    for word, driver in _IMAGE_WORDS:
+        if word in repository:
+            return driver
+    if _TGI_WORD.search(repository):
+        return "tgi"
+    for port in container.ports:
+        if port.container_port in _DISTINCT_PORTS:
+            return _DISTINCT_PORTS[port.container_port]
+    return None
+
+
+def _label_spec(container: ContainerInfo) -> dict[str, Any]:
+    try:
+        spec = json.loads(container.labels.get(LABEL_SPEC, "{}"))
+    except ValueError:
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def _ready(container: ContainerInfo, driver: Driver, address: tuple[str, int] | None) -> bool:
+    if not container.running or address is None:
+        return False
+    return probe_readiness(driver, address[0], address[1], timeout=_PROBE_TIMEOUT_S).ready
+
+
+def discover_engines(engine: DockerEngine, *, state_dir: str, probe: bool = True) -> list[dict[str, Any]]:
+    """Every engine container on the host, ours first then foreign ones, each by name."""
+    draining = {mark.name for mark in list_draining(state_dir)}
+    ours: list[dict[str, Any]] = []
+    foreign: list[dict[str, Any]] = []
+    for container in engine.list_containers():
+        if container.owned:
+            ours.append(_observe_ours(container, draining, probe))
+        else:
+            observed = _observe_foreign(container, probe)
+            if observed is not None:
+                foreign.append(observed)
+    return sorted(ours, key=lambda e: e["name"]) + sorted(foreign, key=lambda e: e["name"])
+
+
+def _observe_ours(container: ContainerInfo, draining: set[str], probe: bool) -> dict[str, Any]:
+    driver = driver_of(container)
+    address = probe_address(container, driver)
+    spec = _label_spec(container)
+    name = container.instance or container.name
+    served = spec.get("served_model_name")
+    return {
+        "name": name,
+        "managed": True,
+        "driver": container.driver,
+        "image": str(spec.get("image") or container.image),
+        "state": container.state,
+        "ready": probe and _ready(container, driver, address),
+        "draining": name in draining,
+        "port": None if address is None else address[1],
+        "served_model_name": served if isinstance(served, str) else None,
+    }
+
+
+def _observe_foreign(container: ContainerInfo, probe: bool) -> dict[str, Any] | None:
+    guessed = guess_driver(container)
+    if guessed is None:
+        return None
+    driver = get_driver(guessed)
+    # Only the port the guessed engine listens on is asked: another published port may be anything.
+    published = probe_address(container, driver)
+    listens = any(p.protocol == "tcp" and p.container_port == driver.facts.container_port for p in container.ports)
+    address = published if listens else None
+    return {
+        "name": container.name,
+        "managed": False,
+        "driver": guessed,
+        "image": container.image,
+        "state": container.state,
+        "ready": probe and _ready(container, driver, address),
+        "draining": False,
+        "port": None if published is None else published[1],
+        "served_model_name": None,
+    }
+
+
+def capacity(
+    engine: DockerEngine,
+    *,
+    gpu_facts: Mapping[str, Any] | None,
+    port_range: Sequence[int],
+    bind_address: str,
+    max_ports: int = MAX_PORTS,
+) -> dict[str, Any]:
+    """Free VRAM per GPU / MIG uuid after our reservations, and free ports in the policy range."""
+    containers = engine.list_containers()
+    reservations = reservations_from(containers)
+    vram: dict[str, int] = {}
+    if gpu_facts is not None and gpu_facts.get("nvml_available"):
+        vram = vram_left(gpu_facts, reservations)
+    published = {
+        p.host_port
+        for container in containers
+        for p in container.ports
+        if p.protocol == "tcp" and _overlaps(p.host_ip, bind_address)
+    }
+    low, high = int(port_range[0]), int(port_range[1])
+    ports: list[int] = []
+    for port in range(low, high + 1):
+        if len(ports) >= max_ports:
+            break
+        if port not in published and port_bind_problem(bind_address, port) is None:
+            ports.append(port)
+    return {"vram_free_mib": vram, "free_ports": ports}
+
+
+def vram_left(gpu_facts: Mapping[str, Any], reservations: Sequence[Reservation]) -> dict[str, int]:
+    """``min(free, total - reserved)`` MiB per GPU uuid and MIG instance uuid; GPUs in MIG mode only by
+    instance (a whole-GPU engine cannot go there). Pure."""
+    reserved: dict[str, int] = {}
+    for reservation in reservations:
+        devices, _missing = resolve_devices(reservation.gpus, gpu_facts)
+        for device in devices:
+            reserved[device.key] = reserved.get(device.key, 0) + reservation.min_vram_mib
+    left: dict[str, int] = {}
+    for gpu in gpu_facts.get("gpus") or []:
+        wanted = [str(gpu.get("uuid"))] if not gpu.get("mig_mode") else []
+        wanted += [str(m.get("uuid")) for m in gpu.get("mig_instances") or []]
+        devices, _missing = resolve_devices(wanted, gpu_facts)
+        for device in devices:
+            room = min(device.free_mib, device.total_mib - reserved.get(device.key, 0))
+            left[device.key] = max(room, 0)
+    return left
+
+
+def observe_engines(
+    engine: DockerEngine,
+    *,
+    state_dir: str,
+    gpu_facts: Mapping[str, Any] | None,
+    port_range: Sequence[int],
+    bind_address: str,
+    probe: bool = True,
+) -> dict[str, Any]:
+    """``{"engines": [...], "capacity": {...}}`` for the agent's observation document."""
+    return {
+        "engines": discover_engines(engine, state_dir=state_dir, probe=probe),
+        "capacity": capacity(engine, gpu_facts=gpu_facts, port_range=port_range, bind_address=bind_address),
+    }

@@ -183,7 +183,9 @@ def short_repr(value: Any, limit: int = 80) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False)
+    # defer_build: a module that imports the contracts but validates one kind (or none) should not pay
+    # for building every schema at import; each model builds on first use.
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False, defer_build=True)
 
 
 class Signature(_Strict):

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.tests.docker.test_engine_instance_module import (
+from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     BIND,
     REPO,
     SERVER,

@@ -29,7 +29,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_discovery imp
     vram_left,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import Reservation
-from ansible_collections.meridian.node.tests.docker.test_engine_instance_module import (
+from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     BIND,
     SERVER,
     Host,

@@ -1,0 +1,161 @@
+"""Shared harness for the engine module tests: a host (policy, store, state dir) that runs playbooks, ports,
+and helpers that hold slow requests in flight on a stand-in engine.
+
+Used by tests/docker/test_engine_instance_module.py, test_drain_module.py and test_engine_discovery.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import port_bind_problem
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = REPO / ".venv" / "bin"
+SERVER = REPO / "tests" / "engines" / "standin_server.py"
+BIND = "127.0.0.1"
+PORTS = (8100, 8999)
+
+
+def free_port() -> int:
+    start = 8100 + secrets.randbelow(700)
+    for port in range(start, PORTS[1]):
+        if port_bind_problem(BIND, port) is None:
+            return port
+    raise RuntimeError(f"no free port in {start}-{PORTS[1]} on {BIND}")
+
+
+class Host:
+    """A policy, an artifact store and a state dir in a temporary directory; runs playbooks against them."""
+
+    def __init__(self, root: Path, docker_client: Any) -> None:
+        self.root = root
+        self.client = docker_client
+        self.store = root / "store"
+        self.state_dir = root / "state"
+        version = self.store / "artifacts" / "tiny" / "v1"
+        version.mkdir(parents=True)
+        (version / "config.json").write_text("{}")
+        (version / "tiny-q4.gguf").write_bytes(b"GGUF")
+        (self.store / "artifacts" / "tiny" / "current").symlink_to("v1")
+        self.state_dir.mkdir()
+        self.policy = write_policy(
+            root / "policy",
+            control=[make_key()],
+            extra={
+                "images": {"allowed_repositories": ["meridian-node/standin"]},
+                "engines": {
+                    "allowed_drivers": ["vllm", "llamacpp", "ollama", "openai", "sglang", "lmdeploy"],
+                    "bind_address": BIND,
+                    "port_range": list(PORTS),
+                },
+                "store": {"path": str(self.store)},
+            },
+        )
+
+    def params(self, **spec: Any) -> dict[str, Any]:
+        return {"policy": str(self.policy), "state_dir": str(self.state_dir), **spec}
+
+    def play(self, steps: Sequence[tuple[str, Mapping[str, Any], bool]], nvml: str | None = None) -> dict[str, Any]:
+        """Run ``(label, module params, check_mode)`` steps in order; every step's registered result by label."""
+        out = self.root / f"results-{secrets.token_hex(4)}.json"
+        tasks: list[dict[str, Any]] = [
+            {
+                "name": label,
+                "meridian.node.engine_instance": dict(params),
+                "check_mode": check,
+                "register": f"step_{index}",
+                "ignore_errors": True,
+            }
+            for index, (label, params, check) in enumerate(steps)
+        ]
+        collected = ", ".join(f"{json.dumps(label)}: step_{index}" for index, (label, _p, _c) in enumerate(steps))
+        tasks.append(
+            {
+                "name": "save the results",
+                "ansible.builtin.copy": {"content": "{{ {" + collected + "} | to_json }}", "dest": str(out)},
+                "check_mode": False,
+            }
+        )
+        playbook = self.root / "play.yml"
+        playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
+        env = {
+            **os.environ,
+            "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".build" / "collections"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_DEPRECATION_WARNINGS": "0",
+            "ANSIBLE_LOCAL_TEMP": str(self.root / "ansible-tmp"),
+        }
+        if nvml is not None:
+            env["PYTHONPATH"] = str(REPO / "tests" / "fakes")
+            env["MERIDIAN_FAKE_NVML_SCENARIO"] = nvml
+        proc = subprocess.run(
+            [
+                str(VENV_BIN / "ansible-playbook"),
+                "-i",
+                "localhost,",
+                "-e",
+                f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
+                "--diff",
+                str(playbook),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        results: dict[str, Any] = json.loads(out.read_text())
+        return results
+
+    def container(self, name: str) -> Any:
+        """The container called exactly ``name``, or None."""
+        found = [c for c in self.client.containers.list(all=True, filters={"name": name}) if c.name == name]
+        return found[0] if found else None
+
+
+def post_completion(port: int, seconds: float, outcomes: list[Any]) -> None:
+    body = json.dumps({"model": "tiny-chat", "prompt": "hi", "max_tokens": 4, "standin_seconds": seconds}).encode()
+    request = urllib.request.Request(
+        f"http://{BIND}:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            outcomes.append((response.status, time.monotonic()))
+    except Exception as exc:  # the outcome is what the test asserts on
+        outcomes.append((repr(exc), time.monotonic()))
+
+
+def in_flight_total(port: int) -> int:
+    with urllib.request.urlopen(f"http://{BIND}:{port}/standin/in-flight", timeout=5) as response:
+        gauges = json.loads(response.read())
+    return int(gauges["running"]) + int(gauges["waiting"])
+
+
+def hold_requests(port: int, count: int, seconds: float) -> tuple[list[threading.Thread], list[Any]]:
+    outcomes: list[Any] = []
+    threads = [threading.Thread(target=post_completion, args=(port, seconds, outcomes)) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while in_flight_total(port) < count:
+        assert time.monotonic() < deadline, "the requests never reached the engine"
+        time.sleep(0.05)
+    return threads, outcomes
+
+
+def watch_mark(path: Path, stop: threading.Event, seen: list[float]) -> None:
+    while not stop.is_set():
+        if path.exists() and not seen:
+            seen.append(time.monotonic())
+        time.sleep(0.02)

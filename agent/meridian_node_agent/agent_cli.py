@@ -121,7 +121,7 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         policy_path=config.policy,
         keep_runs=config.journal.keep_runs,
     )
-    observer = Observer(store_path=policy.store.path, engines=_engine_source(config, policy.engines.bind_address, log))
+    observer = Observer(store_path=policy.store.path, engines=_engine_source(config, log))
     metrics = None
     if config.metrics is not None:
         from meridian_node_agent.metrics import Metrics
@@ -130,7 +130,7 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
     return Agent(config, policy, client, applier, observer, log=log, metrics=metrics)
 
 
-def _engine_source(config: AgentConfig, probe_host: str, log: EventLogger | None) -> Any:
+def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
     from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
         DockerEngine,
         DockerEngineError,
@@ -142,7 +142,7 @@ def _engine_source(config: AgentConfig, probe_host: str, log: EventLogger | None
     except DockerEngineError as exc:
         (log or EventLogger()).warning("engines-not-observed", reason=str(exc))
         return no_engines
-    return DockerEngines(engine, state_dir=Path(config.state_dir), probe_host=probe_host)
+    return DockerEngines(engine, state_dir=Path(config.state_dir))
 
 
 def cmd_run(args: argparse.Namespace) -> int:

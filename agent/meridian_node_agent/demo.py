@@ -3,6 +3,8 @@
 1. GPU facts for this host through Ansible (``ansible localhost -m meridian.node.gpu_facts``).
 2. The trust loop: keys, a policy, a signed desired state, verified and recorded as applied; then the
    attacks the host refuses (replay, tampering, an unknown signer, another node, expiry, a fenced epoch).
+3. The whole loop (``demo_loop``): devserver, enrolled agent, a published state with one engine, applied
+   through ansible-runner onto Docker, the status table and the serving projection.
 
 Everything happens in a temporary directory that is removed afterwards.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from meridian_node_agent.demo_loop import whole_loop
 
 BIN = Path(sys.executable).parent
 COLLECTIONS = Path(__file__).resolve().parents[2] / ".build" / "collections"
@@ -154,8 +157,8 @@ def main() -> int:
         workdir = Path(tmp)
         gpu_facts(workdir)
         trust_loop(workdir)
+        whole_loop(workdir)
     banner("done")
-    print("Later issues grow this into the whole loop: devserver, enrolled agent, engines on Docker.")
     return 0
 
 

@@ -15,14 +15,12 @@ from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.artifact_store import Store
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
-    DRIVERS,
     GpuFacts,
     Observation,
     format_rfc3339,
 )
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerEngineError
-from ansible_collections.meridian.node.plugins.module_utils.engine_containers import probe_readiness
-from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import get_driver
+from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import discover_engines
 from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
 
 __all__ = ["DockerEngines", "EngineSource", "Observer", "no_engines"]
@@ -49,13 +47,11 @@ class DockerEngines:
         engine: DockerEngine,
         *,
         state_dir: Path,
-        probe_host: str = "127.0.0.1",
         refresh_seconds: float = 5.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
-        self.draining_dir = Path(state_dir) / "draining"
-        self.probe_host = probe_host
+        self.state_dir = Path(state_dir)
         self.refresh_seconds = refresh_seconds
         self._monotonic = monotonic
         self._cache: tuple[float, list[dict[str, Any]]] | None = None
@@ -65,30 +61,10 @@ class DockerEngines:
         if self._cache is not None and now - self._cache[0] < self.refresh_seconds:
             return self._cache[1]
         try:
-            containers = self.engine.list_containers()
+            engines = discover_engines(self.engine, state_dir=str(self.state_dir), probe=True)
         except DockerEngineError:
             # Docker down is an observation problem, not a cycle failure; engines keep their last report.
             return self._cache[1] if self._cache else []
-        engines = []
-        for container in containers:
-            name = container.instance if container.owned and container.instance else container.name
-            port = container.ports[0].host_port if container.ports else None
-            driver = container.driver if container.driver in DRIVERS else None
-            ready = False
-            if container.owned and container.running and driver is not None and port is not None:
-                ready = probe_readiness(get_driver(driver), self.probe_host, port, timeout=1.0).ready
-            engines.append(
-                {
-                    "name": name,
-                    "managed": container.owned,
-                    "driver": driver,
-                    "image": container.image or None,
-                    "state": container.state or "unknown",
-                    "ready": ready,
-                    "draining": container.owned and (self.draining_dir / f"{name}.json").exists(),
-                    "port": port,
-                }
-            )
         self._cache = (now, engines)
         return engines
 

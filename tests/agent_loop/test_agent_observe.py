@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker_engine import
     LABEL_OWNED,
     DockerEngine,
 )
+from ansible_collections.meridian.node.plugins.module_utils.drain_state import mark_draining
 from meridian_node_agent.observe import DockerEngines
 
 pytestmark = pytest.mark.docker
@@ -27,11 +27,15 @@ def test_discovery_reports_owned_and_unmanaged_containers_with_draining_marks(
     image = standin_base_image.tag
     created = []
     try:
-        created.append(docker_client.containers.create(image, ["sleep", "300"], name=f"stranger-{suffix}"))
+        # Someone else's engine: Ollama's port published, so discovery recognises it (and never touches it).
+        stranger = docker_client.containers.create(
+            image, ["sleep", "300"], name=f"stranger-{suffix}", ports={"11434/tcp": ("127.0.0.1", None)}
+        )
+        created.append(stranger)
+        stranger.start()
         labels = {LABEL_OWNED: "true", LABEL_INSTANCE: f"chat-{suffix}", LABEL_DRIVER: "vllm"}
         created.append(docker_client.containers.create(image, ["sleep", "300"], name=f"ours-{suffix}", labels=labels))
-        (tmp_path / "draining").mkdir()
-        (tmp_path / "draining" / f"chat-{suffix}.json").write_text(json.dumps({"name": f"chat-{suffix}"}))
+        mark_draining(str(tmp_path), f"chat-{suffix}", reason="test")
         ticks = iter([0.0, 1.0, 10.0])
         source = DockerEngines(
             DockerEngine(docker_client), state_dir=tmp_path, refresh_seconds=5.0, monotonic=lambda: next(ticks)
@@ -46,7 +50,7 @@ def test_discovery_reports_owned_and_unmanaged_containers_with_draining_marks(
         assert ours["state"] == "created"
         assert (stranger["managed"], stranger["driver"], stranger["draining"], stranger["ready"]) == (
             False,
-            None,
+            "ollama",
             False,
             False,
         )

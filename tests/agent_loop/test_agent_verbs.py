@@ -134,7 +134,8 @@ def test_agent_sigkilled_mid_apply_reapplies_at_restart(server: DevServer, tmp_p
         deadline = time.monotonic() + 120
         while not (oplog.exists() and '"started"' in oplog.read_text()):
             assert process.poll() is None, "the agent exited before it started applying"
-            assert time.monotonic() < deadline, "the agent never started applying"
+            if time.monotonic() > deadline:  # a liveness limit, not a speed target
+                pytest.fail("the agent never started applying")
             time.sleep(0.02)
         os.killpg(process.pid, signal.SIGKILL)
     finally:

@@ -348,7 +348,8 @@ def test_sigkill_mid_download_then_rerun_resumes_from_the_partial_file(
         deadline = time.monotonic() + 60
         while not (staging.exists() and staging.stat().st_size >= MIB):
             assert child.poll() is None, "the download finished or failed before it could be killed"
-            assert time.monotonic() < deadline, "the child never got 1 MiB into the download"
+            if time.monotonic() > deadline:  # a liveness limit, not a speed target
+                pytest.fail("the child never got 1 MiB into the download")
             time.sleep(0.02)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)

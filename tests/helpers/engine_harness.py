@@ -149,7 +149,8 @@ def hold_requests(port: int, count: int, seconds: float) -> tuple[list[threading
         thread.start()
     deadline = time.monotonic() + 30
     while in_flight_total(port) < count:
-        assert time.monotonic() < deadline, "the requests never reached the engine"
+        if time.monotonic() > deadline:  # a liveness limit, not a speed target
+            raise AssertionError("the requests never reached the engine")
         time.sleep(0.05)
     return threads, outcomes
 

@@ -37,6 +37,7 @@ from timing import median_seconds
 
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, port_bind_problem
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import Options, converge
+from ansible_collections.meridian.node.tests.helpers.engine_harness import run_playbook
 from ansible_collections.meridian.node.tests.helpers.standin_image import ensure_base_image, ensure_engine_image
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
 
@@ -148,27 +149,7 @@ class Bench:
         return path
 
     def run(self, playbook: Path) -> str:
-        env = {
-            **os.environ,
-            "ANSIBLE_COLLECTIONS_PATH": self.collections,
-            "ANSIBLE_NOCOLOR": "1",
-            "ANSIBLE_DEPRECATION_WARNINGS": "0",
-            "ANSIBLE_LOCAL_TEMP": str(self.root / "ansible-tmp"),
-        }
-        proc = subprocess.run(
-            [
-                str(VENV_BIN / "ansible-playbook"),
-                "-i",
-                "localhost,",
-                "-e",
-                f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
-                str(playbook),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        proc = run_playbook(playbook, temp_dir=self.root / "ansible-tmp", collections=self.collections)
         if proc.returncode != 0:
             raise SystemExit(f"bench: {playbook.name} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         return proc.stdout

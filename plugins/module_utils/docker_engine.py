@@ -73,6 +73,7 @@ __all__ = [
     "PortBinding",
     "PublishedPort",
     "UnsafeImageError",
+    "address_overlaps",
     "config_hash",
     "port_bind_problem",
 ]
@@ -483,7 +484,7 @@ class DockerEngine:
             for published in container.ports:
                 if published.host_port != port or published.protocol != "tcp":
                     continue
-                if _overlaps(published.host_ip, address):
+                if address_overlaps(published.host_ip, address):
                     return (
                         f"port {port} on {address} is published by container {container.name!r} "
                         f"({published.host_ip or '*'}:{port} -> {published.container_port})"
@@ -593,7 +594,7 @@ def _split_digest(reference: str) -> tuple[str, str]:
     return name, digest
 
 
-def _overlaps(published_ip: str, address: str) -> bool:
+def address_overlaps(published_ip: str, address: str) -> bool:
     """Whether a port published on ``published_ip`` also takes it on ``address`` (a wildcard takes all)."""
     if not published_ip or published_ip == address:
         return True

@@ -30,7 +30,6 @@ container publishes on the bind address and the kernel lets us bind, the lowest 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,7 +37,7 @@ from typing import Any
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
     ContainerInfo,
     DockerEngine,
-    _overlaps,
+    address_overlaps,
     port_bind_problem,
 )
 from ansible_collections.meridian.node.plugins.module_utils.drain import driver_of, probe_address
@@ -46,8 +45,8 @@ from ansible_collections.meridian.node.plugins.module_utils.drain_state import l
 from ansible_collections.meridian.node.plugins.module_utils.engine_containers import probe_readiness
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import Driver, get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
-    LABEL_SPEC,
     Reservation,
+    label_spec,
     reservations_from,
     resolve_devices,
 )
@@ -92,14 +91,6 @@ def guess_driver(container: ContainerInfo) -> str | None:
     return None
 
 
-def _label_spec(container: ContainerInfo) -> dict[str, Any]:
-    try:
-        spec = json.loads(container.labels.get(LABEL_SPEC, "{}"))
-    except ValueError:
-        return {}
-    return spec if isinstance(spec, dict) else {}
-
-
 def _ready(container: ContainerInfo, driver: Driver, address: tuple[str, int] | None) -> bool:
     if not container.running or address is None:
         return False
@@ -124,7 +115,7 @@ def discover_engines(engine: DockerEngine, *, state_dir: str, probe: bool = True
 def _observe_ours(container: ContainerInfo, draining: set[str], probe: bool) -> dict[str, Any]:
     driver = driver_of(container)
     address = probe_address(container, driver)
-    spec = _label_spec(container)
+    spec = label_spec(container)
     name = container.instance or container.name
     served = spec.get("served_model_name")
     return {
@@ -180,7 +171,7 @@ def capacity(
         p.host_port
         for container in containers
         for p in container.ports
-        if p.protocol == "tcp" and _overlaps(p.host_ip, bind_address)
+        if p.protocol == "tcp" and address_overlaps(p.host_ip, bind_address)
     }
     low, high = int(port_range[0]), int(port_range[1])
     ports: list[int] = []

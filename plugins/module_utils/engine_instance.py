@@ -88,6 +88,7 @@ __all__ = [
     "build_spec",
     "check_policy",
     "converge",
+    "label_spec",
     "placement_problem",
     "public_spec",
     "reservations_from",
@@ -336,7 +337,7 @@ def reservations_from(containers: Sequence[ContainerInfo], exclude: str | None =
     for container in containers:
         if not container.owned or container.instance == exclude:
             continue
-        spec = _label_spec(container)
+        spec = label_spec(container)
         try:
             vram = int(container.labels.get(LABEL_MIN_VRAM, "0"))
         except ValueError:
@@ -347,7 +348,8 @@ def reservations_from(containers: Sequence[ContainerInfo], exclude: str | None =
     return reservations
 
 
-def _label_spec(container: ContainerInfo) -> dict[str, Any]:
+def label_spec(container: ContainerInfo) -> dict[str, Any]:
+    """The non-secret spec an owned container carries in its label; {} when absent or unreadable."""
     try:
         spec = json.loads(container.labels.get(LABEL_SPEC, "{}"))
     except ValueError:
@@ -472,7 +474,7 @@ def _observe(engine: DockerEngine, name: str) -> tuple[Observed | None, Containe
             owned=container.owned,
             status=container.state,
             config_hash=container.config_hash,
-            spec=_label_spec(container),
+            spec=label_spec(container),
         ),
         container,
     )

@@ -447,6 +447,7 @@ def test_public_api_is_exactly_what_the_engine_modules_use() -> None:
             "PublishedPort",
             "UnsafeImageError",
             "config_hash",
+            "address_overlaps",
             "port_bind_problem",
         ]
     )

@@ -8,9 +8,7 @@ carries the test's random prefix and is removed afterwards, pass or fail.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,12 +19,11 @@ import pytest
 
 from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     BIND,
-    REPO,
     SERVER,
-    VENV_BIN,
     Host,
     free_port,
     hold_requests,
+    run_playbook,
     watch_mark,
 )
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
@@ -80,27 +77,7 @@ def play(host: Host, steps: Sequence[Step]) -> dict[str, Any]:
     )
     playbook = host.root / "drain-play.yml"
     playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
-    env = {
-        **os.environ,
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".build" / "collections"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_DEPRECATION_WARNINGS": "0",
-        "ANSIBLE_LOCAL_TEMP": str(host.root / "ansible-tmp"),
-    }
-    proc = subprocess.run(
-        [
-            str(VENV_BIN / "ansible-playbook"),
-            "-i",
-            "localhost,",
-            "-e",
-            f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
-            str(playbook),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_playbook(playbook, temp_dir=host.root / "ansible-tmp")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results: dict[str, Any] = json.loads(out.read_text())
     return results

@@ -35,6 +35,40 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {start}-{PORTS[1]} on {BIND}")
 
 
+
+def run_playbook(
+    playbook: Path,
+    *,
+    temp_dir: Path,
+    collections: str | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+) -> subprocess.CompletedProcess[str]:
+    """``ansible-playbook`` against localhost (local connection, the venv's interpreter), as the tests run it."""
+    env = {
+        **os.environ,
+        "ANSIBLE_COLLECTIONS_PATH": collections or str(REPO / ".build" / "collections"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_DEPRECATION_WARNINGS": "0",
+        "ANSIBLE_LOCAL_TEMP": str(temp_dir),
+        **(extra_env or {}),
+    }
+    return subprocess.run(
+        [
+            str(VENV_BIN / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "-e",
+            f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
+            *extra_args,
+            str(playbook),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
 class Host:
     """A policy, an artifact store and a state dir in a temporary directory; runs playbooks against them."""
 
@@ -89,31 +123,10 @@ class Host:
         )
         playbook = self.root / "play.yml"
         playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
-        env = {
-            **os.environ,
-            "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".build" / "collections"),
-            "ANSIBLE_NOCOLOR": "1",
-            "ANSIBLE_DEPRECATION_WARNINGS": "0",
-            "ANSIBLE_LOCAL_TEMP": str(self.root / "ansible-tmp"),
-        }
+        extra_env = {}
         if nvml is not None:
-            env["PYTHONPATH"] = str(REPO / "tests" / "fakes")
-            env["MERIDIAN_FAKE_NVML_SCENARIO"] = nvml
-        proc = subprocess.run(
-            [
-                str(VENV_BIN / "ansible-playbook"),
-                "-i",
-                "localhost,",
-                "-e",
-                f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
-                "--diff",
-                str(playbook),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+            extra_env = {"PYTHONPATH": str(REPO / "tests" / "fakes"), "MERIDIAN_FAKE_NVML_SCENARIO": nvml}
+        proc = run_playbook(playbook, temp_dir=self.root / "ansible-tmp", extra_env=extra_env, extra_args=["--diff"])
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         results: dict[str, Any] = json.loads(out.read_text())
         return results

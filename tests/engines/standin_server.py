@@ -313,9 +313,14 @@ class Handler(BaseHTTPRequestHandler):
                 # Aborted by SIGTERM: the engine drops the request; the client sees the connection close.
                 self.close_connection = True
                 return
+            # The request is finished before its answer goes out, as in an engine's scheduler: a client
+            # holding its response never sees itself still counted in the gauges.
             with state.lock:
                 state.served += 1
                 number = state.served
+                state.running -= 1
+            state.slots.release()
+            acquired = False
             self.send_json(200, self.completion_body(request, number, chat=chat, ollama=ollama, tgi=tgi))
         finally:
             if acquired:

@@ -17,8 +17,8 @@ What this file guarantees, so the modules above it cannot get it wrong:
 - Every Docker failure surfaces as a ``DockerEngineError`` saying what we were doing, to what, and why
   ("Error creating container 'x': ..."); misuse of this API (bad settings) raises ``ValueError``.
 
-One ``DockerEngine`` wraps one client, reused for every call of a module run or agent cycle: building a
-client costs more than a listing.
+The transport is ``docker_api`` (the Engine API over its socket, standard library only): the engine
+modules need no Python package on the host, and pay no SDK import on every task.
 """
 
 from __future__ import annotations
@@ -29,30 +29,14 @@ import ipaddress
 import json
 import shutil
 import socket
-import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-try:
-    import docker
-    import requests.exceptions
-    from docker import errors as docker_errors
-    from docker.types import DeviceRequest
-    from docker.types import Mount as DockerMount
-except ImportError:
-    HAS_DOCKER = False
-    DOCKER_IMPORT_ERROR: str | None = traceback.format_exc()
-    _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (OSError,)
-else:
-    HAS_DOCKER = True
-    DOCKER_IMPORT_ERROR = None
-    _TRANSPORT_ERRORS = (docker_errors.DockerException, requests.exceptions.RequestException, OSError)
+from ansible_collections.meridian.node.plugins.module_utils.docker_api import DockerApi, DockerApiError
 
 __all__ = [
-    "DOCKER_IMPORT_ERROR",
-    "HAS_DOCKER",
     "LABEL_CONFIG_HASH",
     "LABEL_DRIVER",
     "LABEL_INSTANCE",
@@ -93,7 +77,7 @@ class DockerEngineError(Exception):
 
 
 class DockerUnavailableError(DockerEngineError):
-    """No Docker SDK on this host, or no engine answering."""
+    """No Docker Engine answering (or DOCKER_HOST names one this code cannot reach)."""
 
 
 class ImageNotFoundError(DockerEngineError):
@@ -257,25 +241,13 @@ class ImageInfo:
     pinned_by: str  # "registry-digest", "image-id" or "" (not a digest reference)
 
 
-def _api_error_text(exc: BaseException) -> str:
-    explanation = getattr(exc, "explanation", None)
-    if explanation:
-        return str(explanation)
-    return str(exc) or type(exc).__name__
-
-
 @contextmanager
 def _docker_call(action: str, not_found: type[DockerEngineError] = DockerEngineError) -> Iterator[None]:
-    """Fold every SDK and transport error into our family: 'Error <action>: <reason>'."""
+    """Fold every API and transport error into our family, naming what we were doing: 'Error <action>: ...'."""
     try:
         yield
-    except DockerEngineError:
-        raise
-    except _TRANSPORT_ERRORS as exc:
-        message = f"Error {action}: {_api_error_text(exc)}"
-        if HAS_DOCKER and isinstance(exc, docker_errors.NotFound):
-            raise not_found(message) from exc
-        raise DockerEngineError(message) from exc
+    except DockerApiError as exc:
+        raise (not_found if exc.not_found else DockerEngineError)(f"Error {action}: {exc.reason}") from exc
 
 
 def port_bind_problem(address: str, port: int) -> str | None:
@@ -314,32 +286,26 @@ def _published_ports(entry: Mapping[str, Any]) -> tuple[PublishedPort, ...]:
 
 
 class DockerEngine:
-    """The local Docker Engine, through one reused SDK client."""
+    """The local Docker Engine, through one ``DockerApi`` reused for every call."""
 
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    def __init__(self, api: DockerApi) -> None:
+        self.api = api
         self._info: dict[str, Any] | None = None
 
     @classmethod
     def from_env(cls, timeout: int = 60) -> DockerEngine:
         """Connect as the ``docker`` CLI would (DOCKER_HOST, or the local socket) and check it answers."""
-        if not HAS_DOCKER:
-            raise DockerUnavailableError(
-                "the Python package 'docker' (>= 7.0) is not installed on this host; install it with "
-                "pip install 'docker>=7.0' or install the meridian-node package, which depends on it"
-            )
         try:
-            client = docker.from_env(timeout=timeout)
-            client.ping()
-        except _TRANSPORT_ERRORS as exc:
+            api = DockerApi.from_env(timeout=timeout)
+        except DockerApiError as exc:
             raise DockerUnavailableError(
-                f"Error connecting to the Docker Engine: {_api_error_text(exc)}; is dockerd running and is "
-                "its socket (/var/run/docker.sock or DOCKER_HOST) reachable by this user?"
+                f"Error connecting to the Docker Engine: {exc.reason}; is dockerd running and is its socket "
+                "(/var/run/docker.sock or DOCKER_HOST) reachable by this user?"
             ) from exc
-        return cls(client)
+        return cls(api)
 
     def close(self) -> None:
-        self.client.close()
+        """Nothing to release (every call opens and closes its own connection); kept for callers' symmetry."""
 
     # --- reading -----------------------------------------------------------------------------------------
 
@@ -347,7 +313,7 @@ class DockerEngine:
         """``docker info``, read once per engine object (runtimes do not change under a module run)."""
         if self._info is None:
             with _docker_call("reading docker info"):
-                self._info = dict(self.client.api.info())
+                self._info = self.api.info()
         return self._info
 
     def has_nvidia_runtime(self) -> bool:
@@ -358,7 +324,7 @@ class DockerEngine:
 
     def _spoofing_image_ids(self) -> frozenset[str]:
         with _docker_call("listing images that carry meridian.node labels"):
-            images = self.client.api.images(all=True, filters={"label": LABEL_OWNED})
+            images = self.api.images({"label": [LABEL_OWNED]})
         return frozenset(image["Id"] for image in images)
 
     def _info_from_entry(self, entry: Mapping[str, Any], spoofing: frozenset[str]) -> ContainerInfo:
@@ -383,7 +349,7 @@ class DockerEngine:
 
     def _list(self, filters: Mapping[str, Any], action: str) -> list[ContainerInfo]:
         with _docker_call(action):
-            entries = self.client.api.containers(all=True, filters=dict(filters))
+            entries = self.api.containers(filters)
         spoofing = self._spoofing_image_ids() if entries else frozenset()
         return [self._info_from_entry(entry, spoofing) for entry in entries]
 
@@ -430,7 +396,7 @@ class DockerEngine:
         pinned_by = ""
         try:
             with _docker_call(f"inspecting image {reference!r}", not_found=ImageNotFoundError):
-                attrs = self.client.api.inspect_image(reference)
+                attrs = self.api.inspect_image(reference)
             if digest:
                 pinned_by = "registry-digest"
         except ImageNotFoundError:
@@ -454,7 +420,7 @@ class DockerEngine:
     def _by_image_id(self, reference: str, repository: str, digest: str) -> dict[str, Any]:
         try:
             with _docker_call(f"inspecting image {digest}", not_found=ImageNotFoundError):
-                attrs: dict[str, Any] = self.client.api.inspect_image(digest)
+                attrs: dict[str, Any] = self.api.inspect_image(digest)
         except ImageNotFoundError:
             raise ImageNotFoundError(
                 f"image {reference!r} is not in the local Docker Engine: no image has registry digest or image "
@@ -474,8 +440,8 @@ class DockerEngine:
     def logs_tail(self, container: ContainerInfo, lines: int = 50) -> str:
         """The last ``lines`` lines of stdout and stderr, decoded leniently; reading is allowed on any."""
         with _docker_call(f"reading logs of container {container.name!r}", not_found=ContainerNotFoundError):
-            data = self.client.api.logs(container.id, stdout=True, stderr=True, tail=lines, timestamps=False)
-        return bytes(data).decode("utf-8", errors="replace")
+            data = self.api.logs(container.id, tail=lines)
+        return data.decode("utf-8", errors="replace")
 
     def port_in_use(self, address: str, port: int) -> str | None:
         """None when ``address:port`` is free both for Docker (no running container publishes it there or on
@@ -521,56 +487,31 @@ class DockerEngine:
             LABEL_DRIVER: settings.driver,
             LABEL_CONFIG_HASH: settings.config_hash(),
         }
-        api = self.client.api
-        host_config = api.create_host_config(
-            port_bindings=None
-            if settings.port is None
-            else {f"{settings.port.container_port}/tcp": (settings.port.host_ip, settings.port.host_port)},
-            mounts=[DockerMount(m.target, m.source, type="bind", read_only=m.read_only) for m in settings.mounts],
-            device_requests=[DeviceRequest(driver="nvidia", device_ids=list(settings.gpus), capabilities=[["gpu"]])]
-            if settings.gpus
-            else None,
-            init=settings.init,
-            restart_policy=None if settings.restart_policy == "no" else {"Name": settings.restart_policy},
-            shm_size=None if settings.shm_size_mib is None else f"{settings.shm_size_mib}m",
-        )
         with _docker_call(f"creating container {settings.name!r}"):
-            created = api.create_container(
-                image.id,  # the id, not the reference: what runs is what was resolved and checked
-                command=list(settings.command) or None,
-                entrypoint=None if settings.entrypoint is None else list(settings.entrypoint),
-                name=settings.name,
-                environment=[f"{key}={value}" for key, value in sorted(settings.env.items())],
-                labels=labels,
-                ports=None if settings.port is None else [(settings.port.container_port, "tcp")],
-                host_config=host_config,
-                stop_signal=settings.stop_signal,
-                stop_timeout=settings.stop_timeout,
-                detach=True,
-            )
+            created = self.api.create_container(settings.name, _create_body(settings, image.id, labels))
         return self.container(str(created["Id"]))
 
     def start(self, container: ContainerInfo) -> None:
         self._require_owned(container, "start")
         with _docker_call(f"starting container {container.name!r}", not_found=ContainerNotFoundError):
-            self.client.api.start(container.id)
+            self.api.start(container.id)
 
     def stop(self, container: ContainerInfo, timeout: int) -> None:
         """Send the container's stop signal, then SIGKILL after ``timeout`` seconds.
 
-        The timeout is required: with none, the SDK's HTTP call gives up after the client timeout while
-        dockerd may still be waiting out a longer grace period; with one, the SDK waits that much longer.
+        The timeout is required: the engine answers only once the grace period is over, so the HTTP call
+        waits that much longer than the client timeout.
         """
         self._require_owned(container, "stop")
         if timeout < 0:
             raise ValueError(f"stop timeout must be >= 0 seconds, got {timeout}")
         with _docker_call(f"stopping container {container.name!r}", not_found=ContainerNotFoundError):
-            self.client.api.stop(container.id, timeout=timeout)
+            self.api.stop(container.id, timeout)
 
     def remove(self, container: ContainerInfo, force: bool = False) -> None:
         self._require_owned(container, "remove")
         with _docker_call(f"removing container {container.name!r}", not_found=ContainerNotFoundError):
-            self.client.api.remove_container(container.id, force=force)
+            self.api.remove(container.id, force=force)
 
     @staticmethod
     def _require_owned(container: ContainerInfo, verb: str) -> None:
@@ -581,6 +522,49 @@ class DockerEngine:
                 "or choose another instance name",
                 container,
             )
+
+
+def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    """The Engine API's container-create document for ``settings``; ``image_id``, not the reference: what
+    runs is what was resolved and checked."""
+    host_config: dict[str, Any] = {
+        "Init": settings.init,
+        "Mounts": [
+            {"Type": "bind", "Source": m.source, "Target": m.target, "ReadOnly": m.read_only} for m in settings.mounts
+        ],
+    }
+    body: dict[str, Any] = {
+        "Image": image_id,
+        "Env": [f"{key}={value}" for key, value in sorted(settings.env.items())],
+        "Labels": dict(labels),
+        "StopSignal": settings.stop_signal,
+        "StopTimeout": settings.stop_timeout,
+        "AttachStdin": False,
+        "AttachStdout": False,
+        "AttachStderr": False,
+        "Tty": False,
+        "OpenStdin": False,
+        "HostConfig": host_config,
+    }
+    if settings.command:
+        body["Cmd"] = list(settings.command)
+    if settings.entrypoint is not None:
+        body["Entrypoint"] = list(settings.entrypoint)
+    if settings.port is not None:
+        key = f"{settings.port.container_port}/tcp"
+        body["ExposedPorts"] = {key: {}}
+        host_config["PortBindings"] = {
+            key: [{"HostIp": settings.port.host_ip, "HostPort": str(settings.port.host_port)}]
+        }
+    if settings.gpus:
+        host_config["DeviceRequests"] = [
+            {"Driver": "nvidia", "DeviceIDs": list(settings.gpus), "Capabilities": [["gpu"]], "Count": 0, "Options": {}}
+        ]
+    if settings.restart_policy != "no":
+        host_config["RestartPolicy"] = {"Name": settings.restart_policy}
+    if settings.shm_size_mib is not None:
+        host_config["ShmSize"] = settings.shm_size_mib * 1024 * 1024
+    return body
 
 
 def _split_digest(reference: str) -> tuple[str, str]:

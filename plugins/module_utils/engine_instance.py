@@ -74,7 +74,6 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_plan import (
     TargetState,
     plan_engine,
 )
-from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, PolicyError, load_policy
 
 __all__ = [
@@ -147,6 +146,13 @@ def build_spec(
         raise EngineInstanceError(
             f"engine {params.get('name')!r}: invalid spec: {contracts.describe_validation_error(exc)}", check="spec"
         ) from exc
+
+
+def _read_gpus() -> Mapping[str, Any]:
+    # Imported here: NVML (pynvml) is needed only when placement runs, never on a no-op converge.
+    from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+
+    return collect_gpu_facts(processes=False, nvlink=False)
 
 
 def public_spec(spec: contracts.EngineSpec) -> dict[str, Any]:
@@ -405,7 +411,7 @@ def converge(
     Raises ``EngineInstanceError`` (with ``check`` and the partial result) for every refusal and failure.
     """
     name = str(params["name"])
-    read_gpus = gpu_facts or (lambda: collect_gpu_facts(processes=False, nvlink=False))
+    read_gpus = gpu_facts or _read_gpus
     try:
         run = _prepare(name, params, options, engine, read_gpus)
         if check_mode or not run.plan.actions:
@@ -431,7 +437,7 @@ def _prepare(
 
     spec = build_spec(params, options.replace_strategy)
     try:
-        policy = load_policy(options.policy_path)
+        policy = load_policy(options.policy_path, keys=False)
     except PolicyError as exc:
         raise EngineInstanceError(str(exc), check="policy") from exc
     check_policy(policy, spec)

@@ -17,6 +17,9 @@ Choices worth knowing:
   (``ghcr.io/org/vllm``), or every repository below a prefix when they end in ``/*``. No registry
   name normalisation: ``vllm/vllm-openai`` and ``docker.io/vllm/vllm-openai`` are different entries.
 - YAML mappings with a duplicated key are refused: two ``trust:`` blocks would otherwise keep the last.
+- ``load_policy(path, keys=False)`` validates the whole file but reads no key: the engine modules check
+  images, drivers and ports and verify no signature, and loading keys means importing ``cryptography``,
+  a cost every engine task would pay for nothing. Such a policy refuses to answer ``trusted_keys``.
 """
 
 from __future__ import annotations
@@ -30,11 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
-from ansible_collections.meridian.node.plugins.module_utils.dsse import (
-    KeyLoadError,
-    keyid_for,
-    load_public_key_pem,
-)
 from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YamlFileError, parse_yaml, read_text_file
 
 try:
@@ -238,19 +236,23 @@ class Policy:
     engines: EnginesPolicy
     store: StorePolicy
     agent: AgentPolicy
-    _roles: Mapping[str, _RoleTrust] = field(repr=False)
+    _roles: Mapping[str, _RoleTrust] | None = field(repr=False)
 
     def trusted_keys(self, role: Role) -> dict[str, Ed25519PublicKey]:
         """keyid -> public key trusted for ``role``; empty when the policy configures no such role."""
-        _check_role(role)
-        trust = self._roles.get(role)
+        trust = self._role(role)
         return dict(trust.keys) if trust else {}
 
     def threshold(self, role: Role) -> int:
         """How many distinct trusted keys must sign; 1 for an unconfigured role (which has no keys)."""
-        _check_role(role)
-        trust = self._roles.get(role)
+        trust = self._role(role)
         return trust.threshold if trust else 1
+
+    def _role(self, role: Role) -> _RoleTrust | None:
+        _check_role(role)
+        if self._roles is None:
+            raise RuntimeError(f"policy {self.source} was loaded without its keys (keys=False); load it with keys")
+        return self._roles.get(role)
 
     def image_allowed(self, ref: str) -> str | None:
         """None when ``ref`` may run here, else the reason it may not."""
@@ -298,17 +300,18 @@ def _repository_matches(pattern: str, repository: str) -> bool:
 # --- loading -------------------------------------------------------------------------------------------
 
 
-def load_policy(path: os.PathLike[str] | str = DEFAULT_POLICY_PATH) -> Policy:
-    """Read and validate the policy file; any problem raises ``PolicyError`` naming the file."""
+def load_policy(path: os.PathLike[str] | str = DEFAULT_POLICY_PATH, *, keys: bool = True) -> Policy:
+    """Read and validate the policy file; any problem raises ``PolicyError`` naming the file. With
+    ``keys=False`` the trust section is validated but no key is read (see the module docstring)."""
     source = os.fspath(path)
     try:
         text = read_text_file(source, what=f"policy {source}", max_bytes=_MAX_POLICY_BYTES)
     except YamlFileError as exc:
         raise PolicyError(str(exc)) from exc
-    return parse_policy(text, Path(source).parent, source=source)
+    return parse_policy(text, Path(source).parent, source=source, keys=keys)
 
 
-def parse_policy(text: str, base_dir: Path, *, source: str = "<text>") -> Policy:
+def parse_policy(text: str, base_dir: Path, *, source: str = "<text>", keys: bool = True) -> Policy:
     """Validate policy YAML; relative key paths resolve against ``base_dir``. ``source`` names it in errors."""
     contracts.require_pydantic()
     prefix = f"policy {source}"
@@ -325,10 +328,10 @@ def parse_policy(text: str, base_dir: Path, *, source: str = "<text>") -> Policy
     except pydantic.ValidationError as exc:
         raise PolicyError(f"{prefix}: {contracts.describe_validation_error(exc)}") from exc
 
-    roles: dict[str, _RoleTrust] = {}
+    roles: dict[str, _RoleTrust] | None = {} if keys else None
     for role in ROLES:
         spec: _RoleSpec | None = getattr(document.trust, role)
-        if spec is not None:
+        if spec is not None and roles is not None:
             roles[role] = _load_role(spec, f"{prefix}: trust.{role}", base_dir)
     return Policy(
         source=source,
@@ -345,6 +348,12 @@ def parse_policy(text: str, base_dir: Path, *, source: str = "<text>") -> Policy
 
 
 def _load_role(spec: _RoleSpec, where: str, base_dir: Path) -> _RoleTrust:
+    from ansible_collections.meridian.node.plugins.module_utils.dsse import (  # see the module docstring
+        KeyLoadError,
+        keyid_for,
+        load_public_key_pem,
+    )
+
     keys: dict[str, Ed25519PublicKey] = {}
     for index, entry in enumerate(spec.public_keys):
         field_path = f"{where}.public_keys[{index}]"

@@ -24,7 +24,8 @@ description:
   - Only containers with meridian.node's ownership labels are touched; any other container with the name
     makes the module fail, untouched.
 requirements:
-  - docker (the Docker SDK for Python, >= 7.0) on the managed host.
+  - A Docker Engine (API 1.41 or newer) on the managed host, reached through its socket or E(DOCKER_HOST);
+    no Python package is needed.
 options:
   name:
     description:
@@ -164,7 +165,7 @@ container:
       type: str
 """
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.meridian.node.plugins.module_utils import docker_engine
 from ansible_collections.meridian.node.plugins.module_utils.drain import DrainError, DrainOptions, drain_engine
@@ -185,8 +186,6 @@ def main() -> None:
         },
         supports_check_mode=True,
     )
-    if docker_engine.DOCKER_IMPORT_ERROR is not None:
-        module.fail_json(msg=missing_required_lib("docker"), exception=docker_engine.DOCKER_IMPORT_ERROR)
     params = module.params
     for option in ("timeout", "grace", "stop_timeout"):
         if params[option] is not None and params[option] < 0:

@@ -28,7 +28,8 @@ description:
     not ready within O(ready_timeout) is stopped (never left half-running) and the module fails with the
     last probe result and the container's last log lines.
 requirements:
-  - docker (the Docker SDK for Python, >= 7.0), pydantic, cryptography and PyYAML on the managed host.
+  - pydantic and PyYAML on the managed host.
+  - A Docker Engine (API 1.41 or newer), reached through its socket or E(DOCKER_HOST); the Docker SDK is not needed.
   - nvidia-ml-py on hosts whose engines ask for GPUs.
 options:
   name:
@@ -251,7 +252,7 @@ diff:
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts, docker_engine, dsse
+from ansible_collections.meridian.node.plugins.module_utils import contracts, docker_engine
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
     EngineInstanceError,
     Options,
@@ -297,13 +298,8 @@ def main() -> None:
         required_if=[("state", state, _SPEC_REQUIRED) for state in ("present", "started", "stopped")],
         supports_check_mode=True,
     )
-    for package, error in (
-        ("docker", docker_engine.DOCKER_IMPORT_ERROR),
-        ("pydantic", contracts.PYDANTIC_IMPORT_ERROR),
-        ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR),
-    ):
-        if error is not None:
-            module.fail_json(msg=missing_required_lib(package), exception=error)
+    if contracts.PYDANTIC_IMPORT_ERROR is not None:
+        module.fail_json(msg=missing_required_lib("pydantic"), exception=contracts.PYDANTIC_IMPORT_ERROR)
     params = module.params
     options = Options(
         state=params["state"],

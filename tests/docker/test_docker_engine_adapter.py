@@ -132,7 +132,7 @@ def http_image(docker_client: Any, base_image: LocalImage, tmp_path_factory: pyt
 
 @pytest.fixture
 def engine(docker_client: Any) -> DockerEngine:
-    return DockerEngine(docker_client)
+    return DockerEngine.from_env()
 
 
 @pytest.fixture
@@ -424,8 +424,6 @@ def test_public_api_is_exactly_what_the_engine_modules_use() -> None:
 
     assert sorted(docker_engine.__all__) == sorted(
         [
-            "DOCKER_IMPORT_ERROR",
-            "HAS_DOCKER",
             "LABEL_CONFIG_HASH",
             "LABEL_DRIVER",
             "LABEL_INSTANCE",

@@ -110,8 +110,9 @@ def test_drain_lets_eight_slow_requests_finish_marks_draining_first_then_stops(
 ) -> None:
     name = f"{prefix}-eight"
     engine = start_engine(host, images, name, "vllm")
-    # vLLM aborts requests in flight on SIGTERM: only waiting for the gauges keeps these 8 alive.
-    threads, outcomes = hold_requests(engine["port"], 8, seconds=6)
+    # vLLM aborts requests in flight on SIGTERM: only waiting for the gauges keeps these 8 alive. They last
+    # long enough for the check run and the start of the apply run to come first on a loaded 2-core machine.
+    threads, outcomes = hold_requests(engine["port"], 8, seconds=12)
     stop = threading.Event()
     seen: list[float] = []
     watcher = threading.Thread(target=watch_mark, args=(mark_of(host, name), stop, seen))

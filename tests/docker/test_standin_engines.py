@@ -36,7 +36,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def engine(docker_client: Any) -> DockerEngine:
-    return DockerEngine(docker_client)
+    return DockerEngine.from_env()
 
 
 @pytest.fixture

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from ansible_collections.meridian.node.plugins.module_utils.docker_api import DockerApi
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
     LABEL_INSTANCE,
     LABEL_OWNED,
@@ -372,7 +373,7 @@ def test_missing_policy_file_refuses_before_docker_is_asked_anything(tmp_path: P
     options = Options(policy_path=str(tmp_path / "nope.yaml"), state_dir=str(tmp_path))
 
     with pytest.raises(EngineInstanceError) as caught:
-        converge(spec_params(), options, check_mode=False, engine=DockerEngine(_NoDocker()))
+        converge(spec_params(), options, check_mode=False, engine=DockerEngine(cast(DockerApi, _NoDocker())))
 
     assert caught.value.check == "policy"
     assert "nope.yaml" in str(caught.value)
@@ -382,6 +383,6 @@ def test_policy_refusal_comes_before_docker_is_asked_anything(tmp_path: Path, po
     options = Options(policy_path=policy.source, state_dir=str(tmp_path))
 
     with pytest.raises(EngineInstanceError) as caught:
-        converge(spec_params(port=9000), options, check_mode=True, engine=DockerEngine(_NoDocker()))
+        converge(spec_params(port=9000), options, check_mode=True, engine=DockerEngine(cast(DockerApi, _NoDocker())))
 
     assert caught.value.check == "policy-port"

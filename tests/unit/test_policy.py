@@ -124,6 +124,24 @@ def test_asking_for_an_unknown_role_is_a_caller_bug(policy_dir: Path) -> None:
         policy.trusted_keys("admin")  # type: ignore[arg-type]
 
 
+def test_policy_loaded_without_keys_checks_engines_and_refuses_to_answer_for_trust(tmp_path: Path) -> None:
+    # No key file exists: the engine modules never read keys, so they do not depend on them being readable.
+    policy = load_policy(write(tmp_path, FULL_POLICY), keys=False)
+
+    assert policy.engines.port_range == (8000, 8099)
+    assert policy.image_allowed(f"ghcr.io/acme/vllm@{DIGEST}") is None
+    with pytest.raises(RuntimeError, match="loaded without its keys"):
+        policy.trusted_keys("control")
+    with pytest.raises(RuntimeError, match="loaded without its keys"):
+        policy.threshold("control")
+
+
+def test_policy_loaded_without_keys_still_refuses_a_malformed_trust_section(tmp_path: Path) -> None:
+    path = write(tmp_path, "trust:\n  control: {threshhold: 1, public_keys: [k.pem]}\n")
+    with pytest.raises(PolicyError, match="threshhold"):
+        load_policy(path, keys=False)
+
+
 def test_default_path_is_the_documented_one() -> None:
     assert DEFAULT_POLICY_PATH == "/etc/meridian/policy.yaml"
 

@@ -18,7 +18,16 @@ from meridian_node_agent.logs import EventLogger, configure_logging
 from meridian_node_agent.oplog import OpLog
 from meridian_node_agent.usage import UsageError
 
-__all__ = ["TOKEN_ENV", "add_parsers", "build_agent", "cmd_enroll", "cmd_run", "cmd_status", "format_status"]
+__all__ = [
+    "TOKEN_ENV",
+    "add_parsers",
+    "build_agent",
+    "build_applier",
+    "cmd_enroll",
+    "cmd_run",
+    "cmd_status",
+    "format_status",
+]
 
 TOKEN_ENV = "MERIDIAN_NODE_TOKEN"  # noqa: S105 - the variable's name, not a token
 
@@ -92,7 +101,6 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 
 def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
     """The agent wired with the real client, applier and observer."""
-    from meridian_node_agent.apply import Applier
     from meridian_node_agent.cycle import Agent
     from meridian_node_agent.observe import Observer
 
@@ -115,12 +123,7 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         identity.key_path,
         timeout=config.control_plane.timeout_seconds,
     )
-    applier = Applier(
-        state_dir=Path(config.state_dir),
-        node_id=config.node_id,
-        policy_path=config.policy,
-        keep_runs=config.journal.keep_runs,
-    )
+    applier = build_applier(config)
     observer = Observer(store_path=policy.store.path, engines=_engine_source(config, log))
     metrics = None
     if config.metrics is not None:
@@ -128,6 +131,22 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
 
         metrics = Metrics.serve(config.metrics.listen)
     return Agent(config, policy, client, applier, observer, log=log, metrics=metrics)
+
+
+def build_applier(config: AgentConfig) -> Any:
+    """``apply.via``: ansible-runner in this process, or a request to the root unit through the spool."""
+    if config.apply.via == "systemd":
+        from meridian_node_agent.apply_unit import SystemdApplier
+
+        return SystemdApplier(state_dir=Path(config.state_dir), timeout_seconds=config.apply.timeout_seconds)
+    from meridian_node_agent.apply import Applier
+
+    return Applier(
+        state_dir=Path(config.state_dir),
+        node_id=config.node_id,
+        policy_path=config.policy,
+        keep_runs=config.journal.keep_runs,
+    )
 
 
 def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:

@@ -32,6 +32,7 @@ from meridian_node_agent.oplog import STARTED, OpLog
 
 __all__ = [
     "APPLY_OP",
+    "RUN_IDENT_PATTERN",
     "SCRUBBED",
     "Applier",
     "ApplyResult",
@@ -61,6 +62,9 @@ def collection_paths() -> tuple[Path, Path]:
     module = Path(_trust_module.__file__)  # <root>/ansible_collections/meridian/node/plugins/module_utils/trust.py
     collection = module.parents[2]
     return collection.parents[2], collection / "playbooks"
+
+
+RUN_IDENT_PATTERN = r"^gen-[0-9]{1,19}-[0-9]{8}T[0-9]{6}\.[0-9]{6}Z$"
 
 
 def run_ident(generation: int, now: datetime) -> str:
@@ -125,6 +129,7 @@ class Applier:
         clock: Callable[[], datetime] | None = None,
         python: str = sys.executable,
         playbook: Path | None = None,
+        write_oplog: bool = True,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.node_id = node_id
@@ -137,25 +142,39 @@ class Applier:
         self.playbook = playbook or playbooks / "reconcile.yml"
         self.runs_dir = self.state_dir / "runs"
         self.journal_dir = self.state_dir / "journal"
-        self.oplog = OpLog(self.state_dir / "oplog.jsonl")
+        # The root apply unit runs this class with write_oplog=False: the oplog belongs to the agent, which
+        # records the start before it asks and the result when the answer comes (see apply_unit).
+        self.oplog = OpLog(self.state_dir / "oplog.jsonl") if write_oplog else None
 
     def apply(
-        self, envelope: bytes, *, generation: int, epoch: int, payload_sha256: str, secrets: Iterable[str] = ()
+        self,
+        envelope: bytes,
+        *,
+        generation: int,
+        epoch: int,
+        payload_sha256: str,
+        secrets: Iterable[str] = (),
+        ident: str | None = None,
     ) -> ApplyResult:
-        """Run the playbook once for this envelope; the oplog records the start before anything runs."""
+        """Run the playbook once for this envelope; the oplog records the start before anything runs.
+
+        ``ident`` names the run (and its journal directory); by default a new one from the clock. The root
+        apply unit passes the ident the agent chose, so the journal and the agent's oplog agree.
+        """
         import ansible_runner  # imported here: it costs ~100 ms and unchanged cycles never need it
 
         started_at = self.clock()
-        ident = run_ident(generation, started_at)
-        self.oplog.append(
-            op=APPLY_OP,
-            generation=generation,
-            epoch=epoch,
-            payload_sha256=payload_sha256,
-            run_ident=ident,
-            result=STARTED,
-            at=started_at,
-        )
+        ident = ident or run_ident(generation, started_at)
+        if self.oplog is not None:
+            self.oplog.append(
+                op=APPLY_OP,
+                generation=generation,
+                epoch=epoch,
+                payload_sha256=payload_sha256,
+                run_ident=ident,
+                result=STARTED,
+                at=started_at,
+            )
         private = self.runs_dir / ident
         private.mkdir(parents=True, mode=0o700)
         self.journal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -207,15 +226,16 @@ class Applier:
                 scrub_journal(journal, secrets)
             shutil.rmtree(private, ignore_errors=True)
             finished_at = self.clock()
-            self.oplog.append(
-                op=APPLY_OP,
-                generation=generation,
-                epoch=epoch,
-                payload_sha256=payload_sha256,
-                run_ident=ident,
-                result=status,
-                at=finished_at,
-            )
+            if self.oplog is not None:
+                self.oplog.append(
+                    op=APPLY_OP,
+                    generation=generation,
+                    epoch=epoch,
+                    payload_sha256=payload_sha256,
+                    run_ident=ident,
+                    result=status,
+                    at=finished_at,
+                )
             rotate_journal(self.journal_dir, self.keep_runs)
         return ApplyResult(
             ident=ident,

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from meridian_node_agent import __version__, agent_cli, artifact_cli, config_cli, trust_cli
+from meridian_node_agent import __version__, agent_cli, apply_cli, artifact_cli, config_cli, trust_cli
 from meridian_node_agent.config import default_config_path
 from meridian_node_agent.usage import UsageError
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_cli.add_parsers(subparsers)
     trust_cli.add_parsers(subparsers)
     agent_cli.add_parsers(subparsers)
+    apply_cli.add_parsers(subparsers)
     return parser
 
 

@@ -67,6 +67,15 @@ class AirGap(_Section):
     outbox: str
 
 
+class Apply(_Section):
+    """How the agent applies: ``in-process`` (ansible-runner in the agent, for dev and tests) or ``systemd``
+    (the agent spools a request; ``meridian-node-apply.path`` starts the root unit that runs it)."""
+
+    via: Literal["in-process", "systemd"] = "in-process"
+    # Large model downloads run inside one apply: generous by default, never unbounded.
+    timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 3600.0
+
+
 class Metrics(_Section):
     listen: Annotated[str, Field(pattern=r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$")] = "127.0.0.1:9464"
 
@@ -84,6 +93,7 @@ class AgentConfig(_Section):
     control_plane: ControlPlane | None = None
     backoff: Backoff = Field(default_factory=Backoff)
     journal: Journal = Field(default_factory=Journal)
+    apply: Apply = Field(default_factory=Apply)
     air_gap: AirGap | None = None
     metrics: Metrics | None = None
     log: Log = Field(default_factory=Log)

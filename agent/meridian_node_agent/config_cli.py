@@ -2,9 +2,11 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 from ansible_collections.meridian.node.plugins.module_utils.policy import ROLES, Policy, PolicyError, load_policy
-from meridian_node_agent.config import ConfigError, load_config
+from meridian_node_agent.apply_unit import REQUEST_FILE, SPOOL_DIR
+from meridian_node_agent.config import AgentConfig, ConfigError, load_config
 
 
 def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -25,6 +27,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"config {args.config}: node {config.node_id}, mode {config.mode}, state in {config.state_dir}")
+    print(describe_apply(config))
     try:
         policy = load_policy(config.policy)
     except PolicyError as exc:
@@ -37,6 +40,16 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         return 1
     print("ok")
     return 0
+
+
+def describe_apply(config: AgentConfig) -> str:
+    if config.apply.via == "in-process":
+        return "apply: in-process (ansible-runner runs inside the agent, with the agent's privileges)"
+    request = Path(config.state_dir) / SPOOL_DIR / REQUEST_FILE
+    return (
+        f"apply: via systemd (the agent writes {request}; meridian-node-apply.path starts the root "
+        f"meridian-node-apply.service, whose answer it waits for up to {config.apply.timeout_seconds:g} s)"
+    )
 
 
 def describe_policy(policy: Policy) -> str:

@@ -107,7 +107,9 @@ class StateStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self.state_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd = os.open(self.state_dir / f"{STATE_FILE}.lock", os.O_RDWR | os.O_CREAT, _FILE_MODE)
+        # Read-only is enough for flock, and lets the unprivileged agent lock a file the root apply unit
+        # created first (mode 0644): with O_RDWR it could not open it at all.
+        fd = os.open(self.state_dir / f"{STATE_FILE}.lock", os.O_RDONLY | os.O_CREAT, _FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

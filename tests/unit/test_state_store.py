@@ -1,7 +1,12 @@
 """The durable applied state: it only moves forward, survives restarts, and never silently resets."""
 
 import json
+import os
+import shutil
 import stat
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -212,3 +217,41 @@ def test_failed_atomic_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> 
     assert (target / "child").read_bytes() == b"x"
     assert leftovers(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A temporary directory other users can reach (pytest's own lives under a 0700 directory)."""
+    path = Path(tempfile.mkdtemp(prefix="mn-state-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play the root apply unit and drop to another user")
+def test_unprivileged_agent_can_lock_a_state_the_root_side_created(shared_tmp: Path) -> None:
+    # The split: root's apply unit records first (creating applied.json and its lock file, 0644, root-owned);
+    # the agent, another user owning the directory, must still record the epochs it sees.
+    state_dir = shared_tmp / "state"
+    StateStore(state_dir).record_applied(3, 1, SHA_A)
+    os.chown(state_dir, 65534, 65534)
+    # A forked child drops to nobody: a fresh interpreter could not even be started as nobody here (the
+    # Python install lives under /root).
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            code = 0 if StateStore(state_dir).observe_epoch(2).epoch == 2 else 1
+        except BaseException as exc:
+            print(f"agent side failed: {exc!r}", file=sys.stderr)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+
+    assert os.waitstatus_to_exitcode(status) == 0, "the unprivileged side could not lock and record the epoch"
+    assert (state_dir / "applied.json.lock").stat().st_uid == 0
+    assert StateStore(state_dir).load() == AppliedState(3, 2, SHA_A)

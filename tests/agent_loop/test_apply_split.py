@@ -1,0 +1,405 @@
+"""The privilege split: the agent spools an apply request, the root unit answers it.
+
+systemd is not PID 1 here, so ``_PathUnit`` plays ``meridian-node-apply.path`` + ``.service``: each time
+the request file changes it runs the real ``meridian-node apply-spooled`` verb in a subprocess, one at a
+time, as a oneshot would. Everything else is real: signed envelopes, ansible-runner, the playbook.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
+from ansible_collections.meridian.node.plugins.module_utils.state_store import STATE_FILE
+from ansible_collections.meridian.node.tests.agent_loop.node_env import make_node, publish
+from ansible_collections.meridian.node.tests.devserver.devserver_process import running
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
+    NODE_ID,
+    desired_state,
+    encode,
+    make_key,
+    signed,
+    write_policy,
+)
+from meridian_node_agent.agent_cli import build_applier
+from meridian_node_agent.apply import Applier, ApplyResult
+from meridian_node_agent.apply_unit import (
+    REQUEST_FILE,
+    SPOOL_DIR,
+    ApplyAnswer,
+    SystemdApplier,
+    read_answer,
+    watch_directory,
+    write_answer,
+    write_request,
+)
+from meridian_node_agent.cli import main as cli_main
+from meridian_node_agent.config import AgentConfig, load_config
+from meridian_node_agent.cycle import SPOOL_FILE, Agent, Outcome
+from meridian_node_agent.oplog import OpLog
+
+CONTROL = make_key()
+
+
+def _state(generation: int) -> dict[str, Any]:
+    now = datetime.now(UTC).replace(microsecond=0)
+    return desired_state(
+        generation=generation,
+        issued_at=format_rfc3339(now - timedelta(minutes=1)),
+        expires_at=format_rfc3339(now + timedelta(hours=1)),
+    )
+
+
+def _sha(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(encode(payload)).hexdigest()
+
+
+def _node(root: Path, *, via: str = "systemd", timeout: float = 300.0) -> tuple[Path, AgentConfig]:
+    """A root-owned config (as the apply unit reads it) and the policy it names, under ``root``."""
+    store = {"path": str(root / "store"), "max_bytes": "1G"}
+    policy = write_policy(root / "etc", control=[CONTROL], extra={"store": store})
+    config = {
+        "node_id": NODE_ID,
+        "mode": "managed-host",
+        "policy": str(policy),
+        "state_dir": str(root / "state"),
+        "control_plane": {"url": "https://127.0.0.1:9"},  # never called: these tests apply, not fetch
+        "apply": {"via": via, "timeout_seconds": timeout},
+    }
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path, load_config(path)
+
+
+def _apply_spooled(config_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meridian_node_agent.cli", "--config", str(config_path), "apply-spooled"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+class _PathUnit:
+    """``PathChanged=`` on the request file starting a oneshot that runs the real verb."""
+
+    def __init__(self, config_path: Path, state_dir: Path, *, before: Callable[[Path], None] | None = None) -> None:
+        self.config_path = config_path
+        self.before = before  # an attacker's move between the agent's write and root's read
+        self.spool = state_dir / SPOOL_DIR
+        self.runs: list[subprocess.CompletedProcess[str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> _PathUnit:
+        self.spool.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=330)
+
+    def _loop(self) -> None:
+        seen: tuple[int, int] | None = None
+        with watch_directory(self.spool) as watch:
+            while not self._stop.is_set():
+                try:
+                    stat = (self.spool / REQUEST_FILE).stat()
+                    current: tuple[int, int] | None = (stat.st_ino, stat.st_mtime_ns)
+                except FileNotFoundError:
+                    current = None
+                if current is not None and current != seen:
+                    seen = current
+                    if self.before is not None:
+                        self.before(self.spool)
+                        seen = (self.spool / REQUEST_FILE).stat().st_ino, (self.spool / REQUEST_FILE).stat().st_mtime_ns
+                    self.runs.append(_apply_spooled(self.config_path))
+                watch.wait(0.2)
+
+
+def _oplog(state_dir: Path) -> list[tuple[str, int, int, str, str]]:
+    return [(e.op, e.generation, e.epoch, e.payload_sha256, e.result) for e in OpLog(state_dir / "oplog.jsonl").read()]
+
+
+def _journal_names(result: ApplyResult) -> list[str]:
+    return sorted(path.name for path in result.journal.iterdir())
+
+
+@pytest.fixture
+def split(tmp_path: Path) -> Iterator[tuple[Path, AgentConfig, _PathUnit]]:
+    config_path, config = _node(tmp_path / "split")
+    with _PathUnit(config_path, Path(config.state_dir)) as unit:
+        yield config_path, config, unit
+
+
+def test_state_applied_through_the_split_leaves_the_same_records_as_in_process(tmp_path: Path) -> None:
+    config_path, config = _node(tmp_path / "split")
+    payload = _state(1)
+    envelope = signed("desired-state", payload, [CONTROL])
+    local_config = _node(tmp_path / "local", via="in-process")[1]
+    local_applier = build_applier(local_config)
+    split_applier = build_applier(config)
+    assert isinstance(local_applier, Applier) and isinstance(split_applier, SystemdApplier)
+
+    local = local_applier.apply(envelope, generation=1, epoch=1, payload_sha256=_sha(payload))
+    with _PathUnit(config_path, Path(config.state_dir)) as unit:
+        remote = split_applier.apply(envelope, generation=1, epoch=1, payload_sha256=_sha(payload))
+
+    assert remote.status == local.status == "successful", (remote.failures, [r.stderr for r in unit.runs])
+    assert (remote.changed, remote.failed) == (local.changed, local.failed) == (1, 0)
+    local_dir, split_dir = Path(local_config.state_dir), Path(config.state_dir)
+    assert (split_dir / STATE_FILE).read_bytes() == (local_dir / STATE_FILE).read_bytes()
+    assert _oplog(split_dir) == _oplog(local_dir) == [
+        ("apply", 1, 1, _sha(payload), "started"),
+        ("apply", 1, 1, _sha(payload), "successful"),
+    ]
+    assert [e.run_ident for e in OpLog(split_dir / "oplog.jsonl").read()] == [remote.ident] * 2
+    # The journal is ansible-runner's artifacts under the agent's ident, exactly as in-process.
+    assert remote.journal == split_dir / "journal" / remote.ident
+    assert _journal_names(remote) == _journal_names(local)
+    assert (remote.journal / "status").read_text() == "successful"
+    assert list((split_dir / "runs").iterdir()) == []
+    answer = read_answer(split_dir / SPOOL_DIR)
+    assert answer is not None and answer.request == remote.ident
+    assert [run.returncode for run in unit.runs] == [0]
+
+
+def test_agent_loop_applies_a_published_state_through_the_split(tmp_path: Path) -> None:
+    # The whole cycle against the real devserver, with the agent wired by build_agent from its config.
+    with running(tmp_path / "data") as server:
+        node = make_node(server, tmp_path / "node", "split-node-1")
+        document = yaml.safe_load(node.config_path.read_text())
+        document["apply"] = {"via": "systemd", "timeout_seconds": 300}
+        node.config_path.write_text(yaml.safe_dump(document))
+        node.config = load_config(node.config_path)
+        generation = publish(server, node.node_id)
+        agent = node.agent()
+        assert isinstance(agent.applier, SystemdApplier)
+        with _PathUnit(node.config_path, node.state_dir) as unit:
+            first = agent.cycle()
+            again = agent.cycle()
+
+    assert first.outcome == Outcome.APPLIED, (first, [r.stdout + r.stderr for r in unit.runs])
+    assert again.outcome == Outcome.UNCHANGED
+    assert first.run is not None and node.journal_runs() == [first.run.ident]
+    assert json.loads(node.applied_file().read_text())["generation"] == generation
+    assert [(e.run_ident, e.result) for e in OpLog(node.state_dir / "oplog.jsonl").read()] == [
+        (first.run.ident, "started"),
+        (first.run.ident, "successful"),
+    ]
+    assert len(unit.runs) == 1  # the unchanged cycle spooled nothing, so root ran nothing
+
+
+def test_a_request_swapped_after_the_agent_wrote_it_is_not_reported_as_the_agents_apply(tmp_path: Path) -> None:
+    # Something with write access to the spool replaces the envelope with another validly signed state
+    # of the same generation. Root verifies and runs what it read; the agent must not record its own
+    # state as applied.
+    config_path, config = _node(tmp_path / "node")
+    ours, theirs = _state(8), {**_state(8), "engines": [], "artifacts": [], "lease_epoch": 2}
+
+    def swap(spool: Path) -> None:
+        request = json.loads((spool / REQUEST_FILE).read_text())
+        write_request(spool, request["request"], signed("desired-state", theirs, [CONTROL]))
+
+    with _PathUnit(config_path, Path(config.state_dir), before=swap):
+        result = build_applier(config).apply(
+            signed("desired-state", ours, [CONTROL]), generation=8, epoch=1, payload_sha256=_sha(ours)
+        )
+
+    assert result.status == "failed"
+    assert f"not the {_sha(ours)} the agent spooled" in result.failures[0]
+    assert [(e.run_ident, e.result) for e in OpLog(Path(config.state_dir) / "oplog.jsonl").read()] == [
+        (result.ident, "started"),
+        (result.ident, "failed"),
+    ]
+
+
+def test_root_side_refuses_a_tampered_spooled_envelope_and_applies_nothing(tmp_path: Path) -> None:
+    config_path, config = _node(tmp_path / "node")
+    document = json.loads(signed("desired-state", _state(2), [CONTROL]))
+    body = bytearray(base64.b64decode(document["payload"]))
+    body[body.index(b'"generation": 2') + len('"generation": ')] = ord("7")  # one byte: generation 2 -> 7
+    document["payload"] = base64.b64encode(bytes(body)).decode()
+    state_dir = Path(config.state_dir)
+    write_request(state_dir / SPOOL_DIR, "gen-7-20261129T120000.000000Z", json.dumps(document).encode())
+
+    run = _apply_spooled(config_path)
+
+    assert run.returncode == 1, run.stdout + run.stderr
+    answer = read_answer(state_dir / SPOOL_DIR)
+    assert answer is not None and answer.status == "failed"
+    assert "threshold-not-met" in answer.failures[0] and "nothing was applied" in answer.failures[0]
+    assert "threshold-not-met" in run.stdout
+    assert not (state_dir / STATE_FILE).exists()
+    assert not (state_dir / "journal").exists() and not (state_dir / "runs").exists()
+
+
+def test_root_side_refuses_a_request_whose_ident_claims_another_generation(tmp_path: Path) -> None:
+    # A validly signed generation 3, spooled under an ident for generation 9: the journal and the agent's
+    # oplog would disagree about what ran, so root does not run it.
+    config_path, config = _node(tmp_path / "node")
+    state_dir = Path(config.state_dir)
+    write_request(
+        state_dir / SPOOL_DIR, "gen-9-20261129T120000.000000Z", signed("desired-state", _state(3), [CONTROL])
+    )
+
+    run = _apply_spooled(config_path)
+
+    assert run.returncode == 1
+    answer = read_answer(state_dir / SPOOL_DIR)
+    assert answer is not None and "another generation" in answer.failures[0]
+    assert not (state_dir / STATE_FILE).exists()
+
+
+def test_an_answer_to_another_request_is_not_taken_as_ours_and_a_silent_root_side_times_out(tmp_path: Path) -> None:
+    config = _node(tmp_path / "node", timeout=1.5)[1]
+    state_dir = Path(config.state_dir)
+    payload = _state(4)
+    stale = ApplyAnswer(
+        request="gen-4-20200101T000000.000000Z",
+        payload_sha256=_sha(payload),
+        generation=4,
+        status="successful",
+        rc=0,
+        changed=1,
+        failed=0,
+        failures=[],
+        journal=str(state_dir / "journal" / "gen-4-20200101T000000.000000Z"),
+        started_at="2020-01-01T00:00:00Z",
+        finished_at="2020-01-01T00:00:01Z",
+        wall_seconds=1.0,
+    )
+    (state_dir / SPOOL_DIR).mkdir(parents=True)
+    write_answer(state_dir / SPOOL_DIR, stale)
+    applier = build_applier(config)  # no root side is listening
+    envelope = signed("desired-state", payload, [CONTROL])
+
+    result = applier.apply(envelope, generation=4, epoch=1, payload_sha256=_sha(payload))
+
+    assert result.status == "timeout" and not result.ok
+    assert result.ident != stale.request
+    assert f"did not answer request {result.ident} within 1.5 s" in result.failures[0]
+    assert "apply.timeout_seconds" in result.failures[0] and "meridian-node-apply" in result.failures[0]
+    pending = OpLog(state_dir / "oplog.jsonl").pending()
+    assert pending is not None and pending.run_ident == result.ident  # unfinished: start-up applies it again
+    assert not (state_dir / STATE_FILE).exists()
+
+
+def test_an_apply_the_root_side_never_answered_is_applied_again_at_start_up(
+    split: tuple[Path, AgentConfig, _PathUnit],
+) -> None:
+    _config_path, config, unit = split
+    state_dir = Path(config.state_dir)
+    payload = _state(5)
+    envelope = signed("desired-state", payload, [CONTROL])
+    # What a timed-out apply leaves: the spooled envelope and a 'started' line without a result.
+    (state_dir / SPOOL_FILE).write_bytes(envelope)
+    OpLog(state_dir / "oplog.jsonl").append(
+        op="apply", generation=5, epoch=1, payload_sha256=_sha(payload), run_ident="gen-5-lost", result="started"
+    )
+    agent = Agent(config, load_policy(config.policy), client=None, applier=build_applier(config), observer=None)  # type: ignore[arg-type]
+
+    result = agent.recover()
+
+    assert result is not None and result.ok, (result, [r.stderr for r in unit.runs])
+    assert _oplog_with_idents(state_dir) == [
+        ("gen-5-lost", "started"),
+        ("gen-5-lost", "interrupted"),
+        (result.ident, "started"),
+        (result.ident, "successful"),
+    ]
+    assert OpLog(state_dir / "oplog.jsonl").pending() is None
+    assert json.loads((state_dir / STATE_FILE).read_text())["generation"] == 5
+
+
+def _oplog_with_idents(state_dir: Path) -> list[tuple[str, str]]:
+    return [(e.run_ident, e.result) for e in OpLog(state_dir / "oplog.jsonl").read()]
+
+
+def test_a_late_answer_to_a_timed_out_request_finishes_its_oplog_entry(tmp_path: Path) -> None:
+    config = _node(tmp_path / "node")[1]
+    state_dir = Path(config.state_dir)
+    ident = "gen-6-20261129T120000.000000Z"
+    OpLog(state_dir / "oplog.jsonl").append(
+        op="apply", generation=6, epoch=1, payload_sha256="b" * 64, run_ident=ident, result="started"
+    )
+    applier = build_applier(config)
+    assert applier.record_late_answer() is None  # nothing answered yet: still unfinished
+    (state_dir / SPOOL_DIR).mkdir()
+    late = ApplyAnswer(
+        request=ident,
+        payload_sha256="b" * 64,
+        generation=6,
+        status="successful",
+        rc=0,
+        changed=1,
+        failed=0,
+        failures=[],
+        journal=str(state_dir / "journal" / ident),
+        started_at="2026-11-29T12:00:00Z",
+        finished_at="2026-11-29T12:00:02Z",
+        wall_seconds=2.0,
+    )
+    write_answer(state_dir / SPOOL_DIR, late)
+
+    recorded = applier.record_late_answer()
+
+    assert recorded is not None and (recorded.run_ident, recorded.result) == (ident, "successful")
+    assert OpLog(state_dir / "oplog.jsonl").pending() is None
+
+
+@pytest.mark.parametrize(
+    ("setting", "reason"),
+    [({"mode": "observe-only"}, "observe-only"), ({"apply": {"via": "in-process"}}, "apply.via: in-process")],
+)
+def test_root_side_refuses_when_its_own_config_says_this_agent_does_not_apply_through_it(
+    tmp_path: Path, setting: dict[str, Any], reason: str
+) -> None:
+    # A compromised agent can write a request; whether root acts on it is the root-owned config's call.
+    config_path, config = _node(tmp_path / "node")
+    document = yaml.safe_load(config_path.read_text())
+    document.update(setting)
+    config_path.write_text(yaml.safe_dump(document))
+    state_dir = Path(config.state_dir)
+    write_request(state_dir / SPOOL_DIR, "gen-1-20261129T120000.000000Z", signed("desired-state", _state(1), [CONTROL]))
+
+    run = _apply_spooled(config_path)
+
+    assert run.returncode == 1
+    answer = read_answer(state_dir / SPOOL_DIR)
+    assert answer is not None and reason in answer.failures[0]
+    assert not (state_dir / STATE_FILE).exists() and not (state_dir / "journal").exists()
+
+
+def test_check_config_explains_a_bad_apply_setting_and_describes_a_good_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path, config = _node(tmp_path / "node")
+    assert cli_main(["--config", str(config_path), "check-config"]) == 0
+    described = capsys.readouterr().out
+    assert f"apply: via systemd (the agent writes {Path(config.state_dir) / SPOOL_DIR / REQUEST_FILE}" in described
+    document = yaml.safe_load(config_path.read_text())
+    document["apply"] = {"via": "sudo", "timeout_seconds": 0}
+    config_path.write_text(yaml.safe_dump(document))
+
+    status = cli_main(["--config", str(config_path), "check-config"])
+
+    error = capsys.readouterr().err
+    assert status == 1
+    assert "apply.via: input should be 'in-process' or 'systemd' (got 'sudo')" in error
+    assert "apply.timeout_seconds: must be > 0" in error

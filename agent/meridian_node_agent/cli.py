@@ -1,14 +1,50 @@
-"""``meridian-node``: the agent's command line. Each verb lives in a module of its own."""
+"""``meridian-node``: the agent's command line. Each verb lives in a module of its own.
+
+Only the module of the verb being run is imported: the long-running ``run`` would otherwise carry the
+artifact downloader and the signing tools in memory for nothing, and the root ``apply-spooled`` unit would
+pay about a second of imports on every start. ``--help`` and unknown verbs load them all.
+"""
 
 import argparse
+import importlib
 import sys
+from collections.abc import Sequence
 
-from meridian_node_agent import __version__, agent_cli, apply_cli, artifact_cli, config_cli, trust_cli
+from meridian_node_agent import __version__
 from meridian_node_agent.config import default_config_path
 from meridian_node_agent.usage import UsageError
 
+# verb -> the module (in this package) whose add_parsers defines it; the order is --help's order.
+VERB_MODULES = {
+    "artifact": "artifact_cli",
+    "check-config": "config_cli",
+    "keygen": "trust_cli",
+    "sign": "trust_cli",
+    "verify": "trust_cli",
+    "enroll": "agent_cli",
+    "run": "agent_cli",
+    "status": "agent_cli",
+    "apply-spooled": "apply_cli",
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def verb_of(argv: Sequence[str]) -> str | None:
+    """The verb ``argv`` asks for, or None (no verb, or an option before it that is not ``--config``)."""
+    args = iter(argv)
+    for arg in args:
+        if arg == "--config":
+            next(args, None)
+        elif arg.startswith("--config="):
+            continue
+        elif arg.startswith("-"):
+            return None
+        else:
+            return arg
+    return None
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every verb, or with only ``verb``'s module loaded when it is a known verb."""
     parser = argparse.ArgumentParser(
         prog="meridian-node",
         description="The meridian.node pull agent and its operator tools.",
@@ -21,17 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the agent's config file (default: $MERIDIAN_NODE_CONFIG or /etc/meridian-node/config.yaml)",
     )
     subparsers = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-    artifact_cli.add_parsers(subparsers)
-    config_cli.add_parsers(subparsers)
-    trust_cli.add_parsers(subparsers)
-    agent_cli.add_parsers(subparsers)
-    apply_cli.add_parsers(subparsers)
+    modules = [VERB_MODULES[verb]] if verb in VERB_MODULES else list(dict.fromkeys(VERB_MODULES.values()))
+    for name in modules:
+        importlib.import_module(f"meridian_node_agent.{name}").add_parsers(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else argv
+    parser = build_parser(verb_of(arguments))
+    args = parser.parse_args(arguments)
     try:
         status: int = args.handler(args)
     except UsageError as exc:

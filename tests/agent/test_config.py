@@ -1,5 +1,8 @@
 """``meridian-node check-config`` and the config loader: every bad input named, with its field."""
 
+import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,36 @@ def test_config_path_comes_from_the_environment(
     monkeypatch.setenv("MERIDIAN_NODE_CONFIG", str(write_config(policy_dir, GOOD, "from-env.yaml")))
     assert cli.main(["check-config"]) == 0
     assert "from-env.yaml" in capsys.readouterr().out
+
+
+def test_every_verb_is_defined_by_the_module_the_cli_loads_for_it() -> None:
+    for verb, module in cli.VERB_MODULES.items():
+        parser = cli.build_parser(verb)
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        assert verb in subparsers.choices, f"{verb!r} is not defined by meridian_node_agent.{module}"
+    everything = cli.build_parser()
+    subparsers = next(a for a in everything._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(subparsers.choices) == sorted(cli.VERB_MODULES)
+
+
+@pytest.mark.parametrize(
+    ("argv", "verb"),
+    [
+        (["run", "--once"], "run"),
+        (["--config", "/etc/x.yaml", "status"], "status"),
+        (["--config=/etc/x.yaml", "artifact", "list"], "artifact"),
+        (["--help"], None),
+        ([], None),
+    ],
+)
+def test_the_verb_is_found_before_parsing(argv: list[str], verb: str | None) -> None:
+    assert cli.verb_of(argv) == verb
+
+
+def test_running_a_verb_loads_no_other_verbs_module() -> None:
+    code = (
+        "import sys; from meridian_node_agent import cli; cli.build_parser('run'); "
+        "print(sorted(m for m in sys.modules if m.endswith('_cli')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "['meridian_node_agent.agent_cli']"

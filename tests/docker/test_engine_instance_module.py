@@ -139,10 +139,12 @@ def test_llamacpp_engine_started_and_ready(host: Host, images: dict[str, LocalIm
     assert "/meridian/model/tiny-q4.gguf" in container.attrs["Args"]
 
 
-def test_sglang_ollama_lmdeploy_and_generic_engines_start_and_become_ready(
-    host: Host, images: dict[str, LocalImage], prefix: str
+def test_tgi_sglang_ollama_lmdeploy_and_generic_engines_start_and_become_ready(
+    tmp_path: Path, docker_client: Any, images: dict[str, LocalImage], prefix: str
 ) -> None:
+    host = Host(tmp_path, docker_client, drivers=[*Host.DRIVERS, "tgi"])
     specs: dict[str, dict[str, Any]] = {
+        "tgi": {"model": {"name": "tiny"}},
         "sglang": {"model": {"artifact": "tiny"}},
         "ollama": {"model": {"name": "tiny"}},
         "lmdeploy": {"model": {"artifact": "tiny"}},

@@ -72,7 +72,10 @@ def run_playbook(
 class Host:
     """A policy, an artifact store and a state dir in a temporary directory; runs playbooks against them."""
 
-    def __init__(self, root: Path, docker_client: Any) -> None:
+    # tgi is left out so that a refusal test has a driver the policy does not allow.
+    DRIVERS = ("vllm", "llamacpp", "ollama", "openai", "sglang", "lmdeploy")
+
+    def __init__(self, root: Path, docker_client: Any, drivers: Sequence[str] = DRIVERS) -> None:
         self.root = root
         self.client = docker_client
         self.store = root / "store"
@@ -89,7 +92,7 @@ class Host:
             extra={
                 "images": {"allowed_repositories": ["meridian-node/standin"]},
                 "engines": {
-                    "allowed_drivers": ["vllm", "llamacpp", "ollama", "openai", "sglang", "lmdeploy"],
+                    "allowed_drivers": list(drivers),
                     "bind_address": BIND,
                     "port_range": list(PORTS),
                 },

@@ -22,6 +22,9 @@ Recognising a foreign engine (a heuristic, so it errs towards "not an engine"):
 A running foreign engine with a published port for its guessed driver's container port is probed once
 on its health path (a GET, read-only); otherwise ``ready`` is false, meaning "not known to be ready".
 
+``engine_info`` gives both, engines and capacity, for one host under its policy: what the
+``meridian.node.engine_info`` module returns.
+
 ``capacity`` is what a new engine could still get, shaped like ``contracts.Capacity``: per GPU uuid (and
 per MIG instance uuid), ``min(free, total - reserved)`` where ``reserved`` sums the ``min_vram_mib``
 of the engines we own on it (the same rule placement uses); and the ports of the policy range that no
@@ -31,7 +34,7 @@ container publishes on the bind address and the kernel lets us bind, the lowest 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
@@ -45,13 +48,23 @@ from ansible_collections.meridian.node.plugins.module_utils.drain_state import l
 from ansible_collections.meridian.node.plugins.module_utils.engine_containers import probe_readiness
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import Driver, get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
+    LABEL_OWNER,
     Reservation,
     label_spec,
     reservations_from,
     resolve_devices,
 )
+from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
 
-__all__ = ["MAX_PORTS", "capacity", "discover_engines", "guess_driver", "observe_engines", "vram_left"]
+__all__ = [
+    "MAX_PORTS",
+    "capacity",
+    "discover_engines",
+    "engine_info",
+    "guess_driver",
+    "observe_engines",
+    "vram_left",
+]
 
 MAX_PORTS = 100
 _PROBE_TIMEOUT_S = 1.0
@@ -216,3 +229,53 @@ def observe_engines(
         "engines": discover_engines(engine, state_dir=state_dir, probe=probe),
         "capacity": capacity(engine, gpu_facts=gpu_facts, port_range=port_range, bind_address=bind_address),
     }
+
+
+def engine_info(
+    connect: Callable[[], DockerEngine],
+    *,
+    policy_path: str,
+    state_dir: str,
+    managed_only: bool = False,
+    owner: str | None = None,
+    probe: bool = True,
+    gpu_facts: Callable[[], Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``{"engines": [...], "capacity": {...} or None}`` for this host under the policy at ``policy_path``.
+
+    Reads only: the Docker Engine's container list (through ``connect()``), the draining marks, one
+    readiness GET per running engine (unless ``probe`` is false) and, when ``gpu_facts`` is given, the GPUs
+    it reads for capacity. ``capacity`` is None without ``gpu_facts``: the caller did not ask for it.
+
+    ``owner`` keeps only our engines whose ``meridian.node/owner`` label is exactly that (what
+    engine_instance's ``owner`` option set): the engines one converger started, not an operator's or
+    another agent's on a shared Docker Engine. An owner's engines can only have been created under a policy
+    that allows some image; under a policy that allows none, the list is empty and Docker is not asked, so a
+    host that runs no engines (artifacts only) needs no Docker Engine to reconcile.
+
+    Raises ``PolicyError`` for a bad policy and ``DockerEngineError`` when Docker fails, both with messages
+    meant for the operator.
+    """
+    # Read first even when capacity is not asked for: a wrong policy path fails the same way every time.
+    policy = load_policy(policy_path, keys=False)
+    if owner is not None and not policy.images.allowed_repositories and gpu_facts is None:
+        return {"engines": [], "capacity": None}
+    engine = connect()
+    try:
+        engines = discover_engines(engine, state_dir=state_dir, probe=probe)
+        if managed_only or owner is not None:
+            engines = [entry for entry in engines if entry["managed"]]
+        if owner is not None:
+            owners = {c.instance or c.name: c.labels.get(LABEL_OWNER) for c in engine.list_owned()}
+            engines = [entry for entry in engines if owners.get(entry["name"]) == owner]
+        room: dict[str, Any] | None = None
+        if gpu_facts is not None:
+            room = capacity(
+                engine,
+                gpu_facts=gpu_facts(),
+                port_range=policy.engines.port_range,
+                bind_address=policy.engines.bind_address,
+            )
+    finally:
+        engine.close()
+    return {"engines": engines, "capacity": room}

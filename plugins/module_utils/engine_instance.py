@@ -78,6 +78,7 @@ from ansible_collections.meridian.node.plugins.module_utils.policy import Policy
 
 __all__ = [
     "LABEL_MIN_VRAM",
+    "LABEL_OWNER",
     "LABEL_SPEC",
     "Device",
     "EngineInstanceError",
@@ -96,6 +97,9 @@ __all__ = [
 
 LABEL_SPEC = "meridian.node/spec"
 LABEL_MIN_VRAM = "meridian.node/min-vram-mib"
+# Who converges the engine, e.g. "agent:<node id>" for the pull agent's reconcile: what it prunes is only
+# what it started, never an operator's playbook engines or another agent's on a shared Docker Engine.
+LABEL_OWNER = "meridian.node/owner"
 _POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
 _LOG_LINES = 30
@@ -124,6 +128,7 @@ class Options:
     policy_path: str = "/etc/meridian/policy.yaml"
     state_dir: str = "/var/lib/meridian-node"
     store_path: str | None = None
+    owner: str | None = None
 
 
 # --- the spec --------------------------------------------------------------------------------------------
@@ -456,6 +461,8 @@ def _prepare(
         LABEL_SPEC: json.dumps(public_spec(spec), sort_keys=True, separators=(",", ":")),
         LABEL_MIN_VRAM: str(spec.min_vram_mib),
     }
+    if options.owner:
+        labels[LABEL_OWNER] = options.owner
     settings = _with_labels(base, labels)
     config_hash = settings.config_hash()
 

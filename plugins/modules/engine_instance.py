@@ -149,6 +149,13 @@ options:
     description:
       - The artifact store to resolve O(model.artifact) in. Defaults to the policy's C(store.path).
     type: path
+  owner:
+    description:
+      - Who converges this engine, recorded in the container's C(meridian.node/owner) label. The reconcile
+        playbook sets C(agent:<node id>) so that it removes only engines it started itself; M(meridian.node.engine_info)
+        filters on it with O(meridian.node.engine_info#module:owner).
+      - Part of the container's settings - changing it replaces the container.
+    type: str
 extends_documentation_fragment:
   - meridian.node.attributes
 attributes:
@@ -294,6 +301,7 @@ def main() -> None:
             "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
             "state_dir": {"type": "path", "default": "/var/lib/meridian-node"},
             "store_path": {"type": "path"},
+            "owner": {"type": "str"},
         },
         required_if=[("state", state, _SPEC_REQUIRED) for state in ("present", "started", "stopped")],
         supports_check_mode=True,
@@ -312,6 +320,7 @@ def main() -> None:
         policy_path=params["policy"],
         state_dir=params["state_dir"],
         store_path=params["store_path"],
+        owner=params["owner"],
     )
     try:
         engine = docker_engine.DockerEngine.from_env()

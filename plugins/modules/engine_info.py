@@ -1,0 +1,221 @@
+#!/usr/bin/python
+# Copyright: (c) 2026, meridian.node developers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: engine_info
+short_description: List the inference engines on a host and the room left for more
+version_added: 0.1.0
+author:
+  - Meridian node maintainers (@meridian)
+description:
+  - Lists every inference engine container on the host's Docker Engine.
+  - Engines run by M(meridian.node.engine_instance) (meridian.node's ownership labels) are listed with
+    C(managed=true), their Docker state, whether their readiness probe answers, and whether they are marked
+    draining (by M(meridian.node.drain) or a drain-then-replace, under O(state_dir)).
+  - Other containers that look like an inference engine (by image name or by a port only one engine uses)
+    are listed with C(managed=false). They are only looked at, never changed.
+  - Also returns the capacity a new engine could still get - free VRAM per GPU and MIG instance (read through
+    NVML, after the VRAM reserved by managed engines) and free ports in the policy's port range on its bind
+    address.
+  - Never changes anything on the host.
+requirements:
+  - pydantic (>= 2) and PyYAML on the managed host (to read the policy).
+  - A Docker Engine (API 1.41 or newer), reached through its socket or E(DOCKER_HOST); the Docker SDK is not
+    needed.
+  - nvidia-ml-py on the managed host for VRAM capacity; without it (or without a GPU) no VRAM is reported.
+options:
+  policy:
+    description:
+      - The host's policy file. Its C(engines.bind_address) and C(engines.port_range) decide which ports count
+        as free.
+    type: path
+    default: /etc/meridian/policy.yaml
+  state_dir:
+    description:
+      - The host's state directory; draining marks are read from C(<state_dir>/draining/).
+    type: path
+    default: /var/lib/meridian-node
+  managed_only:
+    description:
+      - List only the engines run by M(meridian.node.engine_instance), leaving out everybody else's.
+    type: bool
+    default: false
+  owner:
+    description:
+      - List only engines run by M(meridian.node.engine_instance) with exactly this
+        O(meridian.node.engine_instance#module:owner) - the engines one converger started. The reconcile playbook
+        uses C(agent:<node id>) to find the engines it may remove.
+      - Under a policy that allows no image no such engine can exist; the list is empty and the Docker Engine is
+        not asked (unless O(capacity=true)), so hosts that run no engines need no Docker Engine.
+    type: str
+  probe:
+    description:
+      - Ask each running engine's readiness endpoint once (one HTTP GET, up to one second each).
+      - With V(false), C(ready) is V(false) for every engine; use it when only names and states are needed.
+    type: bool
+    default: true
+  capacity:
+    description:
+      - Compute the capacity left (reads every GPU through NVML once, and tries the policy's ports).
+      - With V(false), the C(capacity) result is V(null).
+    type: bool
+    default: true
+extends_documentation_fragment:
+  - meridian.node.attributes
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+  idempotent:
+    support: full
+notes:
+  - Recognising someone else's engine is a heuristic that errs towards "not an engine" - a container whose
+    image name and ports say nothing is left out of the list.
+seealso:
+  - module: meridian.node.engine_instance
+  - module: meridian.node.drain
+  - module: meridian.node.gpu_facts
+"""
+
+EXAMPLES = r"""
+- name: List the engines on the GPU hosts and the room left
+  meridian.node.engine_info:
+  register: engines
+
+- name: Show the engines that take traffic
+  ansible.builtin.debug:
+    msg: "{{ item.name }} ({{ item.driver }}) on port {{ item.port }}"
+  loop: "{{ engines.engines | selectattr('ready') | rejectattr('draining') }}"
+  loop_control:
+    label: "{{ item.name }}"
+
+- name: Names of the engines meridian.node runs here, quickly (no probes, no NVML)
+  meridian.node.engine_info:
+    managed_only: true
+    probe: false
+    capacity: false
+  register: ours
+"""
+
+RETURN = r"""
+engines:
+  description: The engines on the host - meridian.node's first, then others, each group by name.
+  returned: always
+  type: list
+  elements: dict
+  contains:
+    name:
+      description: The engine's name (for managed engines, the name given to M(meridian.node.engine_instance)).
+      type: str
+      sample: llama-70b
+    managed:
+      description: Whether meridian.node runs it. Engines with V(false) are never touched by this collection.
+      type: bool
+      sample: true
+    driver:
+      description: The engine kind (V(vllm), V(tgi), V(sglang), V(ollama), V(llamacpp), V(lmdeploy),
+        V(openai)); for other people's engines, the kind it looks like.
+      type: str
+      sample: vllm
+    image:
+      description: The image reference it runs.
+      type: str
+      sample: vllm/vllm-openai@sha256:0d5d9c1a6e1c3b1f7e4a3f0b6b9e2c8d7a1f5e4d3c2b1a0f9e8d7c6b5a4f3e2d
+    state:
+      description: Docker's state of the container, such as V(running), V(exited) or V(created).
+      type: str
+      sample: running
+    ready:
+      description: Whether its readiness probe answered just now; V(false) when not probed.
+      type: bool
+      sample: true
+    draining:
+      description: Whether it is marked draining (no new work should reach it).
+      type: bool
+      sample: false
+    port:
+      description: The host port it is published on; V(null) when it publishes none.
+      type: int
+      sample: 8001
+    served_model_name:
+      description: The model name clients ask for; V(null) when not known.
+      type: str
+      sample: llama-3.1-70b
+capacity:
+  description: What a new engine could still get; V(null) when O(capacity=false).
+  returned: always
+  type: dict
+  contains:
+    vram_free_mib:
+      description: Free VRAM in MiB per GPU uuid and MIG instance uuid, after the reservations of managed
+        engines; empty without NVML.
+      type: dict
+      sample: {"GPU-2f1b7c2e-8d3a-4c51-b0e6-1a9e4f7d3c01": 40960}
+    free_ports:
+      description: The lowest (up to 100) ports of the policy's range that no container publishes and that
+        can be bound on the policy's bind address.
+      type: list
+      elements: int
+      sample: [8002, 8003, 8004]
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+
+from ansible_collections.meridian.node.plugins.module_utils import contracts, docker_engine
+from ansible_collections.meridian.node.plugins.module_utils.drain_state import DrainStateError
+from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import engine_info
+from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError
+
+
+def _gpu_facts() -> Mapping[str, Any]:
+    # Imported here: NVML is read only when capacity is asked for. Capacity only needs memory: processes
+    # and NVLink cost NVML calls per GPU and say nothing about room.
+    from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+
+    return collect_gpu_facts(processes=False, nvlink=False)
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
+            "state_dir": {"type": "path", "default": "/var/lib/meridian-node"},
+            "managed_only": {"type": "bool", "default": False},
+            "owner": {"type": "str"},
+            "probe": {"type": "bool", "default": True},
+            "capacity": {"type": "bool", "default": True},
+        },
+        supports_check_mode=True,
+    )
+    if contracts.PYDANTIC_IMPORT_ERROR is not None:
+        module.fail_json(msg=missing_required_lib("pydantic"), exception=contracts.PYDANTIC_IMPORT_ERROR)
+    params = module.params
+    try:
+        result = engine_info(
+            docker_engine.DockerEngine.from_env,
+            policy_path=params["policy"],
+            state_dir=params["state_dir"],
+            managed_only=params["managed_only"],
+            owner=params["owner"],
+            probe=params["probe"],
+            gpu_facts=_gpu_facts if params["capacity"] else None,
+        )
+    except PolicyError as exc:
+        module.fail_json(msg=f"Error reading the policy: {exc}")
+    except DrainStateError as exc:
+        module.fail_json(msg=f"Error reading the draining marks: {exc}")
+    except docker_engine.DockerEngineError as exc:
+        # from_env's message already names the connection; listing errors name their action too.
+        module.fail_json(msg=str(exc))
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()

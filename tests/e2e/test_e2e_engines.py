@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -347,3 +350,49 @@ def test_agent_configured_as_another_node_is_refused_with_403(server: DevServer,
     assert victim.node_id in refused.value.detail
     assert StateStore(impostor.state_dir).load().generation == 0
     assert impostor.node.journal_runs() == []
+
+
+def _models_status(port: int) -> int | str:
+    try:
+        with urllib.request.urlopen(f"http://{BIND}:{port}/v1/models", timeout=5) as response:
+            return int(response.status)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_control_plane_outage_leaves_the_engine_serving_and_the_agent_resumes(
+    tmp_path: Path, node_id: str, docker_client: Any, image: LocalImage, prefix: str
+) -> None:
+    data = tmp_path / "control-plane"
+    with socket.socket() as probe:  # the restarted control plane must come back at the same address
+        probe.bind(("127.0.0.1", 0))
+        control_port = probe.getsockname()[1]
+    with ExitStack() as stack:
+        server = stack.enter_context(running(data, extra=["--port", str(control_port)]))
+        node = make_e2e_node(server, tmp_path / "node", node_id)
+        name, port = f"{prefix}-chat", free_engine_port()
+        generation = publish(server, node_id, document={"engines": [engine_spec(name, image, port)]})
+        agent = node.agent()
+        _applied(agent)
+        before = _container(docker_client, name)
+        runs = sorted((node.state_dir / "journal").iterdir())
+        stack.close()  # the control plane goes away
+
+        answers: list[int | str] = []
+
+        def sleep(seconds: float) -> None:
+            answers.append(_models_status(port))  # while the agent backs off, the engine keeps serving
+            if len(answers) == 3:
+                stack.enter_context(running(data, extra=["--port", str(control_port)]))
+
+        agent.sleep = sleep
+        status = agent.run(max_cycles=4)
+
+    assert status == 0
+    assert answers == [200, 200, 200]
+    assert agent.counters.unavailable == 3
+    after = _container(docker_client, name)
+    assert (after.id, after.attrs["State"]["StartedAt"]) == (before.id, before.attrs["State"]["StartedAt"])
+    # Back online with nothing new published: the same generation, and no playbook ran again.
+    assert StateStore(node.state_dir).load().generation == generation
+    assert sorted((node.state_dir / "journal").iterdir()) == runs

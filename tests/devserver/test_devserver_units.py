@@ -108,6 +108,19 @@ def test_reused_token_name_after_use_is_a_conflict() -> None:
     assert conflict.value.reason == "token-used"
 
 
+def test_generated_tokens_never_look_like_a_command_line_option(control: ControlPlane) -> None:
+    # token_urlsafe's alphabet includes '-': one token in 64 would start with it, and
+    # 'meridian-node enroll --token -abc...' then fails as a missing argument.
+    tokens = [control.create_token(f"dash-{i}") for i in range(300)]
+    assert all(token.startswith("mnt_") and len(token) > 30 for token in tokens)
+    assert len(set(tokens)) == len(tokens)
+
+
+def test_token_value_starting_with_a_dash_is_refused(control: ControlPlane) -> None:
+    with pytest.raises(ValueError, match="must not start with '-'"):
+        control.create_token("dash", "-looks-like-an-option")
+
+
 def test_certificate_of_another_ca_is_refused_by_the_application_too(control: ControlPlane, tmp_path: Path) -> None:
     # The TLS layer refuses it first; the application must not rely on that alone.
     stranger = CertificateAuthority(tmp_path / "stranger-ca")

@@ -132,6 +132,9 @@ def _load_or_create_control_key(paths: DataDir) -> Ed25519PrivateKey:
     return key
 
 
+TOKEN_PREFIX = "mnt_"  # noqa: S105 - a prefix, not a secret
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -168,7 +171,13 @@ class ControlPlane:
             raise ValueError(f"token name {name!r} must be non-empty and contain no ':'")
         if value is not None and len(value) < 8:
             raise ValueError(f"token {name!r}: a value needs at least 8 characters, got {len(value)}")
-        token = value if value is not None else secrets.token_urlsafe(24)
+        if value is not None and value.startswith("-"):
+            raise ValueError(
+                f"token {name!r}: a value must not start with '-' (command lines would read it as an option)"
+            )
+        # A fixed prefix: a generated token never starts with '-' (token_urlsafe's alphabet has it, and
+        # 'enroll --token -abc' is then an error), and secret scanners can recognise leaked ones.
+        token = value if value is not None else TOKEN_PREFIX + secrets.token_urlsafe(24)
         try:
             self.store.put_token(name, token, self.now())
         except StoreConflict as exc:

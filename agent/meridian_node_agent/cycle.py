@@ -146,6 +146,7 @@ class Agent:
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
         metrics: Any = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -156,6 +157,9 @@ class Agent:
         self.clock = clock or (lambda: datetime.now(UTC))
         self.sleep = sleep
         self.metrics = metrics
+        # Intervals (heartbeat due, observation refresh) run on this clock; a test or a benchmark can
+        # stand in a clock that moves as a long-poll of ``wait`` seconds would.
+        self.monotonic = monotonic
         self.backoff = Backoff(config.backoff.initial_seconds, config.backoff.max_seconds, rng or random.Random())  # noqa: S311 - jitter, not secrecy
         self.state_dir = Path(config.state_dir)
         self.store = StateStore(self.state_dir)
@@ -212,7 +216,7 @@ class Agent:
         node = self.config.node_id
         if self._heartbeat_due():
             self.lease = self.client.heartbeat(node)
-            self._renewed_at = time.monotonic()
+            self._renewed_at = self.monotonic()
             self._epoch_ok = self._observe_epoch(self.lease.epoch)
         fetched = self.client.fetch_desired_state(node, etag=self.etag, wait=wait)
         if fetched.status == FetchStatus.NOT_MODIFIED:
@@ -336,7 +340,7 @@ class Agent:
         """
         if self.lease is None or self._renewed_at is None:
             return True
-        if time.monotonic() - self._renewed_at >= self.pause:
+        if self.monotonic() - self._renewed_at >= self.pause:
             return True
         return (self.lease.expires_at - self.clock()).total_seconds() < self.pause
 
@@ -364,7 +368,7 @@ class Agent:
             for e in observation.engines
         ]
         fingerprint = observation.model_dump_json(exclude={"observed_at"})
-        now = time.monotonic()
+        now = self.monotonic()
         if self._reported and self._reported[0] == fingerprint and now - self._reported[1] < REPORT_REFRESH_SECONDS:
             return
         try:

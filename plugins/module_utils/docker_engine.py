@@ -270,6 +270,11 @@ def port_bind_problem(address: str, port: int) -> str | None:
     return None
 
 
+def _claims_ownership(entry: Mapping[str, Any]) -> bool:
+    labels = entry.get("Labels") or {}
+    return labels.get(LABEL_OWNED) == "true" and bool(labels.get(LABEL_INSTANCE))
+
+
 def _published_ports(entry: Mapping[str, Any]) -> tuple[PublishedPort, ...]:
     ports = []
     for port in entry.get("Ports") or []:
@@ -291,6 +296,9 @@ class DockerEngine:
     def __init__(self, api: DockerApi) -> None:
         self.api = api
         self._info: dict[str, Any] | None = None
+        # image id -> whether that image carries our ownership labels. Image ids are content hashes, so the
+        # answer never changes: a long-lived engine object (the agent's) asks once per image, not per listing.
+        self._image_spoofs: dict[str, bool] = {}
 
     @classmethod
     def from_env(cls, timeout: int = 60) -> DockerEngine:
@@ -329,11 +337,7 @@ class DockerEngine:
 
     def _info_from_entry(self, entry: Mapping[str, Any], spoofing: frozenset[str]) -> ContainerInfo:
         labels = dict(entry.get("Labels") or {})
-        owned = (
-            labels.get(LABEL_OWNED) == "true"
-            and bool(labels.get(LABEL_INSTANCE))
-            and entry.get("ImageID", "") not in spoofing
-        )
+        owned = _claims_ownership(entry) and entry.get("ImageID", "") not in spoofing
         names = entry.get("Names") or []
         return ContainerInfo(
             id=str(entry["Id"]),
@@ -350,8 +354,13 @@ class DockerEngine:
     def _list(self, filters: Mapping[str, Any], action: str) -> list[ContainerInfo]:
         with _docker_call(action):
             entries = self.api.containers(filters)
-        spoofing = self._spoofing_image_ids() if entries else frozenset()
-        return [self._info_from_entry(entry, spoofing) for entry in entries]
+        claimed = {str(entry.get("ImageID", "")) for entry in entries if _claims_ownership(entry)}
+        if claimed - self._image_spoofs.keys():
+            spoofing = self._spoofing_image_ids()
+            for image_id in claimed - self._image_spoofs.keys():
+                self._image_spoofs[image_id] = image_id in spoofing
+        forged = frozenset(image_id for image_id in claimed if self._image_spoofs[image_id])
+        return [self._info_from_entry(entry, forged) for entry in entries]
 
     def list_containers(self) -> list[ContainerInfo]:
         """Every container on the host, ours and others (``owned`` tells them apart); for discovery."""

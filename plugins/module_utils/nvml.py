@@ -8,6 +8,7 @@ else in the collection knows the difference.
 
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
 from collections.abc import Iterator
@@ -59,7 +60,10 @@ class NvmlUnavailable(Exception):
         self.reason = reason
 
 
+@functools.lru_cache(maxsize=4)
 def _error_names(lib: Any) -> dict[int, str]:
+    # Cached per library module: its constants never change, and on a host without NVML every read of the
+    # agent's cycle fails and would otherwise rebuild this map by scanning the whole module (~1.4 ms).
     return {
         value: name for name, value in vars(lib).items() if name.startswith("NVML_ERROR_") and isinstance(value, int)
     }

@@ -345,6 +345,22 @@ def test_image_carrying_our_labels_does_not_make_its_containers_ours(
         with pytest.raises(UnsafeImageError, match="carries labels"):
             engine.create(settings_for(LocalImage(tag=tag, id=spoof_image.id), f"{prefix}-from-spoof"))
         assert engine.find(f"{prefix}-from-spoof") is None
+        # The verdict on an image is kept (its id is its content): the next listings ask no image question,
+        # and the forged container still does not pass as ours.
+        asked: list[Any] = []
+        listing = engine.api.images
+
+        def counted(filters: Any) -> list[dict[str, Any]]:
+            asked.append(filters)
+            return listing(filters)
+
+        engine.api.images = counted  # type: ignore[method-assign]
+        again = engine.find(f"{prefix}-spoof")
+        assert again is not None and not again.owned
+        assert f"{prefix}-spoof" not in [c.name for c in engine.list_owned()]
+        assert asked == []
+        seen_fresh = DockerEngine.from_env().find(f"{prefix}-spoof")
+        assert seen_fresh is not None and not seen_fresh.owned
     finally:
         for container in docker_client.containers.list(all=True, filters={"ancestor": spoof_image.id}):
             container.remove(force=True)

@@ -1,0 +1,443 @@
+"""The pull agent: CPU per unchanged cycle, publish-to-ready vs ansible-pull, idle RSS (issue 5).
+
+    .venv/bin/python bench/agent.py [--repeat 3] [--cycles 200]
+
+Everything runs against a real ``meridian-node-devserver`` process on 127.0.0.1 (real mutual TLS, real
+signing) and the local Docker Engine, with the stand-in vLLM engine image (built once, cached). Prints:
+
+1. publish-to-ready seconds for one stand-in engine through ``meridian-node run`` (a real process,
+   long-poll on): from the start of ``meridian-node-devserver publish`` until the engine answers
+   ``GET /health`` with 200. Median of --repeat; the engine container is removed between runs, so every
+   publish creates and starts it. The seconds of each task of the agent's last reconcile run follow, read
+   from its ansible-runner journal.
+2. the same change applied by ``ansible-pull`` (ansible-core from .venv) from a local git repo
+   (``-U file:///...``, ``-C main``) running a playbook with ``meridian.node.engine_instance`` and the same
+   spec on localhost: from the start of ``git commit`` (the change reaching the repo) until the engine
+   answers ready. Median of --repeat, and the ratio agent / ansible-pull.
+3. the idle agent's memory: VmRSS and VmHWM of that ``meridian-node run`` process after it applied and
+   went back to waiting (target VmRSS <= 80 MiB).
+4. CPU milliseconds per unchanged cycle of the agent in this process (``build_agent``, the state with the
+   running engine applied), ``time.process_time()`` of this process only (the devserver is another one),
+   over --cycles cycles (each one ``Agent.cycle`` plus the status file ``Agent.run`` writes after it), two ways:
+   - *as in service*: each cycle stands for one long-poll of ``min(long_poll, heartbeat)`` seconds that
+     ended with 304, so the agent's clocks move by that much per cycle: every cycle heartbeats (a
+     mutual-TLS POST), the engines are listed and probed every cycle, the unchanged observation is
+     re-sent at its refresh interval. This is what a steady agent does, and the target (<= 5 ms) is
+     about it.
+   - *back to back*: cycles with no wait and real clocks: heartbeats only once per interval.
+   Each line says how many cycles heartbeated and how many posted an observation.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import docker
+import yaml
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine
+from ansible_collections.meridian.node.plugins.module_utils.engine_containers import http_get
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
+from ansible_collections.meridian.node.tests.helpers.engine_harness import free_port
+from ansible_collections.meridian.node.tests.helpers.standin_image import ensure_base_image, ensure_engine_image
+from meridian_node_agent.agent_cli import build_agent
+from meridian_node_agent.config import load_config
+from meridian_node_agent.control_client import DesiredStateFetch
+from meridian_node_agent.cycle import Agent, Outcome, read_status
+from meridian_node_agent.logs import EventLogger
+from meridian_node_agent.observe import DockerEngines, Observer
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = REPO / ".venv" / "bin"
+COLLECTIONS = REPO / ".build" / "collections"
+SERVER = REPO / "tests" / "engines" / "standin_server.py"
+NODE_ID = "bench-gpu-node"
+BIND = "127.0.0.1"
+READY_DEADLINE = 180.0
+LONG_POLL = 30  # the config defaults: a cycle in service is one long-poll of min(30, 15) seconds
+HEARTBEAT = 15
+
+
+def fail(message: str) -> NoReturn:
+    raise SystemExit(f"bench: {message}")
+
+
+@dataclass
+class Setup:
+    root: Path
+    server: DevServer
+    config_path: Path
+    image: str
+    port: int
+    engine: str
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "name": self.engine,
+            "driver": "vllm",
+            "image": self.image,
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+            "served_model_name": "llama-3.1-8b",
+            "port": self.port,
+        }
+
+
+def write_node(root: Path, server: DevServer, port: int) -> Path:
+    (root / "keys").mkdir(parents=True)
+    shutil.copy(server.control_public_key, root / "keys" / "control.pem")
+    policy = {
+        "trust": {"control": {"threshold": 1, "public_keys": ["keys/control.pem"]}},
+        "images": {"allowed_repositories": ["meridian-node/standin"], "require_digest": True},
+        "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": [port, port]},
+        "store": {"path": str(root / "store"), "max_bytes": "1G"},
+        "agent": {"allowed_modes": ["observe-only", "managed-host"]},
+    }
+    (root / "policy.yaml").write_text(yaml.safe_dump(policy, sort_keys=False))
+    config = {
+        "node_id": NODE_ID,
+        "mode": "managed-host",
+        "policy": "policy.yaml",
+        "state_dir": "state",
+        "control_plane": {"url": server.base_url, "long_poll_seconds": LONG_POLL, "heartbeat_seconds": HEARTBEAT},
+        "log": {"format": "text", "level": "warning"},
+    }
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def publish(setup: Setup, document: dict[str, Any]) -> int:
+    path = setup.root / "desired.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    output = setup.server.cli("publish", NODE_ID, str(path)).stdout
+    return int(output.split("generation ")[1].split()[0])
+
+
+def wait_ready(port: int, deadline: float = READY_DEADLINE) -> float:
+    """Poll the engine's health endpoint every 20 ms; the perf_counter time it first answered 200."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if http_get(BIND, port, "/health", timeout=1.0).status == 200:
+            return time.perf_counter()
+        time.sleep(0.02)
+    fail(f"the engine on port {port} did not answer ready within {deadline:.0f} s")
+
+
+def remove_engine(client: Any, name: str, port: int) -> None:
+    for container in client.containers.list(all=True, filters={"name": name}):
+        if container.name == name:
+            container.remove(force=True)
+    end = time.monotonic() + 30
+    while http_get(BIND, port, "/health", timeout=0.5).status is not None:
+        if time.monotonic() > end:
+            fail(f"something still answers on port {port} after the engine was removed")
+        time.sleep(0.05)
+
+
+@contextmanager
+def agent_process(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
+    """``meridian-node run`` as operators run it, stderr (its logs) into a file."""
+    with (setup.root / "agent.stderr.log").open("ab") as stderr:
+        process = subprocess.Popen(
+            [str(VENV_BIN / "meridian-node"), "--config", str(setup.config_path), "run"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        try:
+            yield process
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=15)
+
+
+def wait_applied(setup: Setup, process: subprocess.Popen[bytes], generation: int) -> None:
+    state_dir = setup.root / "state"
+    end = time.monotonic() + READY_DEADLINE
+    while time.monotonic() < end:
+        if process.poll() is not None:
+            fail(f"meridian-node run exited {process.returncode}:\n{(setup.root / 'agent.stderr.log').read_text()}")
+        status = read_status(state_dir) or {}
+        if (status.get("applied_generation") or 0) >= generation:
+            return
+        time.sleep(0.05)
+    fail(f"the agent did not record generation {generation} as applied")
+
+
+def proc_status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    fail(f"/proc/{pid}/status has no {field}")
+
+
+def reconcile_tasks(state_dir: Path) -> tuple[float, list[tuple[str, float]]]:
+    """The latest journal run: (seconds from playbook start to its stats, [(task, seconds), ...] in order)."""
+    runs = sorted((state_dir / "journal").iterdir(), key=lambda path: path.stat().st_mtime)
+    events = [json.loads(path.read_text()) for path in (runs[-1] / "job_events").glob("*.json")]
+    events.sort(key=lambda event: event["counter"])
+    stamps = [datetime.fromisoformat(event["created"]) for event in events if "created" in event]
+    tasks: dict[str, float] = {}
+    for event in events:
+        data = event.get("event_data", {})
+        if event["event"] in ("runner_on_ok", "runner_on_failed", "runner_on_skipped") and "duration" in data:
+            tasks[data["task"]] = tasks.get(data["task"], 0.0) + float(data["duration"])
+    return (stamps[-1] - stamps[0]).total_seconds(), list(tasks.items())
+
+
+def agent_publish_to_ready(setup: Setup, client: Any, repeat: int) -> tuple[float, float, int, int]:
+    """(median publish-to-ready s, median publish command s, idle VmRSS KiB, VmHWM KiB)."""
+    samples: list[float] = []
+    publishes: list[float] = []
+    with agent_process(setup) as process:
+        generation = publish(setup, {"engines": [], "artifacts": []})
+        wait_applied(setup, process, generation)
+        for _ in range(repeat):
+            remove_engine(client, setup.engine, setup.port)
+            time.sleep(1.0)  # the agent is back in its long-poll
+            start = time.perf_counter()
+            generation = publish(setup, {"engines": [setup.spec()], "artifacts": []})
+            published = time.perf_counter()
+            ready = wait_ready(setup.port)
+            samples.append(ready - start)
+            publishes.append(published - start)
+            wait_applied(setup, process, generation)
+        time.sleep(2.0)  # applied, reported, back in the long-poll: idle
+        if process.poll() is not None:
+            fail(f"meridian-node run exited {process.returncode}")
+        rss, hwm = proc_status_kib(process.pid, "VmRSS"), proc_status_kib(process.pid, "VmHWM")
+    return statistics.median(samples), statistics.median(publishes), rss, hwm
+
+
+# ansible-pull
+
+
+def pull_playbook(setup: Setup, state_dir: Path, revision: int) -> str:
+    spec = setup.spec()
+    args = {**spec, "state": "started", "policy": str(setup.root / "policy.yaml"), "state_dir": str(state_dir)}
+    play = [
+        {
+            "name": f"Converge the engines (revision {revision})",
+            "hosts": "localhost",
+            "gather_facts": False,
+            "tasks": [{"name": "Converge the engine", "meridian.node.engine_instance": args}],
+        }
+    ]
+    return yaml.safe_dump(play, sort_keys=False)
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def ansible_pull_to_ready(setup: Setup, client: Any, repeat: int) -> float:
+    repo = setup.root / "pull-repo"
+    state_dir = setup.root / "pull-state"
+    state_dir.mkdir()
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "config", "user.email", "bench@localhost")
+    git(repo, "config", "user.name", "bench")
+    env = {
+        **os.environ,
+        "ANSIBLE_COLLECTIONS_PATH": str(COLLECTIONS),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_DEPRECATION_WARNINGS": "0",
+        "ANSIBLE_LOCAL_TEMP": str(setup.root / "ansible-tmp"),
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    command = [
+        str(VENV_BIN / "ansible-pull"),
+        "-U",
+        f"file://{repo}",
+        "-C",
+        "main",
+        "-d",
+        str(setup.root / "pull-checkout"),
+        "-i",
+        "localhost,",
+        "-e",
+        f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
+        "site.yml",
+    ]
+    samples: list[float] = []
+    for revision in range(repeat):
+        remove_engine(client, setup.engine, setup.port)
+        (repo / "site.yml").write_text(pull_playbook(setup, state_dir, revision))
+        start = time.perf_counter()
+        git(repo, "add", "site.yml")
+        git(repo, "commit", "-q", "-m", f"revision {revision}")
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode != 0:
+            fail(f"ansible-pull exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        samples.append(wait_ready(setup.port) - start)
+    return statistics.median(samples)
+
+
+# CPU per unchanged cycle
+
+
+class Counting:
+    """The agent's control client, counting the calls that cost a request each."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.heartbeats = 0
+        self.fetches = 0
+        self.posts = 0
+
+    def heartbeat(self, node_id: str) -> Lease:
+        self.heartbeats += 1
+        lease: Lease = self.real.heartbeat(node_id)
+        return lease
+
+    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch:
+        self.fetches += 1
+        fetched: DesiredStateFetch = self.real.fetch_desired_state(node_id, etag=etag, wait=wait)
+        return fetched
+
+    def post_observation(self, observation: Observation) -> None:
+        self.posts += 1
+        self.real.post_observation(observation)
+
+
+@dataclass
+class CycleFigures:
+    cycles: int
+    cpu_ms: float
+    heartbeats: int
+    posts: int
+    engines: int  # engines the observation lists: each is probed every cycle it is re-listed
+
+
+class StepClock:
+    """A monotonic clock that moves only when told: one step per cycle, as one long-poll would move it."""
+
+    def __init__(self) -> None:
+        # A whole number, so whole-second steps add up exactly: 15 s after a renewal is exactly 15 s.
+        self.now = float(int(time.monotonic()))
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def in_process_agent(setup: Setup, clock: Callable[[], float] | None) -> tuple[Agent, Counting, DockerEngine]:
+    config = load_config(setup.config_path)
+    agent: Agent = build_agent(config, log=EventLogger())
+    docker_engine = DockerEngine.from_env(timeout=5)
+    if clock is not None:
+        # The same observer build_agent wires, on the stepped clock (engine listing, GPU facts refresh).
+        agent.observer = Observer(
+            store_path=agent.policy.store.path,
+            engines=DockerEngines(docker_engine, state_dir=Path(config.state_dir), monotonic=clock),
+            monotonic=clock,
+        )
+        agent.monotonic = clock
+    counting = Counting(agent.client)
+    agent.client = counting
+    return agent, counting, docker_engine
+
+
+def unchanged_cycles(setup: Setup, cycles: int, *, in_service: bool) -> CycleFigures:
+    clock = StepClock() if in_service else None
+    agent, counting, docker_engine = in_process_agent(setup, clock)
+    try:
+        first = agent.cycle(wait=0)
+        if first.outcome != Outcome.UNCHANGED:
+            fail(f"the published state was not already applied: the first cycle was {first.outcome}")
+        for _ in range(5):  # warm caches and the TLS connection, as a running agent has
+            if clock is not None:
+                clock.step(agent.wait)
+            agent.cycle(wait=0)
+        counting.heartbeats = counting.posts = 0
+        total = 0.0
+        for _ in range(cycles):
+            if clock is not None:
+                clock.step(agent.wait)
+            start = time.process_time()
+            outcome = agent.cycle(wait=0)
+            agent.write_status()  # what Agent.run does after every cycle
+            total += time.process_time() - start
+            if outcome.outcome != Outcome.UNCHANGED:
+                fail(f"a cycle with nothing new was {outcome.outcome}")
+        engines = len((read_status(setup.root / "state") or {}).get("engines") or [])
+        return CycleFigures(cycles, 1000 * total / cycles, counting.heartbeats, counting.posts, engines)
+    finally:
+        counting.real.close()
+        docker_engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cycles", type=int, default=200)
+    args = parser.parse_args()
+    client = docker.from_env(timeout=60)
+    base = ensure_base_image(client)
+    image = ensure_engine_image(client, base, SERVER, engine="vllm").pinned
+    with tempfile.TemporaryDirectory(prefix="mn-bench-agent-") as tmp:
+        root = Path(tmp)
+        port = free_port()
+        engine = f"mn-bench-{os.getpid()}-chat"
+        try:
+            (root / "control-plane").mkdir()
+            with running(root / "control-plane" / "data") as server:
+                config_path = write_node(root / "node", server, port)
+                setup = Setup(root / "node", server, config_path, image, port, engine)
+                enroll_node(server, setup.root / "state" / "identity", NODE_ID).close()
+                agent_ready, publish_s, rss, hwm = agent_publish_to_ready(setup, client, args.repeat)
+                playbook_s, tasks = reconcile_tasks(setup.root / "state")
+                service = unchanged_cycles(setup, args.cycles, in_service=True)
+                back_to_back = unchanged_cycles(setup, args.cycles, in_service=False)
+                pull_ready = ansible_pull_to_ready(setup, client, args.repeat)
+        finally:
+            for container in client.containers.list(all=True, filters={"name": engine}):
+                if container.name == engine:
+                    container.remove(force=True)
+    wait = min(LONG_POLL, HEARTBEAT)
+    print(f"CPU per unchanged cycle, agent in process, time.process_time() over {args.cycles} cycles:")
+    print(
+        f"  as in service (each cycle = one {wait} s long-poll)  {service.cpu_ms:6.2f} ms   "
+        f"heartbeats {service.heartbeats}/{service.cycles}, observation posts {service.posts}, "
+        f"engines on the host {service.engines}  (target <= 5 ms)"
+    )
+    print(
+        f"  back to back (no wait, real clocks)             {back_to_back.cpu_ms:6.2f} ms   "
+        f"heartbeats {back_to_back.heartbeats}/{back_to_back.cycles}, observation posts {back_to_back.posts}"
+    )
+    print(f"publish-to-ready of one stand-in vLLM engine, median of {args.repeat}:")
+    print(f"  meridian-node run (long-poll)   {agent_ready:6.2f} s   (the publish command itself {publish_s:.2f} s)")
+    print(f"  the agent's last reconcile run (ansible-runner journal): {playbook_s:.2f} s in all; the engine")
+    print("  answers ready inside 'Converge the engines', the tasks after it run after the engine is ready:")
+    for task, seconds in tasks:
+        print(f"    {seconds:5.2f} s  {task}")
+    print(f"  ansible-pull (git commit + pull) {pull_ready:5.2f} s")
+    print(f"  ratio agent / ansible-pull      {agent_ready / pull_ready:6.2f}")
+    print(f"idle meridian-node run: VmRSS {rss / 1024:.1f} MiB (target <= 80), VmHWM {hwm / 1024:.1f} MiB")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    main()
+    print(f"(bench took {time.monotonic() - started:.0f} s)")

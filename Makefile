@@ -34,7 +34,7 @@ $(VENV)/.installed: pyproject.toml
 
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/ansible-lint --offline --profile production playbooks
+	$(BIN)/ansible-lint --offline --profile production playbooks roles
 
 typecheck: venv
 	$(BIN)/mypy plugins agent tests bench

@@ -11,9 +11,10 @@ Two error families, so the caller can tell "try again later" from "the control p
 The desired-state envelope is returned as the exact bytes received: verifying it is the trust core's
 job, and it must see what the server sent, not a re-serialisation.
 
-The transport is one kept-alive ``http.client`` connection over an SSL context built once from the
-node's files, not ``requests``: an idle agent makes two or three calls every cycle, and ``requests``
-(``urllib3`` too, by a smaller margin) spent more CPU preparing each call than the TLS exchange itself.
+The transport is one kept-alive TLS socket, over an SSL context built once from the node's files, spoken
+with ``http_lite`` (the collection's lean HTTP/1.1 exchange), not ``requests`` or ``http.client``: an idle
+agent makes two or three calls every cycle, and ``requests`` spent more CPU preparing each call than the
+TLS exchange itself, ``http.client`` most of its own on parsing the answer's headers.
 Before each call the connection is checked: one the server closed while idle is reopened, never used.
 The context is rebuilt when the CA bundle, certificate or key change on disk (a re-enrolled node), so a
 running agent never keeps using files that were replaced.
@@ -21,10 +22,11 @@ running agent never keeps using files that were replaced.
 
 from __future__ import annotations
 
-import http.client
 import json
 import select
+import socket
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -43,6 +45,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     ValidationError,
     describe_validation_error,
 )
+from ansible_collections.meridian.node.plugins.module_utils.http_lite import HttpLiteError, exchange
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -96,7 +99,7 @@ class DesiredStateFetch:
 @dataclass(frozen=True)
 class _Answer:
     status: int
-    headers: http.client.HTTPMessage  # case-insensitive
+    headers: Mapping[str, str]  # names lowercased
     body: bytes
 
 
@@ -131,18 +134,19 @@ class ControlClient:
             raise ValueError(f"control plane URL {base_url!r} names no host")
         self._host = url.hostname
         self._port = url.port or 443
+        self._host_header = url.netloc.rpartition("@")[2]
         self._prefix = url.path.rstrip("/")
         # Only these files are trusted: nothing from the environment (REQUESTS_CA_BUNDLE and the like).
         self._files = tuple(Path(f) for f in (ca_bundle, cert, key) if f is not None)
         self._has_cert = cert is not None
         self._context: ssl.SSLContext | None = None
         self._signature: tuple[tuple[int, int, int], ...] | None = None
-        self._connection: http.client.HTTPSConnection | None = None
+        self._sock: ssl.SSLSocket | None = None
 
     def close(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def __enter__(self) -> ControlClient:
         return self
@@ -182,8 +186,8 @@ class ControlClient:
         )
         if answer.status == 204:
             return DesiredStateFetch(FetchStatus.NONE_PUBLISHED)
-        new_etag = answer.headers.get("ETag")
-        generation = _int_or_none(answer.headers.get("X-Meridian-Generation"))
+        new_etag = answer.headers.get("etag")
+        generation = _int_or_none(answer.headers.get("x-meridian-generation"))
         if answer.status == 304:
             return DesiredStateFetch(FetchStatus.NOT_MODIFIED, etag=new_etag or etag, generation=generation)
         if not answer.body:
@@ -219,13 +223,19 @@ class ControlClient:
             data = body.model_dump_json().encode("utf-8")
             send_headers["Content-Type"] = "application/json"
         try:
-            connection = self._open(read_timeout or self.timeout)
-            connection.request(method, target, body=data, headers=send_headers)
-            response = connection.getresponse()
-            content = self._read_capped(response, url)
-            received = response.headers
-            if not response.isclosed() or response.will_close:
-                # Anything left unread (or a server that said "close") must not carry over to the next call.
+            sock = self._open(read_timeout or self.timeout)
+            received = exchange(
+                sock,
+                method,
+                target,
+                host=self._host_header,
+                headers=send_headers,
+                body=data,
+                max_body=self.max_response_bytes,
+                keep_alive=True,
+            )
+            if not received.reusable:
+                # A server that said "close", or an answer delimited by closing: nothing more on this socket.
                 self.close()
         except ControlPlaneUnavailable:
             self.close()
@@ -239,10 +249,18 @@ class ControlClient:
         except TimeoutError as exc:
             self.close()
             raise ControlPlaneUnavailable(f"{method} {url}: no answer in time ({_first_line(exc)})") from exc
-        except (http.client.HTTPException, OSError) as exc:
+        except HttpLiteError as exc:
+            # An answer cut short, garbled or over the limit leaves the socket in an unknown place: drop it.
+            self.close()
+            if "larger than" in str(exc):
+                raise ControlPlaneUnavailable(
+                    f"{url}: response exceeds the {self.max_response_bytes}-byte limit"
+                ) from exc
+            raise ControlPlaneUnavailable(f"{method} {url}: {_first_line(exc)}") from exc
+        except OSError as exc:
             self.close()
             raise ControlPlaneUnavailable(f"{method} {url}: {_first_line(exc)}") from exc
-        answer = _Answer(response.status, received, content)
+        answer = _Answer(received.status, received.headers, received.body)
         if answer.status in expect:
             return answer
         if 400 <= answer.status < 500:
@@ -250,22 +268,22 @@ class ControlClient:
             raise ControlPlaneRejected(answer.status, reason, detail)
         raise ControlPlaneUnavailable(f"{method} {url}: unexpected HTTP {answer.status} ({_snippet(answer.body)})")
 
-    def _open(self, read_timeout: float) -> http.client.HTTPSConnection:
-        """The kept-alive connection, (re)opened when needed, with ``read_timeout`` for this call's reads."""
+    def _open(self, read_timeout: float) -> ssl.SSLSocket:
+        """The kept-alive TLS socket, (re)opened when needed, with ``read_timeout`` for this call's reads."""
         context = self._ssl_context()
-        connection = self._connection
-        if connection is not None and (connection.sock is None or _closed_by_peer(connection.sock)):
+        if self._sock is not None and _closed_by_peer(self._sock):
             # The server ends idle keep-alive connections (uvicorn after 5 s): open a fresh one rather
             # than send into a socket that is already gone.
-            connection.close()
-            connection = None
-        if connection is None:
-            connection = http.client.HTTPSConnection(self._host, self._port, timeout=self.timeout, context=context)
-            self._connection = connection
-            connection.connect()
-        assert connection.sock is not None  # connect() either set it or raised
-        connection.sock.settimeout(read_timeout)
-        return connection
+            self.close()
+        if self._sock is None:
+            raw = socket.create_connection((self._host, self._port), timeout=self.timeout)
+            try:
+                self._sock = context.wrap_socket(raw, server_hostname=self._host)
+            except BaseException:
+                raw.close()
+                raise
+        self._sock.settimeout(read_timeout)
+        return self._sock
 
     def _ssl_context(self) -> ssl.SSLContext:
         """The TLS context for the files as they are on disk now; rebuilt (new connection) when any changed."""
@@ -290,17 +308,6 @@ class ControlClient:
         self.close()
         self._context, self._signature = context, signature
         return context
-
-    def _read_capped(self, response: http.client.HTTPResponse, url: str) -> bytes:
-        declared = response.getheader("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_response_bytes:
-            raise ControlPlaneUnavailable(
-                f"{url}: response of {declared} bytes exceeds the {self.max_response_bytes}-byte limit"
-            )
-        content = response.read(self.max_response_bytes + 1)
-        if len(content) > self.max_response_bytes:
-            raise ControlPlaneUnavailable(f"{url}: response exceeds the {self.max_response_bytes}-byte limit")
-        return content
 
     def _parse(self, answer: _Answer, model: type[Model], what: str) -> Model:
         try:

@@ -20,7 +20,6 @@ object), None when it could not be reached; the message is the engine's own expl
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import socket
@@ -29,7 +28,10 @@ import struct
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.http_lite import HttpLiteError, exchange
 
 __all__ = ["DEFAULT_HOST", "MAX_API_VERSION", "DockerApi", "DockerApiError", "demultiplex"]
 
@@ -58,22 +60,6 @@ class _Answer:
     status: int
     headers: dict[str, str]  # names lowercased
     body: bytes
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 class DockerApi:
@@ -191,12 +177,25 @@ class DockerApi:
         except ValueError as exc:
             raise DockerApiError(f"the engine's answer is not JSON ({exc})", action=action) from exc
 
-    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+    def _connect(self, timeout: float) -> socket.socket:
         if self._scheme == "unix":
-            return _UnixConnection(self._target, timeout)
-        if self._tls is not None:
-            return http.client.HTTPSConnection(self._target, timeout=timeout, context=self._tls)
-        return http.client.HTTPConnection(self._target, timeout=timeout)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(self._target)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+        address, _colon, port = self._target.rpartition(":")
+        sock = socket.create_connection((address, int(port)), timeout=timeout)
+        if self._tls is None:
+            return sock
+        try:
+            return self._tls.wrap_socket(sock, server_hostname=address)
+        except OSError:
+            sock.close()
+            raise
 
     def _request(
         self,
@@ -214,22 +213,20 @@ class DockerApi:
             url += "?" + urllib.parse.urlencode(query)
         payload = None if body is None else json.dumps(body).encode("utf-8")
         headers = {"Content-Type": "application/json"} if payload is not None else {}
-        connection = self._connection(self.timeout if timeout is None else timeout)
         try:
-            connection.request(method, url, body=payload, headers=headers)
-            response = connection.getresponse()
-            data = response.read(_MAX_RESPONSE_BYTES + 1)
-            status = response.status
-            answer_headers = {key.lower(): value for key, value in response.getheaders()}
-        except (OSError, http.client.HTTPException) as exc:
+            sock = self._connect(self.timeout if timeout is None else timeout)
+            try:
+                answer = exchange(
+                    sock, method, url, host="docker", headers=headers, body=payload, max_body=_MAX_RESPONSE_BYTES
+                )
+            finally:
+                sock.close()
+        except (OSError, HttpLiteError) as exc:
             raise DockerApiError(_transport_text(exc, self.host), action=action) from exc
-        finally:
-            connection.close()
-        if len(data) > _MAX_RESPONSE_BYTES:
-            raise DockerApiError(f"the engine's answer is larger than {_MAX_RESPONSE_BYTES} bytes", action=action)
+        status, data = answer.status, answer.body
         if status >= 400:
             raise DockerApiError(_engine_message(status, data), action=action, status=status)
-        return _Answer(status, answer_headers, data)
+        return _Answer(status, dict(answer.headers), data)
 
 
 def demultiplex(stream: bytes) -> bytes:
@@ -282,7 +279,10 @@ def _engine_message(status: int, data: bytes) -> str:
         message = json.loads(text).get("message")
     except (ValueError, AttributeError):
         message = None
-    phrase = http.client.responses.get(status)
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
     return f"{status}{' ' + phrase if phrase else ''}: {message or text or 'no explanation'}"
 
 

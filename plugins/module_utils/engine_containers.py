@@ -8,7 +8,7 @@ and in-flight gauges over HTTP the way its driver says to.
 
 from __future__ import annotations
 
-import http.client
+import socket
 
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
     BindMount,
@@ -24,6 +24,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_drivers impor
     ProbeVerdict,
     in_flight,
 )
+from ansible_collections.meridian.node.plugins.module_utils.http_lite import HttpLiteError, exchange
 
 __all__ = ["HttpAnswer", "container_settings", "http_get", "probe_readiness", "read_in_flight"]
 
@@ -59,17 +60,16 @@ class HttpAnswer:
 
 
 def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> HttpAnswer:
-    """One GET with a timeout; refused, reset and timed-out connections are 'nothing answered'."""
-    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    """One GET with a timeout; refused, reset and timed-out connections and garbled answers are 'nothing
+    answered'. A body beyond 1 MiB is cut there (a health or metrics page never needs more)."""
     try:
-        connection.request("GET", path, headers={"Accept": "*/*", "Connection": "close"})
-        response = connection.getresponse()
-        body = response.read(_MAX_BODY).decode("utf-8", errors="replace")
-        return HttpAnswer(response.status, body)
-    except (TimeoutError, OSError, http.client.HTTPException) as exc:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            answer = exchange(
+                sock, "GET", path, host=f"{host}:{port}", headers={"Accept": "*/*"}, max_body=_MAX_BODY, truncate=True
+            )
+    except (OSError, HttpLiteError) as exc:
         return HttpAnswer(None, "", error=f"{type(exc).__name__}: {exc}")
-    finally:
-        connection.close()
+    return HttpAnswer(answer.status, answer.body.decode("utf-8", errors="replace"))
 
 
 def probe_readiness(driver: Driver, host: str, port: int, timeout: float = 2.0) -> ProbeVerdict:

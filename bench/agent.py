@@ -29,8 +29,10 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
 """
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import signal
 import statistics
@@ -358,7 +360,7 @@ def in_process_agent(setup: Setup, clock: Callable[[], float] | None) -> tuple[A
     return agent, counting, docker_engine
 
 
-def unchanged_cycles(setup: Setup, cycles: int, *, in_service: bool) -> CycleFigures:
+def unchanged_cycles(setup: Setup, cycles: int, *, in_service: bool, profile: bool = False) -> CycleFigures:
     clock = StepClock() if in_service else None
     agent, counting, docker_engine = in_process_agent(setup, clock)
     try:
@@ -371,15 +373,23 @@ def unchanged_cycles(setup: Setup, cycles: int, *, in_service: bool) -> CycleFig
             agent.cycle(wait=0)
         counting.heartbeats = counting.posts = 0
         total = 0.0
+        profiler = cProfile.Profile(time.process_time) if profile else None  # CPU, not waiting
         for _ in range(cycles):
             if clock is not None:
                 clock.step(agent.wait)
+            if profiler is not None:
+                profiler.enable()
             start = time.process_time()
             outcome = agent.cycle(wait=0)
             agent.write_status()  # what Agent.run does after every cycle
             total += time.process_time() - start
+            if profiler is not None:
+                profiler.disable()
             if outcome.outcome != Outcome.UNCHANGED:
                 fail(f"a cycle with nothing new was {outcome.outcome}")
+        if profiler is not None:
+            print(f"where the CPU of {cycles} cycles goes ({'as in service' if in_service else 'back to back'}):")
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(45)
         engines = len((read_status(setup.root / "state") or {}).get("engines") or [])
         return CycleFigures(cycles, 1000 * total / cycles, counting.heartbeats, counting.posts, engines)
     finally:
@@ -391,6 +401,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cycles", type=int, default=200)
+    parser.add_argument("--profile", action="store_true", help="also print cProfile's view of the in-service cycles")
     args = parser.parse_args()
     client = docker.from_env(timeout=60)
     base = ensure_base_image(client)
@@ -407,7 +418,7 @@ def main() -> None:
                 enroll_node(server, setup.root / "state" / "identity", NODE_ID).close()
                 agent_ready, publish_s, rss, hwm = agent_publish_to_ready(setup, client, args.repeat)
                 playbook_s, tasks = reconcile_tasks(setup.root / "state")
-                service = unchanged_cycles(setup, args.cycles, in_service=True)
+                service = unchanged_cycles(setup, args.cycles, in_service=True, profile=args.profile)
                 back_to_back = unchanged_cycles(setup, args.cycles, in_service=False)
                 pull_ready = ansible_pull_to_ready(setup, client, args.repeat)
         finally:

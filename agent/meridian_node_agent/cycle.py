@@ -60,6 +60,7 @@ STATUS_FILE = "status.json"
 # An unchanged observation is re-sent at least this often; a changed one at once. The heartbeat already
 # proves the node alive each cycle, and posting identical observations is most of an idle cycle's cost.
 REPORT_REFRESH_SECONDS = 60.0
+STATUS_REFRESH_SECONDS = 60.0
 
 
 class Outcome(StrEnum):
@@ -103,6 +104,8 @@ class ObservePort(Protocol):
         last_run: dict[str, Any] | None,
         now: datetime,
     ) -> Observation: ...
+
+    def forget(self) -> None: ...
 
 
 @dataclass
@@ -171,6 +174,7 @@ class Agent:
         self.last_run: ApplyResult | None = None
         self._rejected_etag: str | None = None
         self._reported: tuple[str, float] | None = None
+        self._status_written: tuple[dict[str, Any], float] | None = None
         self._renewed_at: float | None = None
         self._epoch_ok = True
         self._engines: list[dict[str, Any]] = []
@@ -314,6 +318,7 @@ class Agent:
             secrets=secrets,
         )
         self.last_run = result
+        self.observer.forget()  # the apply changed what there is to observe
         if result.ok:
             self.counters.applies += 1
         else:
@@ -397,10 +402,20 @@ class Agent:
             "counters": asdict(self.counters),
             "engines": self._engines,
         }
+        # Rewritten when something in it changed, or STATUS_REFRESH_SECONDS after the last write so that
+        # 'updated_at' still shows a live agent: an unchanged cycle would otherwise cost a file write.
+        counters = document["counters"]
+        assert isinstance(counters, dict)
+        unchanged = {**document, "updated_at": None, "counters": {**counters, "cycles": None}}
+        now = self.monotonic()
+        last = self._status_written
+        if last is not None and last[0] == unchanged and now - last[1] < STATUS_REFRESH_SECONDS:
+            return
         path = self.state_dir / STATUS_FILE
         temp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
-        temp.write_text(json.dumps(document, indent=2) + "\n")
+        temp.write_text(json.dumps(document, separators=(",", ":")) + "\n")
         temp.replace(path)
+        self._status_written = (unchanged, now)
 
 
 def read_status(state_dir: Path) -> dict[str, Any] | None:

@@ -68,6 +68,10 @@ class DockerEngines:
         self._cache = (now, engines)
         return engines
 
+    def forget(self) -> None:
+        """Drop the cached list: the next call asks Docker (after an apply changed the engines)."""
+        self._cache = None
+
 
 class Observer:
     def __init__(
@@ -77,6 +81,7 @@ class Observer:
         gpu_facts: Callable[[], dict[str, Any]] | None = None,
         engines: EngineSource = no_engines,
         gpu_refresh_seconds: float = 30.0,
+        artifact_refresh_seconds: float = 30.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = Store(store_path) if store_path else None
@@ -85,6 +90,16 @@ class Observer:
         self._gpu_refresh = gpu_refresh_seconds
         self._monotonic = monotonic
         self._gpu_cache: tuple[float, GpuFacts] | None = None
+        self._artifact_refresh = artifact_refresh_seconds
+        self._artifact_cache: tuple[float, list[dict[str, Any]]] | None = None
+
+    def forget(self) -> None:
+        """Drop every cached reading, so the next observation is taken afresh: what an apply changes
+        (engines, artifacts) must show in the observation that follows it, not one refresh later."""
+        self._gpu_cache = self._artifact_cache = None
+        forget = getattr(self._engines, "forget", None)
+        if callable(forget):
+            forget()
 
     def gpu(self) -> GpuFacts:
         now = self._monotonic()
@@ -93,13 +108,17 @@ class Observer:
         return self._gpu_cache[1]
 
     def artifacts(self) -> list[dict[str, Any]]:
+        """The store's versions, re-read at most every ``artifact_refresh_seconds`` (or after ``forget``)."""
         if self._store is None:
             return []
+        now = self._monotonic()
+        if self._artifact_cache is not None and now - self._artifact_cache[0] < self._artifact_refresh:
+            return self._artifact_cache[1]
         try:
             rows = self._store.list_versions()
         except OSError:
             return []
-        return [
+        listed = [
             {
                 "name": r["name"],
                 "version": r["version"],
@@ -109,6 +128,8 @@ class Observer:
             }
             for r in rows
         ]
+        self._artifact_cache = (now, listed)
+        return listed
 
     def observe(
         self,

@@ -39,9 +39,27 @@ class StateStore:
     def __init__(self, state_dir: os.PathLike[str] | str) -> None:
         self.state_dir = Path(state_dir)
         self.path = self.state_dir / STATE_FILE
+        # The last file read, by identity: the agent reads this several times a cycle and it changes rarely.
+        # Every write is a rename of a new file, so its inode and times change; read-modify-write under the
+        # lock always reads the file itself.
+        self._cached: tuple[tuple[int, int, int, int, int], AppliedState] | None = None
 
     def load(self) -> AppliedState:
         """The recorded state; zeros when nothing was ever recorded. A corrupt file raises."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return AppliedState()
+        except OSError as exc:
+            raise StateStoreError(f"cannot read the applied-state file {self.path}: {exc.strerror or exc}") from exc
+        key = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size)
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        state = self._read()
+        self._cached = (key, state)
+        return state
+
+    def _read(self) -> AppliedState:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
@@ -58,7 +76,7 @@ class StateStore:
         if not isinstance(payload_sha256, str) or not _SHA256.match(payload_sha256):
             raise ValueError(f"payload_sha256 must be 64 lowercase hex characters (got {payload_sha256!r})")
         with self._locked():
-            current = self.load()
+            current = self._read()
             if generation < current.generation:
                 raise StateStoreError(
                     f"refusing to record generation {generation}: generation {current.generation} is already "
@@ -82,8 +100,13 @@ class StateStore:
     def observe_epoch(self, epoch: int) -> AppliedState:
         """Raise the highest epoch seen (a lease renewal saw it); lower than recorded is refused."""
         _check_epoch(epoch)
+        # The common case, a renewal under the epoch already recorded, needs no lock and no write; the epoch
+        # only ever grows, so an unlocked read can only be older than the truth, never ahead of it.
+        seen = self.load()
+        if epoch == seen.epoch:
+            return seen
         with self._locked():
-            current = self.load()
+            current = self._read()
             if epoch < current.epoch:
                 raise StateStoreError(
                     f"refusing to record epoch {epoch}: epoch {current.epoch} was already seen ({self.path}) "

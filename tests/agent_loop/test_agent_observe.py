@@ -15,7 +15,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker_engine import
     DockerEngine,
 )
 from ansible_collections.meridian.node.plugins.module_utils.drain_state import mark_draining
-from meridian_node_agent.observe import DockerEngines
+from meridian_node_agent.observe import DockerEngines, Observer
 
 pytestmark = pytest.mark.docker
 
@@ -61,3 +61,28 @@ def test_discovery_reports_owned_and_unmanaged_containers_with_draining_marks(
     finally:
         for container in created:
             container.remove(force=True)
+
+
+def test_artifacts_are_reread_at_their_refresh_interval_or_after_forget(tmp_path: Path) -> None:
+    clock = [100.0]
+    observer = Observer(
+        store_path=str(tmp_path / "store"), gpu_facts=lambda: {"nvml_available": False}, monotonic=lambda: clock[0]
+    )
+    assert observer._store is not None
+    reads: list[int] = []
+    listing = observer._store.list_versions
+
+    def counted() -> list[dict[str, Any]]:
+        reads.append(1)
+        return listing()
+
+    observer._store.list_versions = counted  # type: ignore[method-assign]
+    for _ in range(3):
+        observer.artifacts()
+    assert len(reads) == 1  # one store walk per refresh interval, not per cycle
+    clock[0] += 30
+    observer.artifacts()
+    assert len(reads) == 2
+    observer.forget()  # what an apply does: the next observation must show what it changed
+    observer.artifacts()
+    assert len(reads) == 3

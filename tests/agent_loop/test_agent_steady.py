@@ -10,6 +10,7 @@ connection, a re-enrolled certificate ignored by a running agent.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from meridian_node_agent.control_client import (
     ControlPlaneUnavailable,
     DesiredStateFetch,
 )
-from meridian_node_agent.cycle import REPORT_REFRESH_SECONDS, Agent, Outcome
+from meridian_node_agent.cycle import REPORT_REFRESH_SECONDS, STATUS_REFRESH_SECONDS, Agent, Outcome
 from meridian_node_agent.identity import NodeIdentity
 from meridian_node_agent.observe import Observer
 
@@ -215,3 +216,26 @@ def test_unreadable_tls_files_are_a_transfer_failure_naming_them(server: DevServ
         client.heartbeat("any-node")
 
     assert str(missing) in str(failed.value)
+
+
+def test_status_file_is_rewritten_on_a_change_or_at_its_refresh_interval(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    agent, clock, _, _ = _steady_agent(server, tmp_path, node_id)
+    status = agent.state_dir / "status.json"
+    agent.write_status()
+    first = status.stat().st_ino
+
+    agent.cycle()
+    agent.write_status()  # only the cycle count moved: nothing worth a write
+    assert status.stat().st_ino == first
+
+    agent.counters.unavailable += 1  # something a reader wants to see
+    agent.write_status()
+    changed = status.stat().st_ino
+    assert changed != first
+    assert json.loads(status.read_text())["counters"]["unavailable"] == 1
+
+    clock.now += STATUS_REFRESH_SECONDS
+    agent.write_status()  # nothing changed, but 'updated_at' must keep showing a live agent
+    assert status.stat().st_ino != changed

@@ -255,3 +255,24 @@ def test_unprivileged_agent_can_lock_a_state_the_root_side_created(shared_tmp: P
     assert os.waitstatus_to_exitcode(status) == 0, "the unprivileged side could not lock and record the epoch"
     assert (state_dir / "applied.json.lock").stat().st_uid == 0
     assert StateStore(state_dir).load() == AppliedState(3, 2, SHA_A)
+
+
+def test_a_reader_sees_what_another_writer_recorded_after_its_own_read(tmp_path: Path) -> None:
+    # The agent keeps one StateStore and reads it every cycle; the root apply unit records through its own.
+    reader, writer = StateStore(tmp_path), StateStore(tmp_path)
+    writer.record_applied(1, 1, SHA_A)
+    assert reader.load() == AppliedState(1, 1, SHA_A)
+    for generation in range(2, 6):  # quick successive writes of the same size: the cache must not hide one
+        writer.record_applied(generation, 1, SHA_A)
+        assert reader.load() == AppliedState(generation, 1, SHA_A)
+
+
+def test_renewal_under_the_recorded_epoch_writes_nothing(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(1, 4, SHA_A)
+    before = inode(tmp_path / "applied.json")
+
+    assert store.observe_epoch(4) == AppliedState(1, 4, SHA_A)
+    assert inode(tmp_path / "applied.json") == before
+    with pytest.raises(StateStoreError, match="never goes down"):
+        store.observe_epoch(3)

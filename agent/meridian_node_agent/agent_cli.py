@@ -211,7 +211,8 @@ def format_status(config: AgentConfig, generation: int, epoch: int, status: dict
         (
             "counters",
             f"cycles {counters.get('cycles', 0)}, applies {counters.get('applies', 0)}, "
-            f"apply failures {counters.get('apply_failures', 0)}, unavailable {counters.get('unavailable', 0)}"
+            f"apply failures {counters.get('apply_failures', 0)}, unavailable {counters.get('unavailable', 0)}, "
+            f"refused {counters.get('refused', 0)}"
             if counters
             else "-",
         ),

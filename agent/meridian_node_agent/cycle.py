@@ -61,6 +61,13 @@ STATUS_FILE = "status.json"
 # proves the node alive each cycle, and posting identical observations is most of an idle cycle's cost.
 REPORT_REFRESH_SECONDS = 60.0
 STATUS_REFRESH_SECONDS = 60.0
+_REFUSAL_HINTS = {
+    "certificate-revoked": "this node's certificate was revoked: enroll again with a new token",
+    "wrong-node": "the certificate names another node than config node_id: fix node_id or re-enroll",
+    "certificate-untrusted": "the certificate is not the control plane's (expired or another CA): re-enroll",
+    "certificate-unknown": "the control plane never issued this certificate: re-enroll",
+    "unknown-node": "the control plane does not know this node: check node_id and control_plane.url",
+}
 
 
 class Outcome(StrEnum):
@@ -132,6 +139,7 @@ class Counters:
     applies: int = 0
     apply_failures: int = 0
     unavailable: int = 0
+    refused: int = 0  # the control plane answered and said no (403 revoked, 404 unknown node...)
     rejections: dict[str, int] = field(default_factory=dict)
 
 
@@ -196,6 +204,20 @@ class Agent:
                 outcome = self.cycle(wait=0 if once else self.wait)
                 ok = outcome.outcome not in (Outcome.APPLY_FAILED, Outcome.REJECTED, Outcome.LEASE_LAPSED)
                 failed_call = outcome.outcome == Outcome.APPLY_FAILED
+            except ControlPlaneRejected as exc:
+                # Not an outage: retrying will not help until an operator acts (re-enroll a revoked node, fix
+                # the node id). Keep backing off, so that the agent recovers on its own once they have.
+                self.counters.refused += 1
+                self.log.error(
+                    "control-plane-refused",
+                    status=exc.status,
+                    reason=exc.reason,
+                    detail=exc.detail,
+                    attempt=failures + 1,
+                    hint=_REFUSAL_HINTS.get(exc.reason, "see docs/PROTOCOL.md for the reason"),
+                )
+                ok = False
+                failed_call = True
             except ControlPlaneError as exc:
                 self.counters.unavailable += 1
                 self.log.warning("control-plane-unavailable", error=str(exc), attempt=failures + 1)

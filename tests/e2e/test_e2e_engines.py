@@ -47,7 +47,7 @@ from ansible_collections.meridian.node.tests.helpers.standin_image import LocalI
 from meridian_node_agent.apply import ApplyResult
 from meridian_node_agent.config import load_config
 from meridian_node_agent.control_client import ControlPlaneRejected, ControlPlaneUnavailable
-from meridian_node_agent.cycle import Agent, CycleOutcome, Outcome
+from meridian_node_agent.cycle import Agent, CycleOutcome, Outcome, read_status
 from meridian_node_agent.oplog import OpLog
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -330,6 +330,9 @@ def test_revoked_node_is_refused_not_treated_as_unreachable(server: DevServer, t
     assert not isinstance(refused.value, ControlPlaneUnavailable)
     assert (refused.value.status, refused.value.reason) == (403, "certificate-revoked")
     assert agent.run(once=True) == 1  # the CLI's 'run --once' exits 1
+    # Counted and logged as a refusal, with what to do, not as an outage.
+    assert (agent.counters.refused, agent.counters.unavailable) == (1, 0)
+    assert read_status(node.state_dir)["counters"]["refused"] == 1  # type: ignore[index]
 
 
 def test_agent_configured_as_another_node_is_refused_with_403(server: DevServer, tmp_path: Path, node_id: str) -> None:

@@ -165,16 +165,21 @@ class Applier:
 
         started_at = self.clock()
         ident = ident or run_ident(generation, started_at)
-        if self.oplog is not None:
-            self.oplog.append(
-                op=APPLY_OP,
-                generation=generation,
-                epoch=epoch,
-                payload_sha256=payload_sha256,
-                run_ident=ident,
-                result=STARTED,
-                at=started_at,
-            )
+        oplog = self.oplog
+
+        def record(result: str, at: datetime) -> None:
+            if oplog is not None:
+                oplog.append(
+                    op=APPLY_OP,
+                    generation=generation,
+                    epoch=epoch,
+                    payload_sha256=payload_sha256,
+                    run_ident=ident,
+                    result=result,
+                    at=at,
+                )
+
+        record(STARTED, started_at)
         private = self.runs_dir / ident
         private.mkdir(parents=True, mode=0o700)
         self.journal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -226,16 +231,7 @@ class Applier:
                 scrub_journal(journal, secrets)
             shutil.rmtree(private, ignore_errors=True)
             finished_at = self.clock()
-            if self.oplog is not None:
-                self.oplog.append(
-                    op=APPLY_OP,
-                    generation=generation,
-                    epoch=epoch,
-                    payload_sha256=payload_sha256,
-                    run_ident=ident,
-                    result=status,
-                    at=finished_at,
-                )
+            record(status, finished_at)
             rotate_journal(self.journal_dir, self.keep_runs)
         return ApplyResult(
             ident=ident,

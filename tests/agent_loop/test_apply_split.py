@@ -49,6 +49,7 @@ from meridian_node_agent.apply_unit import (
 from meridian_node_agent.cli import main as cli_main
 from meridian_node_agent.config import AgentConfig, load_config
 from meridian_node_agent.cycle import SPOOL_FILE, Agent, Outcome
+from meridian_node_agent.observe import Observer
 from meridian_node_agent.oplog import OpLog
 
 CONTROL = make_key()
@@ -312,7 +313,8 @@ def test_an_apply_the_root_side_never_answered_is_applied_again_at_start_up(
     OpLog(state_dir / "oplog.jsonl").append(
         op="apply", generation=5, epoch=1, payload_sha256=_sha(payload), run_ident="gen-5-lost", result="started"
     )
-    agent = Agent(config, load_policy(config.policy), client=None, applier=build_applier(config), observer=None)  # type: ignore[arg-type]
+    observer = Observer(store_path=None, gpu_facts=lambda: {"nvml_available": False})
+    agent = Agent(config, load_policy(config.policy), client=None, applier=build_applier(config), observer=observer)  # type: ignore[arg-type]
 
     result = agent.recover()
 

@@ -128,6 +128,32 @@ def _apply_again(node: E2ENode, agent: Agent) -> ApplyResult:
     )
 
 
+def _apply_while_held(
+    agent: Agent, node: E2ENode, old: Any, port: int, count: int
+) -> tuple[CycleOutcome, list[Any], list[float]]:
+    """One applying cycle while ``count`` slow requests are in flight on ``old``'s engine.
+
+    vLLM aborts what is in flight on SIGTERM: only a drain lets them finish. They would run for minutes;
+    once the engine is marked draining, SIGUSR1 (the stand-in's "finish every request now") ends them, so
+    the order is fixed by the test, not by how fast this machine is. Returns the cycle's outcome, each
+    request's (status, time) and when the draining mark was seen.
+    """
+    threads, outcomes = hold_requests(port, count, seconds=300)
+    seen: list[float] = []
+    mark = node.state_dir / "draining" / f"{old.name}.json"
+    releaser = threading.Thread(target=_release_when_marked, args=(mark, old, seen))
+    releaser.start()
+    try:
+        outcome = _applied(agent)
+    finally:
+        releaser.join(timeout=120)
+        if not seen:
+            old.kill(signal="SIGUSR1")
+        for thread in threads:
+            thread.join(timeout=60)
+    return outcome, outcomes, seen
+
+
 def _applied(agent: Agent) -> CycleOutcome:
     outcome = agent.cycle()
     assert outcome.outcome == Outcome.APPLIED, (outcome, outcome.run and outcome.run.failures)
@@ -204,22 +230,7 @@ def test_changed_spec_drains_the_old_engine_under_load_then_replaces_it(
     old = _container(docker_client, name)
     changed = {**first, "args": ["--max-model-len", "8192"], "replace_strategy": "drain-then-replace"}
     generation = publish(server, node_id, document={"engines": [changed]})
-    # vLLM aborts what is in flight on SIGTERM: only the drain lets these four finish. They would run for
-    # minutes; once the old engine is marked draining, SIGUSR1 (the stand-in's "finish every request now")
-    # ends them, so the order is fixed by the test, not by how fast this machine is.
-    threads, outcomes = hold_requests(port, 4, seconds=300)
-    mark = node.state_dir / "draining" / f"{name}.json"
-    seen: list[float] = []
-    releaser = threading.Thread(target=_release_when_marked, args=(mark, old, seen))
-    releaser.start()
-    try:
-        outcome = _applied(agent)
-    finally:
-        releaser.join(timeout=120)
-        if not seen:
-            old.kill(signal="SIGUSR1")
-        for thread in threads:
-            thread.join(timeout=60)
+    outcome, outcomes, seen = _apply_while_held(agent, node, old, port, 4)
 
     assert outcome.generation == generation
     assert [status for status, _at in outcomes] == [200] * 4
@@ -263,21 +274,8 @@ def test_state_that_drops_the_engine_drains_and_removes_it_and_leaves_the_others
     _applied(agent)
     assert [e["engine"] for e in serving(node, prefix)] == [name]
     old = _container(docker_client, name)
-    threads, outcomes = hold_requests(port, 2, seconds=300)
     generation = publish(server, node_id, document={"engines": []})
-    seen: list[float] = []
-    mark = node.state_dir / "draining" / f"{name}.json"
-    releaser = threading.Thread(target=_release_when_marked, args=(mark, old, seen))
-    releaser.start()
-
-    try:
-        outcome = _applied(agent)
-    finally:
-        releaser.join(timeout=120)
-        if not seen:
-            old.kill(signal="SIGUSR1")
-        for thread in threads:
-            thread.join(timeout=60)
+    outcome, outcomes, seen = _apply_while_held(agent, node, old, port, 2)
 
     assert outcome.generation == generation
     assert outcome.run is not None and outcome.run.changed >= 2  # drained, removed (then recorded)

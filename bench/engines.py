@@ -35,9 +35,9 @@ from typing import Any
 import docker
 from timing import median_seconds
 
-from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, port_bind_problem
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import Options, converge
-from ansible_collections.meridian.node.tests.helpers.engine_harness import run_playbook
+from ansible_collections.meridian.node.tests.helpers.engine_harness import BIND, PORTS, free_ports, run_playbook
 from ansible_collections.meridian.node.tests.helpers.standin_image import ensure_base_image, ensure_engine_image
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
 
@@ -48,8 +48,6 @@ WHEELS = BUILD / "bench-wheels"
 COLLECTIONS = BUILD / "bench-collections"
 SERVER = REPO / "tests" / "engines" / "standin_server.py"
 ANSIBLE_WHEEL = "ansible>=12,<13"  # the Ansible release that goes with ansible-core 2.19
-BIND = "127.0.0.1"
-PORTS = (8100, 8999)
 
 
 def community_docker() -> Path:
@@ -74,14 +72,6 @@ def community_docker() -> Path:
     (staging / prefix).rename(target)
     shutil.rmtree(staging)
     return COLLECTIONS
-
-
-def free_ports(count: int) -> list[int]:
-    start = PORTS[0] + secrets.randbelow(400)
-    found = [port for port in range(start, PORTS[1]) if port_bind_problem(BIND, port) is None][:count]
-    if len(found) < count:
-        raise SystemExit(f"bench: only {len(found)} free ports in {start}-{PORTS[1]} on {BIND}, need {count}")
-    return found
 
 
 class Bench:

@@ -25,6 +25,7 @@ from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     SERVER,
     Host,
     free_port,
+    free_ports,
     hold_requests,
     watch_mark,
 )
@@ -152,10 +153,8 @@ def test_tgi_sglang_ollama_lmdeploy_and_generic_engines_start_and_become_ready(
         "openai": {"model": {"name": "tiny"}, "health_path": "/v1/models"},
     }
     steps: list[tuple[str, Mapping[str, Any], bool]] = []
-    for driver, extra in specs.items():
-        params = host.params(
-            name=f"{prefix}-{driver}", driver=driver, image=images[driver].pinned, port=free_port(), **extra
-        )
+    for (driver, extra), port in zip(specs.items(), free_ports(len(specs)), strict=True):
+        params = host.params(name=f"{prefix}-{driver}", driver=driver, image=images[driver].pinned, port=port, **extra)
         steps += [(f"{driver} apply", params, False), (f"{driver} idempotent", params, False)]
     results = host.play(steps)
 

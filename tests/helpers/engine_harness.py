@@ -28,11 +28,18 @@ PORTS = (8100, 8999)
 
 
 def free_port() -> int:
-    start = 8100 + secrets.randbelow(700)
-    for port in range(start, PORTS[1]):
-        if port_bind_problem(BIND, port) is None:
-            return port
-    raise RuntimeError(f"no free port in {start}-{PORTS[1]} on {BIND}")
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports of PORTS that can be bound on BIND now, from a random start (so that tests
+    running side by side rarely pick the same). Distinct: separate free_port() calls can return the same
+    port until something binds it."""
+    start = PORTS[0] + secrets.randbelow(PORTS[1] - PORTS[0] - 100)
+    found = [port for port in range(start, PORTS[1]) if port_bind_problem(BIND, port) is None][:count]
+    if len(found) < count:
+        raise RuntimeError(f"only {len(found)} free ports in {start}-{PORTS[1]} on {BIND}, need {count}")
+    return found
 
 
 

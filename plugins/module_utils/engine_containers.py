@@ -65,7 +65,13 @@ def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> HttpAnswe
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             answer = exchange(
-                sock, "GET", path, host=f"{host}:{port}", headers={"Accept": "*/*"}, max_body=_MAX_BODY, truncate=True
+                sock,
+                "GET",
+                path,
+                host=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                headers={"Accept": "*/*"},
+                max_body=_MAX_BODY,
+                truncate=True,
             )
     except (OSError, HttpLiteError) as exc:
         return HttpAnswer(None, "", error=f"{type(exc).__name__}: {exc}")

@@ -8,14 +8,16 @@ from collections.abc import Iterator
 
 import pytest
 
+from ansible_collections.meridian.node.plugins.module_utils.engine_containers import http_get
 from ansible_collections.meridian.node.plugins.module_utils.http_lite import Answer, HttpLiteError, exchange
 
 
 class RawServer:
     """Accepts connections one at a time; answers each with the next queued bytes, then closes."""
 
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, address: str = "127.0.0.1") -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.listener = socket.create_server((address, 0), family=family)
         self.port: int = self.listener.getsockname()[1]
         self.answers: list[bytes] = []
         self.requests: list[bytes] = []
@@ -122,3 +124,24 @@ def test_oversized_body_is_refused_or_cut_when_asked(server: RawServer) -> None:
 def test_broken_answers_are_errors_naming_what_was_wrong(server: RawServer, answer: bytes, reason: str) -> None:
     with pytest.raises(HttpLiteError, match=reason):
         server.ask(answer)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_probe_of_an_engine_bound_to_ipv6_sends_a_bracketed_host() -> None:
+    raw = RawServer("::1")
+    try:
+        raw.answers.append(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        answer = http_get("::1", raw.port, "/health", timeout=5)
+    finally:
+        raw.close()
+
+    assert (answer.status, answer.body) == (200, "ok")
+    assert f"Host: [::1]:{raw.port}\r\n".encode() in raw.requests[0]

@@ -8,10 +8,12 @@ silently half-applied.
 
 from __future__ import annotations
 
-import re
 import traceback
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
+
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import DRIVERS, IMAGE_REFERENCE, NAME_PATTERN
+from ansible_collections.meridian.node.plugins.module_utils.plain_checks import short_repr
 
 try:
     from pydantic import (
@@ -41,7 +43,7 @@ else:
 
 API_VERSION = "meridian.node/v1"
 
-DRIVERS = ("vllm", "tgi", "sglang", "ollama", "llamacpp", "lmdeploy", "openai")
+# DRIVERS is defined next to the engine modules' own spec check, which must agree with EngineSpec here.
 Driver = Literal["vllm", "tgi", "sglang", "ollama", "llamacpp", "lmdeploy", "openai"]
 
 __all__ = [
@@ -109,7 +111,7 @@ NodeId = Annotated[
 ]
 Name = Annotated[
     str,
-    Field(pattern=r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$", description="lowercase name, 1-63 characters"),
+    Field(pattern=NAME_PATTERN, description="lowercase name, 1-63 characters"),
 ]
 
 
@@ -122,14 +124,6 @@ def _not_reserved_version(value: str) -> str:
 Version = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$"), AfterValidator(_not_reserved_version)]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex sha256")]
 KeyId = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="hex sha256 of the raw public key")]
-
-# repository[:tag]@sha256:<64 hex>. Whether a digest is *required* is policy's call, not the contract's;
-# the contract only insists the reference is well formed.
-IMAGE_REFERENCE = re.compile(
-    r"^(?P<repository>[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
-    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
-    r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
-)
 
 
 def describe_validation_error(exc: ValidationError, limit: int = 3) -> str:
@@ -175,11 +169,6 @@ def _location(loc: Any) -> str:
         else:
             text += f".{part}" if text else str(part)
     return text or "(document)"
-
-
-def short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _Strict(BaseModel):

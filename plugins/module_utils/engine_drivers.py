@@ -2,7 +2,7 @@
 
 A driver knows two things about its engine and nothing else:
 
-- how the generic ``contracts.EngineSpec`` becomes that engine's command line and environment
+- how the generic ``engine_spec.EngineSpec`` becomes that engine's command line and environment
   (``Driver.container_settings``: plain data, no Docker import; labels, names and the host bind address
   are the caller's business);
 - the engine's documented facts (``Driver.facts``): its port, how readiness looks while the model loads,
@@ -33,7 +33,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from ansible_collections.meridian.node.plugins.module_utils.contracts import EngineSpec
+    from ansible_collections.meridian.node.plugins.module_utils.engine_spec import EngineSpec
 
 __all__ = [
     "DRIVERS",

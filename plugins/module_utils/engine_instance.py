@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
     RESERVED_LABELS,
     ContainerInfo,
@@ -74,6 +73,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_plan import (
     TargetState,
     plan_engine,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import EngineSpec, FieldError, parse_engine_spec
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, PolicyError, load_policy
 
 __all__ = [
@@ -136,21 +136,16 @@ class Options:
 _SPEC_KEYS = ("name", "driver", "image", "model", "served_model_name", "gpus", "min_vram_mib", "port", "args", "env")
 
 
-def build_spec(
-    params: Mapping[str, Any], replace_strategy: ReplaceStrategy = "drain-then-replace"
-) -> contracts.EngineSpec:
-    """The ``EngineSpec`` contract from the module's parameters (None means 'not given')."""
-    contracts.require_pydantic()
+def build_spec(params: Mapping[str, Any], replace_strategy: ReplaceStrategy = "drain-then-replace") -> EngineSpec:
+    """The engine spec from the module's parameters (None means 'not given')."""
     data = {key: params[key] for key in _SPEC_KEYS if params.get(key) is not None}
     if isinstance(data.get("model"), Mapping):
         data["model"] = {key: value for key, value in data["model"].items() if value is not None}
     data["replace_strategy"] = replace_strategy
     try:
-        return contracts.EngineSpec.model_validate(data)
-    except contracts.ValidationError as exc:
-        raise EngineInstanceError(
-            f"engine {params.get('name')!r}: invalid spec: {contracts.describe_validation_error(exc)}", check="spec"
-        ) from exc
+        return parse_engine_spec(data)
+    except FieldError as exc:
+        raise EngineInstanceError(f"engine {params.get('name')!r}: invalid spec: {exc}", check="spec") from exc
 
 
 def _read_gpus() -> Mapping[str, Any]:
@@ -160,7 +155,7 @@ def _read_gpus() -> Mapping[str, Any]:
     return collect_gpu_facts(processes=False, nvlink=False)
 
 
-def public_spec(spec: contracts.EngineSpec) -> dict[str, Any]:
+def public_spec(spec: EngineSpec) -> dict[str, Any]:
     """The spec without secrets, for the label and the diff: env keys only, never their values.
 
     The generic driver's health path is left out: it changes how the engine is probed, not the
@@ -170,7 +165,7 @@ def public_spec(spec: contracts.EngineSpec) -> dict[str, Any]:
         "name": spec.name,
         "driver": spec.driver,
         "image": spec.image,
-        "model": {key: value for key, value in spec.model.model_dump().items() if value is not None},
+        "model": spec.model.as_dict(),
         "served_model_name": spec.served_model_name,
         "gpus": list(spec.gpus),
         "min_vram_mib": spec.min_vram_mib,
@@ -180,7 +175,7 @@ def public_spec(spec: contracts.EngineSpec) -> dict[str, Any]:
     }
 
 
-def check_policy(policy: Policy, spec: contracts.EngineSpec) -> None:
+def check_policy(policy: Policy, spec: EngineSpec) -> None:
     """Image, driver and port against the host's policy; the first refusal raises, naming the check."""
     for check, problem in (
         ("policy-image", policy.image_allowed(spec.image)),
@@ -508,9 +503,7 @@ def _plan(name: str, options: Options, config_hash: str, spec: dict[str, Any], o
         raise EngineInstanceError(str(exc), check="ownership") from exc
 
 
-def _check_placement(
-    run: _Run, spec: contracts.EngineSpec, bind: str, read_gpus: Callable[[], Mapping[str, Any]]
-) -> None:
+def _check_placement(run: _Run, spec: EngineSpec, bind: str, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
     image = run.engine.resolve_image(spec.image)
     spoofing = sorted(set(image.labels) & set(RESERVED_LABELS))
     if spoofing:

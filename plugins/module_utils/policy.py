@@ -30,17 +30,21 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import DRIVERS, IMAGE_REFERENCE
+from ansible_collections.meridian.node.plugins.module_utils.plain_checks import (
+    FieldError,
+    check_bool,
+    check_int,
+    check_list,
+    check_mapping,
+    check_str,
+    check_str_list,
+    join,
+    short_repr,
+)
 from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YamlFileError, parse_yaml, read_text_file
-
-try:
-    import pydantic
-except ImportError:
-    from ansible_collections.meridian.node.plugins.module_utils import (  # type: ignore[no-redef]
-        _pydantic_stub as pydantic,
-    )
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -106,92 +110,80 @@ def parse_size(value: int | str) -> int:
 
 
 # --- the document, as the file spells it -------------------------------------------------------------
+# Checked with plain_checks rather than pydantic: every engine task loads the policy, and pydantic's
+# import alone would be a third of that task's start-up.
+
+_SECTIONS = ("images", "engines", "store", "agent")
 
 
-class _Section(pydantic.BaseModel):
-    # strict: YAML "1" is not the integer 1, and `threshold: true` is not a threshold.
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
+@dataclass(frozen=True)
+class _RoleSpec:
+    threshold: int
+    public_keys: tuple[str, ...]
 
 
-class _RoleSpec(_Section):
-    threshold: Annotated[int, pydantic.Field(ge=1)] = 1
-    public_keys: Annotated[list[str], pydantic.Field(min_length=1)]
+def _role_spec(data: Any, where: str) -> _RoleSpec:
+    document = check_mapping(data, where, required=("public_keys",), optional=("threshold",))
+    return _RoleSpec(
+        threshold=check_int(document.get("threshold", 1), join(where, "threshold"), ge=1),
+        public_keys=check_str_list(document["public_keys"], join(where, "public_keys"), min_items=1),
+    )
 
 
-class _Trust(_Section):
-    control: _RoleSpec
-    artifact: _RoleSpec | None = None
-    air_gap_authority: _RoleSpec | None = None
+def _trust(data: Any) -> dict[str, _RoleSpec]:
+    document = check_mapping(data, "trust", required=("control",), optional=ROLES[1:])
+    return {role: _role_spec(document[role], f"trust.{role}") for role in ROLES if document.get(role) is not None}
 
 
-def _known_drivers(value: list[str]) -> list[str]:
-    for driver in value:
-        if driver not in contracts.DRIVERS:
-            raise ValueError(f"unknown driver {driver!r}; known drivers: {', '.join(contracts.DRIVERS)}")
-    return value
+def _known(values: tuple[str, ...], where: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    for value in values:
+        if value not in known:
+            raise FieldError(where, f"unknown {what} {value!r}; known {what}s: {', '.join(known)}")
+    return values
 
 
-def _ip_address(value: str) -> str:
+def _images(data: Any) -> ImagesPolicy:
+    document = check_mapping(data, "images", optional=("allowed_repositories", "require_digest"))
+    return ImagesPolicy(
+        allowed_repositories=check_str_list(document.get("allowed_repositories", []), "images.allowed_repositories"),
+        require_digest=check_bool(document.get("require_digest", True), "images.require_digest"),
+    )
+
+
+def _engines(data: Any) -> EnginesPolicy:
+    document = check_mapping(data, "engines", optional=("allowed_drivers", "bind_address", "port_range"))
+    drivers = check_str_list(document.get("allowed_drivers", list(DRIVERS)), "engines.allowed_drivers")
+    bind = check_str(document.get("bind_address", "127.0.0.1"), "engines.bind_address")
     try:
-        ipaddress.ip_address(value)
+        ipaddress.ip_address(bind)
     except ValueError:
-        raise ValueError(f"must be an IP address such as 127.0.0.1 (got {value!r})") from None
-    return value
-
-
-def _sane_ports(value: list[int]) -> list[int]:
-    low, high = value
+        raise FieldError("engines.bind_address", f"must be an IP address such as 127.0.0.1 (got {bind!r})") from None
+    ports = check_list(document.get("port_range", [8000, 8999]), "engines.port_range", min_items=2, max_items=2)
+    low, high = (check_int(port, join("engines.port_range", index)) for index, port in enumerate(ports))
     if not 1 <= low <= high <= 65535:
-        raise ValueError(f"must be [low, high] with 1 <= low <= high <= 65535 (got {value})")
-    return value
+        raise FieldError("engines.port_range", f"must be [low, high] with 1 <= low <= high <= 65535 (got {ports})")
+    return EnginesPolicy(_known(drivers, "engines.allowed_drivers", DRIVERS, "driver"), bind, (low, high))
 
 
-def _absolute(value: str) -> str:
-    if not os.path.isabs(value):
-        raise ValueError(f"must be an absolute path (got {value!r})")
-    return value
+def _store(data: Any) -> StorePolicy:
+    document = check_mapping(data, "store", optional=("path", "max_bytes"))
+    path = check_str(document.get("path", "/var/lib/meridian-node/artifacts"), "store.path")
+    if not os.path.isabs(path):
+        raise FieldError("store.path", f"must be an absolute path (got {path!r})")
+    max_bytes = document.get("max_bytes", 500 * 1000**3)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int | str):
+        raise FieldError("store.max_bytes", f"must be a byte count or a size like 500G (got {short_repr(max_bytes)})")
+    try:
+        size = parse_size(max_bytes)
+    except ValueError as exc:
+        raise FieldError("store.max_bytes", str(exc)) from None
+    return StorePolicy(path, size)
 
 
-def _known_modes(value: list[str]) -> list[str]:
-    for mode in value:
-        if mode not in AGENT_MODES:
-            raise ValueError(f"unknown mode {mode!r}; known modes: {', '.join(AGENT_MODES)}")
-    return value
-
-
-class _Images(_Section):
-    allowed_repositories: list[str] = pydantic.Field(default_factory=list)
-    require_digest: bool = True
-
-
-class _Engines(_Section):
-    allowed_drivers: Annotated[list[str], pydantic.AfterValidator(_known_drivers)] = pydantic.Field(
-        default_factory=lambda: list(contracts.DRIVERS)
-    )
-    bind_address: Annotated[str, pydantic.AfterValidator(_ip_address)] = "127.0.0.1"
-    port_range: Annotated[
-        list[int], pydantic.Field(min_length=2, max_length=2), pydantic.AfterValidator(_sane_ports)
-    ] = pydantic.Field(default_factory=lambda: [8000, 8999])
-
-
-class _Store(_Section):
-    path: Annotated[str, pydantic.AfterValidator(_absolute)] = "/var/lib/meridian-node/artifacts"
-    # After validation this is always an int (bytes); the union is what the file may spell.
-    max_bytes: Annotated[int | str, pydantic.AfterValidator(parse_size)] = 500 * 1000**3
-
-
-class _Agent(_Section):
-    allowed_modes: Annotated[list[str], pydantic.Field(min_length=1), pydantic.AfterValidator(_known_modes)] = (
-        pydantic.Field(default_factory=lambda: list(AGENT_MODES))
-    )
-
-
-class _PolicyDocument(_Section):
-    trust: _Trust
-    images: _Images = pydantic.Field(default_factory=_Images)
-    engines: _Engines = pydantic.Field(default_factory=_Engines)
-    store: _Store = pydantic.Field(default_factory=_Store)
-    agent: _Agent = pydantic.Field(default_factory=_Agent)
+def _agent(data: Any) -> AgentPolicy:
+    document = check_mapping(data, "agent", optional=("allowed_modes",))
+    modes = check_str_list(document.get("allowed_modes", list(AGENT_MODES)), "agent.allowed_modes", min_items=1)
+    return AgentPolicy(_known(modes, "agent.allowed_modes", AGENT_MODES, "mode"))
 
 
 # --- the loaded policy ----------------------------------------------------------------------------------
@@ -256,7 +248,7 @@ class Policy:
 
     def image_allowed(self, ref: str) -> str | None:
         """None when ``ref`` may run here, else the reason it may not."""
-        match = contracts.IMAGE_REFERENCE.match(ref)
+        match = IMAGE_REFERENCE.match(ref)
         if not match:
             return f"image {ref!r} is not a valid reference (repository[:tag]@sha256:<64 hex>)"
         if self.images.require_digest and not match.group("digest"):
@@ -313,38 +305,25 @@ def load_policy(path: os.PathLike[str] | str = DEFAULT_POLICY_PATH, *, keys: boo
 
 def parse_policy(text: str, base_dir: Path, *, source: str = "<text>", keys: bool = True) -> Policy:
     """Validate policy YAML; relative key paths resolve against ``base_dir``. ``source`` names it in errors."""
-    contracts.require_pydantic()
     prefix = f"policy {source}"
     try:
         data = parse_yaml(text, what=prefix)
     except YamlFileError as exc:
         raise PolicyError(str(exc)) from exc
     if not isinstance(data, dict):
-        raise PolicyError(
-            f"{prefix}: the top level must be a mapping with a 'trust' section (got {contracts.short_repr(data)})"
-        )
+        raise PolicyError(f"{prefix}: the top level must be a mapping with a 'trust' section (got {short_repr(data)})")
     try:
-        document = _PolicyDocument.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise PolicyError(f"{prefix}: {contracts.describe_validation_error(exc)}") from exc
+        check_mapping(data, "", required=("trust",), optional=_SECTIONS)
+        trust = _trust(data["trust"])
+        images, engines = _images(data.get("images", {})), _engines(data.get("engines", {}))
+        store, agent = _store(data.get("store", {})), _agent(data.get("agent", {}))
+    except FieldError as exc:
+        raise PolicyError(f"{prefix}: {exc}") from exc
 
-    roles: dict[str, _RoleTrust] | None = {} if keys else None
-    for role in ROLES:
-        spec: _RoleSpec | None = getattr(document.trust, role)
-        if spec is not None and roles is not None:
-            roles[role] = _load_role(spec, f"{prefix}: trust.{role}", base_dir)
-    return Policy(
-        source=source,
-        images=ImagesPolicy(tuple(document.images.allowed_repositories), document.images.require_digest),
-        engines=EnginesPolicy(
-            tuple(document.engines.allowed_drivers),
-            document.engines.bind_address,
-            (document.engines.port_range[0], document.engines.port_range[1]),
-        ),
-        store=StorePolicy(document.store.path, int(document.store.max_bytes)),
-        agent=AgentPolicy(tuple(document.agent.allowed_modes)),
-        _roles=roles,
+    roles = (
+        {role: _load_role(spec, f"{prefix}: trust.{role}", base_dir) for role, spec in trust.items()} if keys else None
     )
+    return Policy(source=source, images=images, engines=engines, store=store, agent=agent, _roles=roles)
 
 
 def _load_role(spec: _RoleSpec, where: str, base_dir: Path) -> _RoleTrust:

@@ -22,7 +22,7 @@ description:
     address.
   - Never changes anything on the host.
 requirements:
-  - pydantic (>= 2) and PyYAML on the managed host (to read the policy).
+  - PyYAML on the managed host (to read the policy).
   - A Docker Engine (API 1.41 or newer), reached through its socket or E(DOCKER_HOST); the Docker SDK is not
     needed.
   - nvidia-ml-py on the managed host for VRAM capacity; without it (or without a GPU) no VRAM is reported.
@@ -168,10 +168,11 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts, docker_engine
+from ansible_collections.meridian.node.plugins.module_utils import docker_engine
 from ansible_collections.meridian.node.plugins.module_utils.drain_state import DrainStateError
 from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import engine_info
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError
+from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YAML_IMPORT_ERROR
 
 
 def _gpu_facts() -> Mapping[str, Any]:
@@ -194,8 +195,8 @@ def main() -> None:
         },
         supports_check_mode=True,
     )
-    if contracts.PYDANTIC_IMPORT_ERROR is not None:
-        module.fail_json(msg=missing_required_lib("pydantic"), exception=contracts.PYDANTIC_IMPORT_ERROR)
+    if YAML_IMPORT_ERROR is not None:
+        module.fail_json(msg=missing_required_lib("PyYAML"), exception=YAML_IMPORT_ERROR)
     params = module.params
     try:
         result = engine_info(

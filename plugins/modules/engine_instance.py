@@ -28,7 +28,8 @@ description:
     not ready within O(ready_timeout) is stopped (never left half-running) and the module fails with the
     last probe result and the container's last log lines.
 requirements:
-  - pydantic and PyYAML on the managed host.
+  - PyYAML on the managed host (to read the policy), and a Docker Engine (API 1.41 or newer) reached through
+    its socket or E(DOCKER_HOST); no other Python package is needed.
   - A Docker Engine (API 1.41 or newer), reached through its socket or E(DOCKER_HOST); the Docker SDK is not needed.
   - nvidia-ml-py on hosts whose engines ask for GPUs.
 options:
@@ -259,12 +260,14 @@ diff:
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts, docker_engine
+from ansible_collections.meridian.node.plugins.module_utils import docker_engine
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
     EngineInstanceError,
     Options,
     converge,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import DRIVERS
+from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YAML_IMPORT_ERROR
 
 _SPEC_REQUIRED = ["driver", "image", "model", "port"]
 
@@ -274,7 +277,7 @@ def main() -> None:
         argument_spec={
             "name": {"type": "str", "required": True},
             "state": {"type": "str", "default": "started", "choices": ["present", "started", "stopped", "absent"]},
-            "driver": {"type": "str", "choices": list(contracts.DRIVERS)},
+            "driver": {"type": "str", "choices": list(DRIVERS)},
             "image": {"type": "str"},
             "model": {
                 "type": "dict",
@@ -306,8 +309,8 @@ def main() -> None:
         required_if=[("state", state, _SPEC_REQUIRED) for state in ("present", "started", "stopped")],
         supports_check_mode=True,
     )
-    if contracts.PYDANTIC_IMPORT_ERROR is not None:
-        module.fail_json(msg=missing_required_lib("pydantic"), exception=contracts.PYDANTIC_IMPORT_ERROR)
+    if YAML_IMPORT_ERROR is not None:
+        module.fail_json(msg=missing_required_lib("PyYAML"), exception=YAML_IMPORT_ERROR)
     params = module.params
     options = Options(
         state=params["state"],

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import DRIVERS, EngineSpec
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, port_bind_problem
 from ansible_collections.meridian.node.plugins.module_utils.engine_containers import (
     container_settings,
@@ -21,6 +20,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_containers im
     read_in_flight,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import get_driver
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import DRIVERS, parse_engine_spec
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
 
 SERVER = Path(__file__).resolve().parents[1] / "engines" / "standin_server.py"
@@ -76,16 +76,18 @@ def test_driver_container_starts_and_becomes_ready(
         env["STANDIN_MODEL"] = "tiny-chat"
     # The generic driver knows nothing of its server's flags: the spec's args are its whole command line.
     args = ["--served-model-name", "tiny-chat"] if driver_name == "openai" else []
-    spec = EngineSpec.model_validate({
-        "name": f"{prefix}-{driver_name}",
-        "driver": driver_name,
-        "image": image.pinned,
-        "model": {"artifact": "tiny"},
-        "served_model_name": "tiny-chat",
-        "port": free_port(),
-        "env": env,
-        "args": args,
-    })
+    spec = parse_engine_spec(
+        {
+            "name": f"{prefix}-{driver_name}",
+            "driver": driver_name,
+            "image": image.pinned,
+            "model": {"artifact": "tiny"},
+            "served_model_name": "tiny-chat",
+            "port": free_port(),
+            "env": env,
+            "args": args,
+        }
+    )
     driver = get_driver(driver_name)
     launch = driver.container_settings(spec, model_dir=str(model_dir), model_files=["config.json", "tiny-q4.gguf"])
     container = engine.create(container_settings(name=spec.name, driver=driver_name, launch=launch, bind_address=BIND))

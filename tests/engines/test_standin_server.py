@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
-from ansible_collections.meridian.node.plugins.module_utils.contracts import EngineSpec
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import (
     Driver,
     InFlight,
@@ -32,6 +31,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_drivers impor
     get_driver,
     in_flight,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import parse_engine_spec
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +121,7 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Standin]]:
     started: list[Standin] = []
 
     def _start(engine: str, *, load_s: float = 0.0, never_ready: bool = False, slots: int = 4) -> Standin:
-        spec = EngineSpec.model_validate(
+        spec = parse_engine_spec(
             {
                 "name": "standin",
                 "driver": engine,

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts, engine_drivers
-from ansible_collections.meridian.node.plugins.module_utils.contracts import EngineSpec
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import (
     DRIVERS,
     MODEL_MOUNT_PATH,
@@ -22,6 +21,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_drivers impor
     in_flight,
     parse_prometheus_text,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import EngineSpec, parse_engine_spec
 
 IMAGE = "registry.example/engines/x@sha256:" + "a" * 64
 MODEL_DIR = "/var/lib/meridian/store/artifacts/llama/1.0.0"
@@ -39,7 +39,7 @@ def spec(driver: str, **fields: Any) -> EngineSpec:
         "port": 9001,
     }
     document.update(fields)
-    return EngineSpec.model_validate(document)
+    return parse_engine_spec(document)
 
 
 def settings(driver: str, model_files: tuple[str, ...] = ("model.gguf",), **fields: Any) -> Any:

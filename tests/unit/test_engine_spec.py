@@ -1,0 +1,179 @@
+"""The engine modules' spec check (no pydantic) against the ``EngineSpec`` contract (pydantic).
+
+Both must accept and refuse the same documents; a table of good and bad specs runs through each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import (
+    EngineSpec,
+    FieldError,
+    ModelRef,
+    parse_engine_spec,
+)
+from ansible_collections.meridian.node.plugins.module_utils.plain_checks import check_mapping
+
+DIGEST = "sha256:" + "a" * 64
+BASE: dict[str, Any] = {
+    "name": "chat-small",
+    "driver": "vllm",
+    "image": f"ghcr.io/org/vllm:0.6@{DIGEST}",
+    "model": {"artifact": "llama-3"},
+    "port": 9001,
+}
+
+
+_DROP = object()  # spec(field=_DROP) leaves the field out
+
+
+def spec(**changes: Any) -> dict[str, Any]:
+    document = {**BASE, **changes}
+    return {key: value for key, value in document.items() if value is not _DROP}
+
+
+GOOD = [
+    pytest.param(spec(), id="minimal"),
+    pytest.param(spec(model={"name": "llama3:8b"}, driver="ollama"), id="model-by-name"),
+    pytest.param(spec(image="vllm/vllm-openai"), id="unpinned-is-policys-call"),
+    pytest.param(spec(image=f"registry.local:5000/a/b@{DIGEST}"), id="registry-with-port"),
+    pytest.param(
+        spec(
+            served_model_name="chat",
+            gpus=["0", "GPU-1", "MIG-2"],
+            min_vram_mib=0,
+            args=["--max-model-len", "4096"],
+            env={"HF_TOKEN": "x"},
+            state="stopped",
+            replace_strategy="stop-then-start",
+        ),
+        id="every-field",
+    ),
+    pytest.param(spec(served_model_name=None), id="served-name-null"),
+    pytest.param(spec(port=1), id="lowest-port"),
+    pytest.param(spec(port=65535), id="highest-port"),
+    pytest.param(spec(name="a"), id="one-letter-name"),
+    pytest.param(spec(name="a" * 63), id="longest-name"),
+]
+
+BAD = [
+    pytest.param(spec(name="Bad Name!"), "name", id="bad-name"),
+    pytest.param(spec(name="a" * 64), "name", id="name-too-long"),
+    pytest.param(spec(name="-lead"), "name", id="name-leading-dash"),
+    pytest.param(spec(name=_DROP), "name", id="no-name"),
+    pytest.param(spec(driver="docker-run"), "driver", id="unknown-driver"),
+    pytest.param(spec(image="Upper/Case"), "image", id="uppercase-image"),
+    pytest.param(spec(image="vllm@sha256:abc"), "image", id="short-digest"),
+    pytest.param(spec(image=7), "image", id="image-not-a-string"),
+    pytest.param(spec(model={}), "model", id="model-empty"),
+    pytest.param(spec(model={"artifact": "a", "name": "b"}), "model", id="model-both"),
+    pytest.param(spec(model={"artifact": "../etc"}), "model.artifact", id="artifact-escapes"),
+    pytest.param(spec(model={"path": "/x"}), "model.path", id="model-unknown-key"),
+    pytest.param(spec(model="llama"), "model", id="model-not-a-mapping"),
+    pytest.param(spec(port=0), "port", id="port-zero"),
+    pytest.param(spec(port=65536), "port", id="port-too-high"),
+    pytest.param(spec(port=_DROP), "port", id="no-port"),
+    pytest.param(spec(port=None), "port", id="port-null"),
+    pytest.param(spec(min_vram_mib=-1), "min_vram_mib", id="negative-vram"),
+    pytest.param(spec(gpus="0"), "gpus", id="gpus-not-a-list"),
+    pytest.param(spec(gpus=[0]), "gpus[0]", id="gpu-not-a-string"),
+    pytest.param(spec(args=[1]), "args[0]", id="arg-not-a-string"),
+    pytest.param(spec(env={"A": 1}), "env.A", id="env-value-not-a-string"),
+    pytest.param(spec(env=["A=1"]), "env", id="env-not-a-mapping"),
+    pytest.param(spec(state="running"), "state", id="unknown-state"),
+    pytest.param(spec(replace_strategy="yolo"), "replace_strategy", id="unknown-strategy"),
+    pytest.param(spec(volumes=["/:/host"]), "volumes", id="unknown-field"),
+    pytest.param(spec(served_model_name=3), "served_model_name", id="served-name-not-a-string"),
+]
+
+
+@pytest.mark.parametrize("document", GOOD)
+def test_good_specs_parse_to_what_the_contract_parses(document: dict[str, Any]) -> None:
+    ours = parse_engine_spec(document)
+    theirs = contracts.EngineSpec.model_validate(document).model_dump()
+    mine = dataclasses.asdict(ours)
+    assert {**mine, "gpus": list(mine["gpus"]), "args": list(mine["args"])} == theirs
+
+
+@pytest.mark.parametrize(("document", "field"), BAD)
+def test_bad_specs_are_refused_by_both_naming_the_field(document: dict[str, Any], field: str) -> None:
+    with pytest.raises(contracts.ValidationError):
+        contracts.EngineSpec.model_validate(document)
+    with pytest.raises(FieldError) as caught:
+        parse_engine_spec(document)
+    assert caught.value.where == field
+    assert str(caught.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        pytest.param(True, "port", id="bool-port"),
+        pytest.param("8000", "port", id="string-port"),
+        pytest.param(8000.0, "port", id="float-port"),
+    ],
+)
+def test_ours_is_strict_where_the_contract_coerces(value: Any, field: str) -> None:
+    # Module parameters arrive typed by Ansible's argument spec, so strictness costs nothing there and
+    # catches a caller that builds specs by hand.
+    with pytest.raises(FieldError, match=f"^{field}: input should be a valid integer"):
+        parse_engine_spec(spec(**{field: value}))
+
+
+def test_messages_carry_the_value_but_never_env_values() -> None:
+    with pytest.raises(FieldError) as caught:
+        parse_engine_spec(spec(port=70000))
+    assert str(caught.value) == "port: must be <= 65535 (got 70000)"
+    with pytest.raises(FieldError) as secret:
+        parse_engine_spec(spec(env={"HF_TOKEN": ["hf_secret"]}))
+    assert "hf_secret" not in str(secret.value)
+
+
+def test_where_prefixes_every_path() -> None:
+    with pytest.raises(FieldError, match=r"^engines\[2\]\.model: model needs exactly one"):
+        parse_engine_spec(spec(model={}), where="engines[2]")
+
+
+def test_parsed_spec_is_frozen_and_model_dict_drops_nulls() -> None:
+    parsed = parse_engine_spec(spec(model={"name": "m"}))
+    assert parsed.model == ModelRef(name="m") and parsed.model.as_dict() == {"name": "m"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parsed.port = 1  # type: ignore[misc]
+    assert isinstance(parsed, EngineSpec)
+
+
+def test_missing_and_unknown_keys_are_named_together() -> None:
+    with pytest.raises(FieldError) as caught:
+        check_mapping({"controll": {}}, "trust", required=("control",))
+    assert str(caught.value) == "trust.control: a required field is missing; trust.controll: unknown field (got {})"
+
+
+def test_engine_modules_need_no_pydantic() -> None:
+    # An Ansible task is a fresh process: pydantic would be most of each engine task's start-up. This
+    # runs the modules' import and their whole validation path with pydantic made unimportable.
+    script = textwrap.dedent(
+        """
+        import sys, tempfile, pathlib
+        sys.modules["pydantic"] = None
+        import ansible_collections.meridian.node.plugins.modules.engine_instance
+        import ansible_collections.meridian.node.plugins.modules.engine_info
+        import ansible_collections.meridian.node.plugins.modules.drain
+        from ansible_collections.meridian.node.plugins.module_utils.engine_instance import build_spec
+        from ansible_collections.meridian.node.plugins.module_utils.policy import parse_policy
+        policy = parse_policy("trust: {control: {public_keys: [k.pem]}}", pathlib.Path("/"), keys=False)
+        spec = build_spec({"name": "e", "driver": "vllm", "image": "r/i", "model": {"name": "m"}, "port": 8000})
+        assert policy.port_allowed(spec.port) is None
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

@@ -103,6 +103,9 @@ LABEL_OWNER = "meridian.node/owner"
 _POLL_S = 0.25
 _PROBE_TIMEOUT_S = 2.0
 _LOG_LINES = 30
+# The config hash planned in check mode when the artifact is not in the store yet: unlike every real hash
+# (``sha256:...``) it matches no container, so the plan shows the create or replace the real run will do.
+_PENDING = "pending-artifact"
 
 
 class EngineInstanceError(Exception):
@@ -379,6 +382,7 @@ class _Run:
     driver: Driver | None = None
     settings: ContainerSettings | None = None
     probe_host: str = "127.0.0.1"
+    pending: str | None = None  # check mode only: why the settings (and placement) could not be computed
     done: list[str] = field(default_factory=list)
 
     def result(self, **extra: Any) -> dict[str, Any]:
@@ -413,7 +417,7 @@ def converge(
     name = str(params["name"])
     read_gpus = gpu_facts or _read_gpus
     try:
-        run = _prepare(name, params, options, engine, read_gpus)
+        run = _prepare(name, params, options, engine, read_gpus, check_mode=check_mode)
         if check_mode or not run.plan.actions:
             return _report(run, check_mode)
         return _apply(run, sleep, clock)
@@ -429,6 +433,8 @@ def _prepare(
     options: Options,
     engine: DockerEngine,
     read_gpus: Callable[[], Mapping[str, Any]],
+    *,
+    check_mode: bool = False,
 ) -> _Run:
     if options.state == "absent":
         observed, current = _observe(engine, name)
@@ -445,7 +451,12 @@ def _prepare(
         driver = get_driver(spec.driver, health_path=options.health_path)
         model_dir = files = None
         if spec.model.artifact is not None:
-            model_dir = artifact_dir(options.store_path or policy.store.path, spec.model.artifact)
+            try:
+                model_dir = artifact_dir(options.store_path or policy.store.path, spec.model.artifact)
+            except EngineInstanceError as exc:
+                if not check_mode:
+                    raise
+                return _pending_artifact_run(name, spec, options, engine, str(exc))
             files = _model_files(model_dir)
         launch = driver.container_settings(spec, model_dir=model_dir, model_files=files or ())
     except DriverError as exc:
@@ -467,6 +478,18 @@ def _prepare(
     if Action.CREATE in plan.actions:
         _check_placement(run, spec, bind, read_gpus)
     return run
+
+
+def _pending_artifact_run(name: str, spec: EngineSpec, options: Options, engine: DockerEngine, why: str) -> _Run:
+    """Check mode before the artifact is in the store: the real run makes it present first (a
+    ``verified_artifact`` task, which check mode did not run), so the settings cannot be known yet.
+
+    A new engine would be created; an existing one would be replaced, since the promoted version is
+    part of its settings. Placement is not checked: it needs the settings. The result says so.
+    """
+    observed, current = _observe(engine, name)
+    plan = _plan(name, options, _PENDING, public_spec(spec), observed)
+    return _Run(name, options, engine, plan, "", current, pending=f"{why}; placement was not checked")
 
 
 def _with_labels(settings: ContainerSettings, labels: Mapping[str, str]) -> ContainerSettings:
@@ -547,7 +570,8 @@ def _report(run: _Run, check_mode: bool) -> dict[str, Any]:
     if not check_mode and run.current is not None and run.current.running and run.driver is not None:
         verdict = _probe(run)
         ready, detail = verdict.ready, verdict.detail
-    return run.result(planned=check_mode and bool(run.plan.actions), ready=ready, probe=detail)
+    pending = {"pending": run.pending} if run.pending else {}
+    return run.result(planned=check_mode and bool(run.plan.actions), ready=ready, probe=detail, **pending)
 
 
 def _probe(run: _Run) -> ProbeVerdict:

@@ -247,6 +247,14 @@ probe:
   returned: always
   type: str
   sample: GET /health answered 200
+pending:
+  description: In check mode only, when the engine's artifact is not in the store yet (a
+    M(meridian.node.verified_artifact) task before it would make it present, but check mode did not run
+    it), why the container settings and placement could not be checked. The planned actions assume the
+    artifact arrives; outside check mode a missing artifact fails with C(check=artifact).
+  returned: when the artifact is pending in check mode
+  type: str
+  sample: "artifact 'llama-3' has no promoted version in the store: ...; placement was not checked"
 check:
   description: On failure, the check or step that failed (for example C(policy-image), C(placement-vram), C(readiness)).
   returned: failed
@@ -335,6 +343,8 @@ def main() -> None:
         module.fail_json(msg=str(exc), check=exc.check, **exc.result)
     finally:
         engine.close()
+    if result.get("pending"):
+        module.warn(f"engine {params['name']!r}: {result['pending']}")
     module.exit_json(**result)
 
 

@@ -221,6 +221,35 @@ def test_config_change_drains_and_replaces_and_the_old_container_is_gone(
     assert list((host.state_dir / "draining").iterdir()) == []
 
 
+def test_check_mode_plans_an_engine_whose_artifact_is_not_in_the_store_yet(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    # A rollout's check run: verified_artifact would fetch the artifact first, but check mode did not run it.
+    name = f"{prefix}-pend"
+    spec = {"name": name, "driver": "vllm", "image": images["vllm"].pinned, "port": free_port()}
+    pending = host.params(**spec, model={"artifact": "not-yet"})
+    results = host.play([("check", pending, True), ("apply", pending, False)])
+
+    check = results["check"]
+    assert not check.get("failed"), check.get("msg")
+    assert check["changed"] is True and check["done"] == []
+    assert check["actions"] == ["create", "start", "wait-ready"]
+    assert "artifact 'not-yet' has no promoted version" in check["pending"]
+    assert "placement was not checked" in check["pending"]
+    assert any("not-yet" in warning for warning in check["warnings"])
+    # Outside check mode the missing artifact is still a failure, and nothing was created by either step.
+    assert results["apply"]["failed"] is True and results["apply"]["check"] == "artifact"
+    assert host.container(name) is None
+
+    # A running engine whose spec moves to an artifact not yet present would be replaced.
+    running = host.play([("apply", host.params(**spec, model={"artifact": "tiny"}), False)])["apply"]
+    assert running["ready"] is True, running
+    replace = host.play([("check", pending, True)])["check"]
+    assert replace["actions"] == ["drain", "stop", "remove", "create", "start", "wait-ready"]
+    assert replace["diff"]["after"]["spec"]["model"] == {"artifact": "not-yet"}
+    assert host.container(name).id == running["container"]["id"]
+
+
 def test_foreign_container_with_our_name_is_left_untouched(
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:

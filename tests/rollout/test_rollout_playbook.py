@@ -174,6 +174,16 @@ def test_rollout_converges_every_host_with_its_signed_model_and_a_rerun_changes_
     artifacts = [fleet.publish_artifact("tiny-model", "1.0")]
     specs = {alias: fleet.spec(alias, model={"artifact": "tiny-model"}) for alias in HOSTS}
 
+    # A dry run on fresh hosts: the artifact is not in any store yet, and the plan still comes out.
+    status, output = fleet.rollout(specs, artifacts=artifacts, check=True)
+    assert status == 0, output[-6000:]
+    assert {host: (counts["changed"], counts["failed"]) for host, counts in recap(output).items()} == dict.fromkeys(
+        HOSTS, (2, 0)
+    ), output[-3000:]
+    assert "has no promoted version in the store" in output
+    assert all(fleet.container(alias) is None for alias in HOSTS)
+    assert not any((fleet.hosts[alias].store / "artifacts" / "tiny-model").exists() for alias in HOSTS)
+
     status, output = fleet.rollout(specs, artifacts=artifacts, verbose=True)
 
     assert status == 0, output[-6000:]

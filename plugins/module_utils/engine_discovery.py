@@ -23,7 +23,8 @@ A running foreign engine with a published port for its guessed driver's containe
 on its health path (a GET, read-only); otherwise ``ready`` is false, meaning "not known to be ready".
 
 ``engine_info`` gives both, engines and capacity, for one host under its policy: what the
-``meridian.node.engine_info`` module returns.
+``meridian.node.engine_info`` module returns. Its engines also carry ``gpus`` and ``min_vram_mib`` from our
+spec label, which the reconcile playbook needs to decide what to prune before converging.
 
 ``capacity`` is what a new engine could still get, shaped like ``contracts.Capacity``: per GPU uuid (and
 per MIG instance uuid), ``min(free, total - reserved)`` where ``reserved`` sums the ``min_vram_mib``
@@ -231,6 +232,22 @@ def observe_engines(
     }
 
 
+def _owner_of(container: ContainerInfo | None) -> str | None:
+    return None if container is None else container.labels.get(LABEL_OWNER)
+
+
+def _placement(container: ContainerInfo | None) -> dict[str, Any]:
+    """What an engine of ours holds for placement, from its spec label: ``gpus`` (ids as its spec gave them)
+    and ``min_vram_mib``; nothing (``[]``, ``0``) for a foreign engine or an unreadable label."""
+    spec = label_spec(container) if container is not None else {}
+    gpus = spec.get("gpus")
+    vram = spec.get("min_vram_mib")
+    return {
+        "gpus": [str(gpu) for gpu in gpus] if isinstance(gpus, list) else [],
+        "min_vram_mib": vram if isinstance(vram, int) and not isinstance(vram, bool) and vram > 0 else 0,
+    }
+
+
 def engine_info(
     connect: Callable[[], DockerEngine],
     *,
@@ -242,6 +259,10 @@ def engine_info(
     gpu_facts: Callable[[], Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``{"engines": [...], "capacity": {...} or None}`` for this host under the policy at ``policy_path``.
+
+    Each engine is ``discover_engines``' entry plus what it holds for placement (from our spec label):
+    ``gpus`` and ``min_vram_mib``, empty and 0 for foreign engines. The agent's observation leaves these two
+    out (its schema has no place for them); the reconcile playbook needs them to order pruning.
 
     Reads only: the Docker Engine's container list (through ``connect()``), the draining marks, one
     readiness GET per running engine (unless ``probe`` is false) and, when ``gpu_facts`` is given, the GPUs
@@ -265,9 +286,10 @@ def engine_info(
         engines = discover_engines(engine, state_dir=state_dir, probe=probe)
         if managed_only or owner is not None:
             engines = [entry for entry in engines if entry["managed"]]
+        owned = {c.instance or c.name: c for c in engine.list_owned()}
         if owner is not None:
-            owners = {c.instance or c.name: c.labels.get(LABEL_OWNER) for c in engine.list_owned()}
-            engines = [entry for entry in engines if owners.get(entry["name"]) == owner]
+            engines = [entry for entry in engines if _owner_of(owned.get(entry["name"])) == owner]
+        engines = [{**entry, **_placement(owned.get(entry["name"]) if entry["managed"] else None)} for entry in engines]
         room: dict[str, Any] | None = None
         if gpu_facts is not None:
             room = capacity(

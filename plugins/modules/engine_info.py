@@ -145,6 +145,19 @@ engines:
       description: The model name clients ask for; V(null) when not known.
       type: str
       sample: llama-3.1-70b
+    gpus:
+      description:
+        - For engines meridian.node runs, the GPUs its spec asked for, as the spec named them (GPU index, GPU
+          uuid or MIG instance uuid). Empty for other people's engines and for engines on no GPU.
+      type: list
+      elements: str
+      sample: ["GPU-2f1b7c2e-8d3a-4c51-b0e6-1a9e4f7d3c01"]
+    min_vram_mib:
+      description:
+        - For engines meridian.node runs, the VRAM in MiB its spec reserves on each of its GPUs; V(0) for other
+          people's engines and when not known.
+      type: int
+      sample: 40000
 capacity:
   description: What a new engine could still get; V(null) when O(capacity=false).
   returned: always

@@ -6,6 +6,7 @@ The Docker host is shared, so the Docker test only asserts about containers carr
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 from collections.abc import Iterator
@@ -16,6 +17,9 @@ import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
+    LABEL_DRIVER,
+    LABEL_INSTANCE,
+    LABEL_OWNED,
     ContainerInfo,
     DockerEngine,
     PublishedPort,
@@ -24,11 +28,16 @@ from ansible_collections.meridian.node.plugins.module_utils.drain_state import m
 from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import (
     capacity,
     discover_engines,
+    engine_info,
     guess_driver,
     observe_engines,
     vram_left,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engine_instance import Reservation
+from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
+    LABEL_OWNER,
+    LABEL_SPEC,
+    Reservation,
+)
 from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     BIND,
     SERVER,
@@ -209,3 +218,43 @@ def test_discovery_lists_ours_with_readiness_and_draining_foreign_ones_unmanaged
     )
     assert {e["name"] for e in whole["engines"]} >= set(mine)
     assert all(e["ready"] is False for e in whole["engines"])
+
+
+@pytest.mark.docker
+def test_engine_info_reports_what_our_engines_reserve_and_nothing_for_foreign_or_unreadable_labels(
+    tmp_path: Path, docker_client: Any, standin_base_image: LocalImage, prefix: str
+) -> None:
+    host = Host(tmp_path, docker_client)
+    spec = {"name": f"{prefix}-on-gpu", "driver": "vllm", "gpus": ["0", GPU_A], "min_vram_mib": 40000, "port": 9001}
+    for name, spec_label in ((f"{prefix}-on-gpu", json.dumps(spec)), (f"{prefix}-garbled", "{not json")):
+        labels = {
+            LABEL_OWNED: "true",
+            LABEL_INSTANCE: name,
+            LABEL_DRIVER: "vllm",
+            LABEL_OWNER: "agent:prune",
+            LABEL_SPEC: spec_label,
+        }
+        docker_client.containers.create(standin_base_image.id, ["sleep", "60"], name=name, labels=labels)
+    docker_client.containers.run(
+        standin_base_image.id,
+        ["sleep", "60"],
+        name=f"{prefix}-theirs",
+        detach=True,
+        init=True,
+        ports={"11434/tcp": (BIND, None)},
+    )
+    policy, state_dir = str(host.policy), str(host.state_dir)
+
+    everything = engine_info(DockerEngine.from_env, policy_path=policy, state_dir=state_dir, probe=False)
+    owned = engine_info(
+        DockerEngine.from_env, policy_path=policy, state_dir=state_dir, probe=False, owner="agent:prune"
+    )
+
+    held = {e["name"]: (e["managed"], e["gpus"], e["min_vram_mib"]) for e in everything["engines"]}
+    assert held[f"{prefix}-on-gpu"] == (True, ["0", GPU_A], 40000)
+    assert held[f"{prefix}-garbled"] == (True, [], 0)
+    assert held[f"{prefix}-theirs"] == (False, [], 0)
+    assert [(e["name"], e["gpus"]) for e in owned["engines"]] == [
+        (f"{prefix}-garbled", []),
+        (f"{prefix}-on-gpu", ["0", GPU_A]),
+    ]

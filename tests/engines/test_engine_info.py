@@ -139,6 +139,8 @@ def test_engine_info_lists_our_engine_and_a_foreign_one_and_changes_neither(
         "draining": True,
         "port": port,
         "served_model_name": "tiny-chat",
+        "gpus": [],
+        "min_vram_mib": 0,
     }
     theirs = listed[foreign]
     assert (theirs["managed"], theirs["driver"], theirs["state"]) == (False, "ollama", "running")

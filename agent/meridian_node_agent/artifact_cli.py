@@ -82,23 +82,30 @@ def cmd_pull(args: argparse.Namespace) -> int:
     try:
         planned = ensure_artifact(store, manifest, check_mode=True, **options).plan
         reporter = Progress(f"{manifest.name} {manifest.version}", planned.summary()["fetch_bytes"], sys.stderr)
-        outcome = ensure_artifact(store, manifest, config=FetchConfig(timeout=args.timeout, progress=reporter),
-                                  **options)
+        outcome = ensure_artifact(
+            store, manifest, config=FetchConfig(timeout=args.timeout, progress=reporter), **options
+        )
     except (ArtifactError, ArtifactStoreError, OSError) as exc:
         print(json.dumps({"ok": False, "reason": type(exc).__name__, "message": str(exc)}))
         return 1
     reporter.finish()
     summary = outcome.plan.summary()
-    print(json.dumps({
-        "ok": True,
-        "name": manifest.name,
-        "version": manifest.version,
-        "changed": outcome.plan.changed,
-        "path": store.version_dir(manifest.name, manifest.version),
-        "fetched_bytes": summary["fetch_bytes"],
-        "evicted": summary["evict"],
-        "signers": list(verified.signers),
-    }, sort_keys=True))
+    print(
+        json.dumps(
+            {
+                "ok": True,
+                "name": manifest.name,
+                "version": manifest.version,
+                "changed": outcome.plan.changed,
+                "path": store.version_dir(manifest.name, manifest.version),
+                "fetched_bytes": summary["fetch_bytes"],
+                "evicted": summary["evict"],
+                "dropped_partials": summary["drop_partials"],
+                "signers": list(verified.signers),
+            },
+            sort_keys=True,
+        )
+    )
     return 0
 
 
@@ -110,8 +117,14 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     header = ("NAME", "VERSION", "SIZE", "PINNED", "CURRENT", "LAST USED")
     table = [header] + [
-        (r["name"], r["version"], human_bytes(r["size"]), "yes" if r["pinned"] else "no",
-         "*" if r["current"] else "", r["last_used"])
+        (
+            r["name"],
+            r["version"],
+            human_bytes(r["size"]),
+            "yes" if r["pinned"] else "no",
+            "*" if r["current"] else "",
+            r["last_used"],
+        )
         for r in rows
     ]
     widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
@@ -172,8 +185,10 @@ class Progress:
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 and self.total >= self.done else None
         eta_text = "--:--" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
-        return (f"{self.label}: {human_bytes(self.done)} / {human_bytes(self.total)} "
-                f"at {human_bytes(rate)}/s, ETA {eta_text}")
+        return (
+            f"{self.label}: {human_bytes(self.done)} / {human_bytes(self.total)} "
+            f"at {human_bytes(rate)}/s, ETA {eta_text}"
+        )
 
     def _show(self, now: float) -> None:
         if self.tty:

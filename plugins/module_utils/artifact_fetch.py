@@ -34,6 +34,17 @@ Choices worth knowing:
   detected by reading one byte beyond the cap, then rejected.
 - A body that ends cleanly (per HTTP framing) before the manifest size is "too short" (bad data). A
   connection that drops mid-body (``IncompleteRead``, reset) is a transfer failure, retried with Range.
+- Redirects (301/302/303/307/308) are followed by our own small loop, not by urllib (``open_url`` runs
+  with ``follow_redirects="none"``): model mirrors and object stores routinely answer with a redirect to
+  a signed URL, and we want three things urllib does not give. (1) A bound we choose
+  (``FetchConfig.max_redirects``, 10 by default) and a loop reported as a loop. (2) No https -> http
+  downgrade: the content is hash-checked anyway, but a downgrade sends the request (and the signed URL's
+  query, which is a credential) in clear text and is almost always a misconfigured mirror, so it is
+  refused, naming both URLs. (3) Every hop carries the same headers, so a resume's ``Range`` reaches the
+  server that finally answers. Each attempt starts again from the manifest's URL (signed URLs expire);
+  redirect errors are configuration errors and are not retried. URLs in messages lose their query
+  string and credentials (``?...``): a signed URL should not end up in logs.
+- A transfer that fails before a single byte arrived leaves no empty ``.partial`` behind.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import os
 import queue
 import random
 import re
+import string
 import threading
 import time
 import urllib.error
@@ -74,6 +86,7 @@ __all__ = [
 # Large reads keep per-call overhead (Python loop, syscalls) small next to the hashing itself.
 DEFAULT_CHUNK_SIZE = 1024 * 1024
 _RETRYABLE_STATUS = frozenset({408, 429})
+_REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
 
 
@@ -131,11 +144,21 @@ class FetchConfig:
     jitter: Callable[[], float] = field(default=random.random, repr=False)
     progress: Callable[[int, int], None] | None = field(default=None, repr=False)
     user_agent: str = "meridian-node"
+    # A mirror needs one or two hops (mirror -> object store -> signed URL); 10 is urllib's own bound.
+    max_redirects: int = 10
+    ca_path: str | None = None  # a CA bundle to verify https servers with, instead of the system's
 
     def __post_init__(self) -> None:
-        if self.attempts < 1 or self.timeout <= 0 or self.chunk_size < 1 or self.backoff_base < 0:
+        if (
+            self.attempts < 1
+            or self.timeout <= 0
+            or self.chunk_size < 1
+            or self.backoff_base < 0
+            or self.max_redirects < 0
+        ):
             raise RuntimeError(
-                f"FetchConfig needs attempts >= 1, timeout > 0, chunk_size >= 1, backoff_base >= 0 (got {self!r})"
+                "FetchConfig needs attempts >= 1, timeout > 0, chunk_size >= 1, backoff_base >= 0, "
+                f"max_redirects >= 0 (got {self!r})"
             )
 
     def delay(self, retry: int) -> float:
@@ -321,8 +344,18 @@ class _Job:
         self.received = 0
         self.resumed_from = 0
         self.allow_range = True
+        self.final_url = location  # where the last request ended up after redirects (for messages)
 
     def run(self) -> FetchResult:
+        try:
+            return self._run()
+        except ArtifactTransferError:
+            # Nothing arrived: an empty partial file would only sit in staging.
+            if _size_of(self.staging) == 0:
+                _remove(self.staging)
+            raise
+
+    def _run(self) -> FetchResult:
         attempt = 0
         restarts = 0
         last_error = ""
@@ -345,10 +378,14 @@ class _Job:
 
     def _transfer_failed(self, attempts: int, reason: str) -> ArtifactTransferError:
         partial = _size_of(self.staging)
+        kept = (
+            f"{partial} of {self.size} bytes are kept in {self.staging} and the next run resumes from there"
+            if partial
+            else "nothing arrived, so the next run starts from byte 0"
+        )
         return ArtifactTransferError(
             self.path,
-            f"could not fetch {self.path!r} from {self.location} after {attempts} attempt(s): {reason}; "
-            f"{partial} of {self.size} bytes are kept in {self.staging} and the next run resumes from there",
+            f"could not fetch {self.path!r} from {self._where()} after {attempts} attempt(s): {reason}; {kept}",
             attempts=attempts,
             partial_bytes=partial,
         )
@@ -416,7 +453,7 @@ class _Job:
         raise ArtifactIntegrityError(
             self.path,
             reason,
-            f"{self.path!r} from {self.location} does not match the signed manifest: {detail}; "
+            f"{self.path!r} from {self._where()} does not match the signed manifest: {detail}; "
             "the downloaded bytes were deleted and nothing was promoted",
         )
 
@@ -458,15 +495,7 @@ class _Job:
         if ranged:
             headers["Range"] = f"bytes={have}-"
         try:
-            response = open_url(
-                self.location,
-                headers=headers,
-                method="GET",
-                timeout=self.config.timeout,
-                http_agent=self.config.user_agent,
-                decompress=False,
-                use_netrc=False,
-            )
+            response = self._open(headers, have)
         except urllib.error.HTTPError as exc:
             exc.close()
             if exc.code == 416 and ranged:
@@ -476,14 +505,14 @@ class _Job:
                 raise _Retryable(f"HTTP {exc.code} {exc.reason}") from exc
             raise ArtifactTransferError(
                 self.path,
-                f"could not fetch {self.path!r}: {self.location} answered HTTP {exc.code} {exc.reason}",
+                f"could not fetch {self.path!r}: {self._where()} answered HTTP {exc.code} {exc.reason}",
                 attempts=1,
                 partial_bytes=have,
             ) from exc
         except SSLValidationError as exc:
             raise ArtifactTransferError(
                 self.path,
-                f"could not fetch {self.path!r}: the TLS certificate of {self.location} did not verify: {exc}",
+                f"could not fetch {self.path!r}: the TLS certificate of {self._where()} did not verify: {exc}",
                 attempts=1,
                 partial_bytes=have,
             ) from exc
@@ -519,6 +548,94 @@ class _Job:
             if offset < self.size and missing:
                 raise _Retryable(f"the connection closed mid-body, {missing} announced bytes never arrived")
             return offset, hasher
+
+    # -- redirects ----------------------------------------------------------------------------------------
+
+    def _open(self, headers: dict[str, str], have: int) -> Any:
+        """GET ``self.location`` and follow redirects ourselves (why: module docstring); the final response.
+
+        Every hop gets the same ``headers``, so a ``Range`` reaches the server that finally answers.
+        """
+        chain = [self.location]
+        while True:
+            self.final_url = chain[-1]
+            try:
+                return open_url(
+                    chain[-1],
+                    headers=headers,
+                    method="GET",
+                    timeout=self.config.timeout,
+                    http_agent=self.config.user_agent,
+                    decompress=False,
+                    use_netrc=False,
+                    follow_redirects="none",
+                    ca_path=self.config.ca_path,
+                )
+            except urllib.error.HTTPError as exc:
+                if exc.code not in _REDIRECT_STATUS:
+                    raise
+                location = exc.headers.get("Location") if exc.headers is not None else None
+                exc.close()
+                chain.append(self._next_hop(chain, location, exc.code, have))
+
+    def _next_hop(self, chain: list[str], location: str | None, code: int, have: int) -> str:
+        """Where a redirect from ``chain[-1]`` leads, or the error that explains why we will not go there."""
+        here = chain[-1]
+        if not location or not location.strip():
+            raise self._redirect_error(
+                f"{_display(here)} answered HTTP {code} (a redirect) without a Location header; "
+                "fix the mirror or point source at the file's real location",
+                have,
+            )
+        # As urllib does: http.client decoded the header as latin-1; re-encode what is not plain ASCII.
+        quoted = urllib.parse.quote(location.strip(), encoding="iso-8859-1", safe=string.punctuation)
+        target = urllib.parse.urljoin(here, quoted)
+        scheme = urllib.parse.urlsplit(target).scheme.lower()
+        if scheme not in ("http", "https"):
+            raise self._redirect_error(
+                f"{_display(here)} redirected to {_display(target)}; only http and https redirects are followed. "
+                "Point source at an http(s) mirror or a local directory",
+                have,
+            )
+        if urllib.parse.urlsplit(here).scheme.lower() == "https" and scheme == "http":
+            raise self._redirect_error(
+                f"refusing the redirect from {_display(here)} to {_display(target)}: it downgrades https to plain "
+                "http, which would send the request (a signed URL's query included) unencrypted. The bytes would "
+                "still be hash-checked, but this is almost always a misconfigured mirror: make it redirect to an "
+                "https URL, or point source at an https location that does not redirect to http",
+                have,
+            )
+        if target in chain:
+            hops = " -> ".join(_display(url) for url in [*chain, target])
+            raise self._redirect_error(f"the redirects loop: {hops}; fix the mirror's redirect rules", have)
+        if len(chain) > self.config.max_redirects:
+            raise self._redirect_error(
+                f"{_display(self.location)} redirected more than {self.config.max_redirects} times (the last hop "
+                f"went from {_display(here)} to {_display(target)}); a mirror needs one or two. Fix the mirror's "
+                "redirect rules, or point source at the file's final location",
+                have,
+            )
+        return target
+
+    def _redirect_error(self, detail: str, have: int) -> ArtifactTransferError:
+        # A redirect that is refused is configuration, not a passing fault: retrying would only repeat it.
+        return ArtifactTransferError(
+            self.path, f"could not fetch {self.path!r}: {detail}", attempts=1, partial_bytes=have
+        )
+
+    def _where(self) -> str:
+        if self.final_url == self.location:
+            return _display(self.location)
+        return f"{_display(self.final_url)} (redirected from {_display(self.location)})"
+
+
+def _display(url: str) -> str:
+    """``url`` for a message: no user:password, and no query (a signed URL's query is a credential)."""
+    if not _is_http(url):
+        return url
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "..." if parts.query else "", ""))
 
 
 def _range_start(header: str | None, size: int) -> int | None:

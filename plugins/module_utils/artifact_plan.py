@@ -3,6 +3,13 @@
 Pure: a ``StoreState`` (what ``Store.observe`` read from disk) and a verified manifest in, an
 ``ArtifactPlan`` out. check_mode and diff report the plan; ``artifact_store.Store.apply`` performs it.
 The records and errors here are shared by both halves.
+
+Partial downloads (``staging/<sha>.partial``) are part of the store's bytes. One the plan fetches is
+resumed and never deleted; any other is deleted once it has not been written to for ``PARTIAL_MAX_AGE``
+(reason ``stale``), and, when the budget cannot be met even after evicting every evictable version, the
+remaining ones go oldest first before the plan gives up (reason ``budget``). Versions go before young
+partials because an evicted version is a rollback target lost, while a young partial is only a resume
+point; both cost a download to get back.
 """
 
 from __future__ import annotations
@@ -10,11 +17,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import resolve_location
-from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest
+from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest, format_rfc3339
 
 CURRENT = "current"
 INDEX_FILE = "index.json"
@@ -26,6 +33,10 @@ _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 # Engines in containers read model files under other uids; content is public to the host, not secret.
 _DIR_MODE = 0o755
 _BLOB_MODE = 0o444
+# How long a partial download nobody resumes may stay. A week outlives a long weekend's outage (a transfer
+# that failed on Friday evening and is retried on Tuesday still resumes) and a mirror that is down for
+# days, and still bounds how long an abandoned download holds disk outside every version.
+PARTIAL_MAX_AGE = timedelta(days=7)
 
 
 class ArtifactStoreError(Exception):
@@ -69,6 +80,14 @@ class VersionRecord:
 
 
 @dataclass(frozen=True)
+class PartialFile:
+    """A ``staging/<sha>.partial`` file: its size and when it was last written to."""
+
+    size: int
+    modified: datetime
+
+
+@dataclass(frozen=True)
 class StoreState:
     """What ``Store.observe`` saw. ``intact``/``conflicts`` are about the one version observed."""
 
@@ -77,10 +96,11 @@ class StoreState:
     blobs: Mapping[str, BlobRecord]  # recorded (verified) blobs
     present: Mapping[str, BlobRecord]  # blobs on disk now, recorded or not
     current: Mapping[str, str]  # name -> version the 'current' link points at
-    partial: Mapping[str, int]  # sha256 -> bytes in staging
+    partial: Mapping[str, PartialFile]  # sha256 -> the partial download in staging
     intact: bool = False  # the observed version's directory matches its record, links and blobs
     version_dir_exists: bool = False
     conflicts: tuple[str, ...] = ()  # symlinks found where the observed version's files would go
+    observed_at: datetime | None = None  # the store's clock when observed; partial ages count from it
 
 
 # --- the plan ------------------------------------------------------------------------------------------
@@ -104,6 +124,16 @@ class Eviction:
 
 
 @dataclass(frozen=True)
+class PartialDrop:
+    """A partial download the plan deletes: ``reason`` is ``stale`` or ``budget`` (see the module docstring)."""
+
+    sha256: str
+    size: int
+    modified: datetime
+    reason: str
+
+
+@dataclass(frozen=True)
 class ArtifactPlan:
     """Everything one run will do, decided before anything is done."""
 
@@ -123,6 +153,7 @@ class ArtifactPlan:
     promote: bool = False
     previous_current: str | None = None
     evict: tuple[Eviction, ...] = ()
+    drop_partials: tuple[PartialDrop, ...] = ()
     remove: bool = False
     store_bytes_before: int = 0
     store_bytes_after: int = 0
@@ -139,6 +170,7 @@ class ArtifactPlan:
             or self.pin_changed
             or self.promote
             or self.evict
+            or self.drop_partials
             or self.remove
         )
 
@@ -159,6 +191,10 @@ class ArtifactPlan:
             "previous_current": self.previous_current,
             "pinned": self.pin,
             "evict": [{"name": e.name, "version": e.version, "size": e.size} for e in self.evict],
+            "drop_partials": [
+                {"sha256": d.sha256, "size": d.size, "modified": format_rfc3339(d.modified), "reason": d.reason}
+                for d in self.drop_partials
+            ],
             "remove": self.remove,
             "store_bytes_before": self.store_bytes_before,
             "store_bytes_after": self.store_bytes_after,
@@ -177,6 +213,11 @@ class ArtifactPlan:
         for eviction in self.evict:
             before.append(f"version {eviction.name}/{eviction.version} ({eviction.size} bytes)")
             after.append(f"evicted {eviction.name}/{eviction.version}")
+        for drop in self.drop_partials:
+            before.append(
+                f"partial download {drop.sha256[:12]}... ({drop.size} bytes, modified {format_rfc3339(drop.modified)})"
+            )
+            after.append(f"removed partial download {drop.sha256[:12]}... ({drop.reason})")
         if self.remove:
             before.append(f"version {self.name}/{self.version}")
         elif self.state == "present":
@@ -259,7 +300,8 @@ def plan_artifact(
         recorded = state.blobs.get(sha)
         if on_disk is None:
             location = resolve_location(source, path, file_url=url, base_url=manifest.base_url)
-            fetch.append(FetchStep(sha, size, path, location, min(state.partial.get(sha, 0), size)))
+            partial = state.partial.get(sha)
+            fetch.append(FetchStep(sha, size, path, location, min(partial.size if partial else 0, size)))
         elif recorded != on_disk or on_disk.size != size or verify == "full":
             rehash.append(sha)
 
@@ -268,9 +310,16 @@ def plan_artifact(
     assemble = not (same_files and state.intact) or bool(fetch)
     current = state.current.get(name)
 
-    before_bytes = _referenced_bytes(state.versions.values(), state)
-    evict, after_bytes = _plan_evictions(
-        state, target=(name, version), extra=needed, max_bytes=max_bytes, in_use=frozenset(in_use)
+    before_bytes = _referenced_bytes(state.versions.values(), state) + _partial_bytes(state.partial)
+    stale = _stale_partials(state, needed)
+    foreign = {sha: p for sha, p in state.partial.items() if sha not in needed and sha not in stale}
+    evict, budget_drops, after_bytes = _plan_evictions(
+        state,
+        target=(name, version),
+        extra=needed,
+        max_bytes=max_bytes,
+        in_use=frozenset(in_use),
+        partials=foreign,
     )
     return ArtifactPlan(
         state="present",
@@ -289,6 +338,7 @@ def plan_artifact(
         promote=promote and current != version,
         previous_current=current,
         evict=tuple(evict),
+        drop_partials=tuple(stale.values()) + tuple(budget_drops),
         store_bytes_before=before_bytes,
         store_bytes_after=after_bytes,
         max_bytes=max_bytes,
@@ -305,17 +355,36 @@ def plan_removal(
         raise ArtifactStoreError(
             f"refusing to remove {name}/{version}: an engine uses artifact {name!r}; stop or re-point the engine first"
         )
-    before = _referenced_bytes(state.versions.values(), state)
+    before = _referenced_bytes(state.versions.values(), state) + _partial_bytes(state.partial)
     remaining = [record for key, record in state.versions.items() if key != (name, version)]
+    stale = _stale_partials(state, {})
+    kept = {sha: p for sha, p in state.partial.items() if sha not in stale}
     return ArtifactPlan(
         state="absent",
         name=name,
         version=version,
         remove=present,
         previous_current=current,
+        drop_partials=tuple(stale.values()),
         store_bytes_before=before,
-        store_bytes_after=_referenced_bytes(remaining, state),
+        store_bytes_after=_referenced_bytes(remaining, state) + _partial_bytes(kept),
     )
+
+
+def _partial_bytes(partials: Mapping[str, PartialFile]) -> int:
+    return sum(partial.size for partial in partials.values())
+
+
+def _stale_partials(state: StoreState, needed: Mapping[str, Any]) -> dict[str, PartialDrop]:
+    """Partials this plan does not resume that nobody has written to for ``PARTIAL_MAX_AGE``, oldest first."""
+    if state.observed_at is None:
+        return {}  # no clock reading: no age can be judged, so nothing is old
+    stale = {
+        sha: PartialDrop(sha, partial.size, partial.modified, "stale")
+        for sha, partial in state.partial.items()
+        if sha not in needed and state.observed_at - partial.modified > PARTIAL_MAX_AGE
+    }
+    return dict(sorted(stale.items(), key=lambda item: (item[1].modified, item[0])))
 
 
 def _blob_size(sha: str, state: StoreState, extra: Mapping[str, tuple[int, str, str | None]]) -> int:
@@ -341,11 +410,18 @@ def _plan_evictions(
     extra: Mapping[str, tuple[int, str, str | None]],
     max_bytes: int | None,
     in_use: frozenset[str],
-) -> tuple[list[Eviction], int]:
+    partials: Mapping[str, PartialFile],
+) -> tuple[list[Eviction], list[PartialDrop], int]:
+    """Versions to evict, then partials to drop, to fit ``max_bytes``; and the store's bytes afterwards.
+
+    ``partials`` are the partial downloads the plan keeps otherwise (not resumed, not stale): their bytes
+    count like any others.
+    """
     kept = {key: record for key, record in state.versions.items() if key != target}
-    total = _referenced_bytes(kept.values(), state, extra)
+    partial_total = _partial_bytes(partials)
+    total = _referenced_bytes(kept.values(), state, extra) + partial_total
     if max_bytes is None or total <= max_bytes:
-        return [], total
+        return [], [], total
     protected: dict[tuple[str, str], str] = {}
     for key, record in kept.items():
         if record.pinned:
@@ -363,9 +439,15 @@ def _plan_evictions(
         if total <= max_bytes:
             break
         del kept[(record.name, record.version)]
-        after = _referenced_bytes(kept.values(), state, extra)
+        after = _referenced_bytes(kept.values(), state, extra) + partial_total
         evicted.append(Eviction(record.name, record.version, total - after, record.last_used))
         total = after
+    dropped: list[PartialDrop] = []
+    for sha, partial in sorted(partials.items(), key=lambda item: (item[1].modified, item[0])):
+        if total <= max_bytes:
+            break
+        dropped.append(PartialDrop(sha, partial.size, partial.modified, "budget"))
+        total -= partial.size
     if total > max_bytes:
         held = ", ".join(f"{n}/{v} ({why})" for (n, v), why in sorted(protected.items())) or "none"
         raise ArtifactStoreError(
@@ -373,4 +455,4 @@ def _plan_evictions(
             f"everything that may be evicted the store would still hold {total} bytes. Protected versions: {held}. "
             "Unpin or remove versions, or raise store.max_bytes in the policy"
         )
-    return evicted, total
+    return evicted, dropped, total

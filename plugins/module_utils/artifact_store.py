@@ -37,11 +37,19 @@ Choices worth knowing:
   versions, the current version of any name, names in ``in_use``, or the version being installed. It
   deletes version directories and then every blob no version references any more.
 - A version may not be called ``current``: that name is the switch.
+- Partial downloads count against ``max_bytes``. A partial the plan resumes is never deleted; any
+  other partial nobody has written to for ``PARTIAL_MAX_AGE`` (7 days: it outlives a long weekend's
+  outage) is deleted by the next run of any artifact, and when the budget cannot be met after evicting
+  every evictable version, the remaining foreign partials go (oldest first) before the run fails. Both
+  are in the plan (``drop_partials``) and the diff, so check mode shows them and deletes nothing.
+- Redirects are followed with a bound, never from https to http, and a resume's Range goes to the
+  server that answers (see ``artifact_fetch``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -74,12 +82,15 @@ from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import
     CURRENT,
     INDEX_FILE,
     LOCK_FILE,
+    PARTIAL_MAX_AGE,
     ArtifactPathError,
     ArtifactPlan,
     ArtifactStoreError,
     BlobRecord,
     Eviction,
     FetchStep,
+    PartialDrop,
+    PartialFile,
     StoreLockedError,
     StoreState,
     VersionRecord,
@@ -94,6 +105,7 @@ from ansible_collections.meridian.node.plugins.module_utils.fileutil import atom
 __all__ = [
     "CURRENT",
     "INDEX_FILE",
+    "PARTIAL_MAX_AGE",
     "ApplyResult",
     "ArtifactIntegrityError",
     "ArtifactPathError",
@@ -105,6 +117,8 @@ __all__ = [
     "Eviction",
     "FetchStep",
     "Outcome",
+    "PartialDrop",
+    "PartialFile",
     "Store",
     "StoreLockedError",
     "StoreState",
@@ -127,6 +141,7 @@ class ApplyResult:
     repaired: tuple[str, ...] = ()  # blobs that failed a re-hash and were fetched again
     evicted: tuple[str, ...] = ()
     removed_blobs: tuple[str, ...] = ()
+    dropped_partials: tuple[str, ...] = ()  # sha256 of the partial downloads deleted
     promoted: bool = False
 
 
@@ -197,6 +212,7 @@ class Store:
     # reading
     def observe(self, name: str | None = None, version: str | None = None) -> StoreState:
         """Read index and disk; with ``name``/``version``, also check that version's directory."""
+        observed_at = self.clock()
         index = self._load_index()
         versions = index["versions"]
         blobs = index["blobs"]
@@ -206,11 +222,13 @@ class Store:
                 if _SHA256.match(entry.name) and entry.is_file(follow_symlinks=False):
                     stat = entry.stat(follow_symlinks=False)
                     present[entry.name] = BlobRecord(stat.st_size, stat.st_ino, stat.st_mtime_ns)
-        partial: dict[str, int] = {}
+        partial: dict[str, PartialFile] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.staging_dir):
-                if entry.name.endswith(".partial") and entry.is_file(follow_symlinks=False):
-                    partial[entry.name[: -len(".partial")]] = entry.stat(follow_symlinks=False).st_size
+                sha = entry.name.removesuffix(".partial")
+                if sha != entry.name and _SHA256.match(sha) and entry.is_file(follow_symlinks=False):
+                    stat = entry.stat(follow_symlinks=False)
+                    partial[sha] = PartialFile(stat.st_size, datetime.fromtimestamp(stat.st_mtime_ns / 1e9, UTC))
         current: dict[str, str] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.artifacts_dir):
@@ -219,22 +237,18 @@ class Store:
                     if entry.is_dir(follow_symlinks=False) and os.path.islink(link):
                         current[entry.name] = os.readlink(link)
         state = StoreState(
-            root=self.root, versions=versions, blobs=blobs, present=present, current=current, partial=partial
-        )
-        if name is None or version is None:
-            return state
-        intact, exists, conflicts = self._inspect_version(state, name, version)
-        return StoreState(
             root=self.root,
             versions=versions,
             blobs=blobs,
             present=present,
             current=current,
             partial=partial,
-            intact=intact,
-            version_dir_exists=exists,
-            conflicts=conflicts,
+            observed_at=observed_at,
         )
+        if name is None or version is None:
+            return state
+        intact, exists, conflicts = self._inspect_version(state, name, version)
+        return dataclasses.replace(state, intact=intact, version_dir_exists=exists, conflicts=conflicts)
 
     def list_versions(self) -> list[dict[str, Any]]:
         """Every recorded version (for ``artifact list``): name, version, size, pinned, last_used, current."""
@@ -379,6 +393,7 @@ class Store:
             versions.pop((plan.name, plan.version), None)
             self._write_index(versions, blobs)
             self._remove_version_dir(plan.name, plan.version)
+        dropped = self._drop_partials(plan)
         keep = {sha for record in versions.values() for sha in record.digests}
         if plan.manifest is not None:
             keep.update(entry.sha256 for entry in plan.manifest.files)
@@ -386,7 +401,12 @@ class Store:
         if removed_blobs:
             self._write_index(versions, blobs)
         if plan.state == "absent" or plan.manifest is None:
-            return ApplyResult(changed=plan.changed, evicted=tuple(evicted), removed_blobs=tuple(removed_blobs))
+            return ApplyResult(
+                changed=plan.changed,
+                evicted=tuple(evicted),
+                removed_blobs=tuple(removed_blobs),
+                dropped_partials=dropped,
+            )
 
         manifest = plan.manifest
         check_manifest_paths(manifest)
@@ -459,7 +479,9 @@ class Store:
         if plan.promote:
             self._switch_current(name, version)
             promoted = True
-        changed = bool(fetched or repaired or evicted or removed_blobs or promoted or changed_record or plan.assemble)
+        changed = bool(
+            fetched or repaired or evicted or removed_blobs or dropped or promoted or changed_record or plan.assemble
+        )
         return ApplyResult(
             changed=changed,
             fetched=tuple(fetched),
@@ -467,8 +489,24 @@ class Store:
             repaired=tuple(repaired),
             evicted=tuple(evicted),
             removed_blobs=tuple(removed_blobs),
+            dropped_partials=dropped,
             promoted=promoted,
         )
+
+    def _drop_partials(self, plan: ArtifactPlan) -> tuple[str, ...]:
+        """Delete the partial downloads the plan gave up on (before fetching, so the budget holds meanwhile)."""
+        resumed = {step.sha256 for step in plan.fetch}
+        if plan.manifest is not None:
+            resumed.update(entry.sha256 for entry in plan.manifest.files)
+        dropped = []
+        for drop in plan.drop_partials:
+            if drop.sha256 in resumed:
+                raise RuntimeError(f"plan drops the partial download {drop.sha256} it also needs; this is a bug")
+            _unlink(self.staging_path(drop.sha256))
+            dropped.append(drop.sha256)
+        if dropped:
+            fsync_directory(self.staging_dir)
+        return tuple(dropped)
 
     def _assemble(self, manifest: ArtifactManifest) -> None:
         name_dir = os.path.join(self.artifacts_dir, manifest.name)

@@ -21,7 +21,10 @@ description:
   - A re-run with the same manifest changes nothing and re-hashes nothing, unless O(verify=full).
   - Before fetching, least recently used versions are evicted to stay within the policy's
     C(store.max_bytes). Pinned versions, the current version of every name, and names listed in
-    O(in_use) are never evicted.
+    O(in_use) are never evicted. Partial downloads count against that budget too.
+  - A partial download kept after a transfer failure is deleted by a later run once nothing has written
+    to it for 7 days, unless that run resumes it.
+  - HTTP redirects are followed (at most 10 hops); a redirect from https to plain http is refused.
   - Any failure leaves the previously current version in place and serving.
 requirements:
   - pydantic, cryptography and PyYAML on the managed host.
@@ -149,8 +152,9 @@ signers:
 plan:
   description:
     - What the run did (or, in check mode, would do) - files to fetch with their resume offsets, blobs
-      to re-hash, whether the version is assembled and promoted, versions evicted, store bytes before
-      and after.
+      to re-hash, whether the version is assembled and promoted, versions evicted, partial downloads
+      dropped (C(drop_partials), each with C(sha256), C(size), C(modified) and C(reason) V(stale) or
+      V(budget)), store bytes before and after (partial downloads included).
   returned: success
   type: dict
 fetched:

@@ -15,6 +15,10 @@ Modes:
   times, then normal).
 - ``slow``: sends ``slow_chunk`` bytes, then sleeps ``slow_delay`` seconds, until done.
 - ``wrong-range``: answers a Range request with a 206 that starts at byte 0.
+
+``redirects`` (URL path -> (status, Location)) answers a path with a redirect before any file or mode is
+looked at; a Location may be relative or point at another server. ``tls=(cert, key)`` makes the server
+speak HTTPS (``tls_material`` issues a CA and a 127.0.0.1 certificate for it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -34,7 +39,9 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ArtifactServer", "RequestRecord", "small_tmpfs"]
+from meridian_node_agent.devserver.ca import CertificateAuthority
+
+__all__ = ["ArtifactServer", "RequestRecord", "TlsMaterial", "small_tmpfs", "tls_material"]
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,24 @@ class RequestRecord:
     status: int
 
 
+@dataclass(frozen=True)
+class TlsMaterial:
+    ca: Path  # the CA bundle a client verifies the server with
+    cert: Path
+    key: Path
+
+
+def tls_material(directory: Path) -> TlsMaterial:
+    """A fresh CA and a server certificate for 127.0.0.1 signed by it, under ``directory``."""
+    authority = CertificateAuthority(directory / "ca")
+    cert, key = authority.write_server_certificate(directory / "server", ["127.0.0.1"])
+    return TlsMaterial(authority.cert_path, cert, key)
+
+
 class ArtifactServer:
-    def __init__(self, files: dict[str, bytes] | None = None) -> None:
+    def __init__(self, files: dict[str, bytes] | None = None, tls: TlsMaterial | None = None) -> None:
         self.files: dict[str, bytes] = dict(files or {})
+        self.redirects: dict[str, tuple[int, str]] = {}
         self.disk_files: dict[str, Path] = {}  # large files served from disk, always well behaved
         self.mode = "normal"
         self.failures_left = 0
@@ -59,12 +81,18 @@ class ArtifactServer:
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
+        self.scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls.cert, tls.key)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, name="artifact-server", daemon=True)
 
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{self.scheme}://{host!s}:{port}"
 
     def start(self) -> ArtifactServer:
         self._thread.start()
@@ -93,6 +121,14 @@ def _handler_for(server: ArtifactServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = urllib.parse.unquote(urllib.parse.urlparse(self.path).path).lstrip("/")
             range_header = self.headers.get("Range")
+            if path in server.redirects:
+                status, location = server.redirects[path]
+                server.record(path, range_header, status)
+                self.send_response(status)
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
             if path in server.disk_files:
                 return self._send_disk(path, range_header, server.disk_files[path])
             data = server.files.get(path)

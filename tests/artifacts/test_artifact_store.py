@@ -277,8 +277,9 @@ def test_version_called_current_would_shadow_the_switch(store: Store) -> None:
     with pytest.raises(ValidationError, match="version 'current' is reserved"):
         ArtifactManifest.model_validate(artifact_manifest(version="current"))
     # The contract refuses it; the store refuses it again for callers that skipped validation.
-    manifest = ArtifactManifest.model_construct(**{**ArtifactManifest.model_validate(artifact_manifest()).__dict__,
-                                                   "version": "current"})
+    manifest = ArtifactManifest.model_construct(
+        **{**ArtifactManifest.model_validate(artifact_manifest()).__dict__, "version": "current"}
+    )
     with pytest.raises(ArtifactPathError, match="current"):
         ensure_artifact(store, manifest, manifest_sha256="0" * 64, check_mode=True)
 
@@ -579,3 +580,38 @@ def test_one_gib_artifact_streams_verifies_and_reruns_without_rehash(
     monkeypatch.setattr(artifact_fetch, "new_sha256", counting)
     assert not ensure_artifact(store, manifest, manifest_sha256="0" * 64, source=f"{server.url}/big/1").changed
     assert hashers == []
+
+
+def test_abandoned_partial_download_is_removed_while_fresh_and_resumed_ones_stay(
+    server: ArtifactServer, store: Store, tmp_path: Path, clock: Clock
+) -> None:
+    data = os.urandom(2 * MIB)
+    release = Release(server, "1.0", {"w.bin": data})
+    Path(store.staging_dir).mkdir(parents=True)
+
+    def leave_partial(sha: str, content: bytes, age: timedelta) -> Path:
+        path = Path(store.staging_path(sha))
+        path.write_bytes(content)
+        stamp = (clock.now - age).timestamp()
+        os.utime(path, (stamp, stamp))
+        return path
+
+    abandoned = leave_partial("e" * 64, os.urandom(5000), timedelta(days=8))
+    fresh = leave_partial("d" * 64, os.urandom(3000), timedelta(hours=1))
+    resumed = leave_partial(hashlib.sha256(data).hexdigest(), data[:MIB], timedelta(days=30))
+    stray = Path(store.staging_dir, "notes.txt")
+    stray.write_text("not ours to judge")
+
+    preview = install(store, release, tmp_path, check_mode=True)
+    assert [(d.sha256, d.reason) for d in preview.plan.drop_partials] == [("e" * 64, "stale")]
+    assert "removed partial download eeeeeeeeeeee... (stale)" in preview.plan.diff()["after"]
+    assert abandoned.exists() and fresh.exists() and resumed.exists()  # check mode deletes nothing
+
+    outcome = install(store, release, tmp_path)
+    assert outcome.result is not None and outcome.result.dropped_partials == ("e" * 64,)
+    assert not abandoned.exists()
+    assert fresh.read_bytes() and stray.exists()
+    assert outcome.result.fetched[0].resumed_from == MIB  # the old partial of the wanted file was resumed
+    assert server.ranges()[-1] == f"bytes={MIB}-"
+    assert (Path(store.version_dir("llama", "1.0")) / "w.bin").read_bytes() == data
+    assert sorted(staged(store)) == sorted([fresh.name, stray.name])

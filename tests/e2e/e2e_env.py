@@ -51,8 +51,12 @@ PORT_RANGE = (9400, 9499)
 
 
 def tag_for_e2e(client: Any, image: LocalImage) -> LocalImage:
-    """The stand-in engine image under ``E2E_REPOSITORY`` (same image id), pinned the way policy checks it."""
-    tag = image.tag.rsplit(":", 1)[1]
+    """The stand-in engine image under ``E2E_REPOSITORY`` (same image id), pinned the way policy checks it.
+
+    The tag is unique to the caller, which removes it afterwards: two test sessions on one Docker Engine
+    (a CI run beside a developer's) must not untag the image under each other's engines.
+    """
+    tag = f"{image.tag.rsplit(':', 1)[1]}-{secrets.token_hex(4)}"
     client.images.get(image.id).tag(E2E_REPOSITORY, tag=tag)
     return LocalImage(tag=f"{E2E_REPOSITORY}:{tag}", id=image.id)
 

@@ -132,7 +132,12 @@ def _role_spec(data: Any, where: str) -> _RoleSpec:
 
 def _trust(data: Any) -> dict[str, _RoleSpec]:
     document = check_mapping(data, "trust", required=("control",), optional=ROLES[1:])
-    return {role: _role_spec(document[role], f"trust.{role}") for role in ROLES if document.get(role) is not None}
+    # control must be a role; the others may be left out or null (their documents are then refused).
+    return {
+        role: _role_spec(document[role], f"trust.{role}")
+        for role in ROLES
+        if role == "control" or document.get(role) is not None
+    }
 
 
 def _known(values: tuple[str, ...], where: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:

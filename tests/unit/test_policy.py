@@ -252,6 +252,27 @@ def test_drivers_ports_and_modes_are_checked_against_policy(full: Policy) -> Non
             id="no-keys",
         ),
         pytest.param("trust: {}\n", "trust.control: a required field is missing", id="no-control-role"),
+        pytest.param(
+            "trust: {control: null}\n",
+            "trust.control: input should be a valid dictionary (got None)",
+            id="null-control",
+        ),
+        pytest.param(
+            with_control(control="{threshold: 1.0, public_keys: [keys/control-0.pem]}"),
+            "trust.control.threshold: input should be a valid integer (got 1.0)",
+            id="threshold-as-float",
+        ),
+        pytest.param(
+            with_control("engines: {port_range: [8000, true]}"),
+            "engines.port_range[1]: input should be a valid integer (got True)",
+            id="port-as-boolean",
+        ),
+        pytest.param(
+            with_control("images: null"), "images: input should be a valid dictionary (got None)", id="null-section"
+        ),
+        pytest.param(
+            with_control("store: {max_bytes: 1.5}"), "store.max_bytes: must be a byte count", id="size-as-float"
+        ),
         pytest.param("images: {}\n", "trust: a required field is missing", id="no-trust"),
         pytest.param(with_control("imagez: {}"), "imagez: unknown field (got {})", id="unknown-section"),
         pytest.param(

@@ -9,11 +9,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config
 from meridian_node_agent.control_client import ControlClient, ControlPlaneError
-from meridian_node_agent.identity import IdentityError, NodeIdentity
+from meridian_node_agent.identity import CertificateInfo, IdentityError, NodeIdentity
 from meridian_node_agent.logs import EventLogger, configure_logging
 from meridian_node_agent.oplog import OpLog
 from meridian_node_agent.usage import UsageError
@@ -62,7 +63,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "status",
         help="show the node's lease, applied generation and last run",
         description="Print a table: node, mode, lease epoch and expiry, applied generation, last run ident "
-        "and result, and the agent's counters, from the state dir (the agent need not be running).",
+        "and result, the agent's counters, and the client certificate's expiry and renewal, from the state "
+        "dir (the agent need not be running).",
     )
     status.set_defaults(handler=cmd_status)
 
@@ -191,11 +193,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     oplog = OpLog(state_dir / "oplog.jsonl")
-    print(format_status(config, applied.generation, applied.epoch, read_status(state_dir), oplog))
+    try:
+        certificate: CertificateInfo | None = NodeIdentity(config.identity_dir).certificate()
+    except IdentityError:
+        certificate = None
+    now = datetime.now(UTC)
+    print(format_status(config, applied.generation, applied.epoch, read_status(state_dir), oplog, certificate, now))
     return 0
 
 
-def format_status(config: AgentConfig, generation: int, epoch: int, status: dict[str, Any] | None, oplog: OpLog) -> str:
+def format_status(
+    config: AgentConfig,
+    generation: int,
+    epoch: int,
+    status: dict[str, Any] | None,
+    oplog: OpLog,
+    certificate: CertificateInfo | None = None,
+    now: datetime | None = None,
+) -> str:
     last = oplog.last()
     run = (status or {}).get("last_run") or {}
     counters = (status or {}).get("counters") or {}
@@ -218,10 +233,35 @@ def format_status(config: AgentConfig, generation: int, epoch: int, status: dict
         ),
         ("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none"),
         ("engines", _engines_text((status or {}).get("engines") or [])),
+        ("certificate", _certificate_text(certificate, now or datetime.now(UTC))),
+        ("cert renewal", _renewal_text(config, certificate, (status or {}).get("certificate") or {})),
         ("status updated", _text((status or {}).get("updated_at"))),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _certificate_text(certificate: CertificateInfo | None, now: datetime) -> str:
+    if certificate is None:
+        return "none (not enrolled)"
+    left = certificate.remaining(now)
+    state = f"{left / 86400:.1f} day(s) left" if left > 0 else "EXPIRED: enroll again"
+    return f"serial {certificate.serial:x}, valid until {format_rfc3339(certificate.not_after)} ({state})"
+
+
+def _renewal_text(config: AgentConfig, certificate: CertificateInfo | None, renewal: dict[str, Any]) -> str:
+    if certificate is None:
+        return "-"
+    due = format_rfc3339(certificate.renew_after(config.certificate_renewal.remaining_fraction))
+    parts = [f"due from {due}"]
+    if renewal.get("last_renewed_at"):
+        parts.append(f"last renewed at {renewal['last_renewed_at']}")
+    if renewal.get("failures"):
+        parts.append(
+            f"last failed at {renewal.get('last_failed_at')} ({renewal['failures']} attempt(s)): "
+            f"{renewal.get('last_error')}; next attempt at {renewal.get('next_attempt_at')}"
+        )
+    return "; ".join(parts)
 
 
 def _text(value: Any) -> str:

@@ -58,6 +58,26 @@ class Backoff(_Section):
         return self
 
 
+class CertificateRenewal(_Section):
+    """When the agent replaces its client certificate (and key) with a new one from the control plane."""
+
+    # Renew once less than this fraction of the certificate's lifetime is left: a third of a 30-day
+    # certificate is 10 days of retries before it lapses.
+    remaining_fraction: Annotated[float, Field(gt=0, lt=1)] = 1 / 3
+    # A failed renewal is retried after this, doubling (with jitter) up to the maximum.
+    retry_initial_seconds: Annotated[float, Field(gt=0, le=86400)] = 60.0
+    retry_max_seconds: Annotated[float, Field(gt=0, le=86400)] = 3600.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "CertificateRenewal":
+        if self.retry_max_seconds < self.retry_initial_seconds:
+            raise ValueError(
+                f"retry_max_seconds ({self.retry_max_seconds}) is below retry_initial_seconds "
+                f"({self.retry_initial_seconds})"
+            )
+        return self
+
+
 class Journal(_Section):
     keep_runs: Annotated[int, Field(ge=1, le=10000)] = 20
 
@@ -92,6 +112,7 @@ class AgentConfig(_Section):
     state_dir: str = "/var/lib/meridian-node"
     control_plane: ControlPlane | None = None
     backoff: Backoff = Field(default_factory=Backoff)
+    certificate_renewal: CertificateRenewal = Field(default_factory=CertificateRenewal)
     journal: Journal = Field(default_factory=Journal)
     apply: Apply = Field(default_factory=Apply)
     air_gap: AirGap | None = None
@@ -130,10 +151,12 @@ def load_config(path: os.PathLike[str] | str) -> AgentConfig:
     except ValidationError as exc:
         raise ConfigError(f"{what}: {describe_validation_error(exc)}") from exc
     base = Path(source).resolve().parent
-    return config.model_copy(update={
-        "policy": str(base / config.policy),
-        "state_dir": str(base / config.state_dir),
-        "air_gap": None if config.air_gap is None else AirGap(
-            inbox=str(base / config.air_gap.inbox), outbox=str(base / config.air_gap.outbox)
-        ),
-    })
+    return config.model_copy(
+        update={
+            "policy": str(base / config.policy),
+            "state_dir": str(base / config.state_dir),
+            "air_gap": None
+            if config.air_gap is None
+            else AirGap(inbox=str(base / config.air_gap.inbox), outbox=str(base / config.air_gap.outbox)),
+        }
+    )

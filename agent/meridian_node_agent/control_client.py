@@ -37,6 +37,7 @@ from urllib.parse import quote, urlencode, urlsplit
 from pydantic import BaseModel
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    CertificateRenewalRequest,
     EnrollmentRequest,
     EnrollmentResponse,
     Lease,
@@ -162,6 +163,25 @@ class ControlClient:
         request = EnrollmentRequest(node_id=node_id, token=token, csr_pem=csr_pem)
         answer = self._call("POST", "/v1/enroll", body=request)
         return self._parse(answer, EnrollmentResponse, "enrollment response")
+
+    def renew_certificate(self, node_id: str, csr_pem: str) -> EnrollmentResponse:
+        """A new certificate for the CSR's key, authenticated with the current one (which stays valid)."""
+        request = CertificateRenewalRequest(node_id=node_id, csr_pem=csr_pem)
+        answer = self._call("POST", f"/v1/nodes/{_segment(node_id)}/certificate", body=request)
+        response = self._parse(answer, EnrollmentResponse, "certificate renewal response")
+        if response.node_id != node_id:
+            raise ControlPlaneUnavailable(f"the control plane renewed the certificate of node {response.node_id!r}")
+        return response
+
+    def reload_identity(self) -> None:
+        """Drop the TLS context and the kept-alive connection: the next call loads the files as they are now.
+
+        A renewal calls this after switching the key and certificate. The file check before each call
+        would notice the switch as well (new inodes); this makes the switch explicit at the point it happens.
+        """
+        self.close()
+        self._context = None
+        self._signature = None
 
     def heartbeat(self, node_id: str) -> Lease:
         answer = self._call("POST", f"/v1/nodes/{_segment(node_id)}/heartbeat")

@@ -13,6 +13,10 @@ Rules the loop keeps:
 - No apply without a live lease: a lapsed lease stops new applies (the control plane may have handed
   this node's work to someone else), never running engines.
 - ``observe-only`` verifies and reports but never applies.
+- The client certificate is renewed once less than ``certificate_renewal.remaining_fraction`` of its
+  lifetime is left, at the start of a cycle, so the rest of the cycle already uses the new pair. A failed
+  renewal is logged and retried after a backoff of its own; it never fails the cycle, because the old
+  certificate is still valid (and when it is not, the calls after it say so).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from meridian_node_agent.control_client import (
     DesiredStateFetch,
     FetchStatus,
 )
+from meridian_node_agent.identity import CertificateIssuer, CertificateRenewal, IdentityError, NodeIdentity
 from meridian_node_agent.logs import EventLogger
 from meridian_node_agent.oplog import OpLog
 
@@ -186,6 +191,13 @@ class Agent:
         self._renewed_at: float | None = None
         self._epoch_ok = True
         self._engines: list[dict[str, Any]] = []
+        # Renewal talks to the real control client even when a test wraps ``client`` for the other calls.
+        self.issuer: CertificateIssuer | None = client if isinstance(client, CertificateIssuer) else None
+        renewal = config.certificate_renewal
+        self.renewal = CertificateRenewal(
+            NodeIdentity(config.identity_dir), remaining_fraction=renewal.remaining_fraction
+        )
+        self.renewal_backoff = Backoff(renewal.retry_initial_seconds, renewal.retry_max_seconds, self.backoff.rng)
         control = config.control_plane
         self.wait = float(min(control.long_poll_seconds, control.heartbeat_seconds)) if control else 0.0
         self.pause = float(control.heartbeat_seconds) if control else 30.0
@@ -240,6 +252,8 @@ class Agent:
         started = time.monotonic()
         self.counters.cycles += 1
         node = self.config.node_id
+        if self.issuer is not None and self.renewal.due(self.clock()):
+            self._renew_certificate(self.issuer)
         if self._heartbeat_due():
             self.lease = self.client.heartbeat(node)
             self._renewed_at = self.monotonic()
@@ -359,6 +373,24 @@ class Agent:
         )
         return result
 
+    def _renew_certificate(self, issuer: CertificateIssuer) -> None:
+        now = self.clock()
+        try:
+            info = self.renewal.renew(issuer, self.config.node_id, now)
+        except (ControlPlaneError, IdentityError, OSError) as exc:
+            retry_at = self.renewal.failed(now, str(exc), self.renewal_backoff.delay(self.renewal.failures + 1))
+            old = self.renewal.info
+            self.log.warning(
+                "certificate-renewal-failed",
+                error=str(exc),
+                attempt=self.renewal.failures,
+                retry_at=format_rfc3339(retry_at),
+                certificate_not_after=format_rfc3339(old.not_after) if old else None,
+            )
+            return
+        if info is not None:
+            self.log.info("certificate-renewed", serial=f"{info.serial:x}", not_after=format_rfc3339(info.not_after))
+
     def _heartbeat_due(self) -> bool:
         """Renew every ``heartbeat_seconds``, and always while the lease is unknown or about to lapse.
 
@@ -423,6 +455,7 @@ class Agent:
             "last_run": _run_summary(self.last_run),
             "counters": asdict(self.counters),
             "engines": self._engines,
+            "certificate": self.renewal.status(),
         }
         # Rewritten when something in it changed, or STATUS_REFRESH_SECONDS after the last write so that
         # 'updated_at' still shows a live agent: an unchanged cycle would otherwise cost a file write.

@@ -54,6 +54,7 @@ __all__ = [
     "ArtifactRef",
     "Bundle",
     "BundleFile",
+    "CertificateRenewalRequest",
     "DesiredState",
     "EngineSpec",
     "EnrollmentRequest",
@@ -350,6 +351,14 @@ class EnrollmentRequest(_Strict):
     csr_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE REQUEST-----")]
 
 
+class CertificateRenewalRequest(_Strict):
+    """A CSR for a new key, sent over mutual TLS with the node's current certificate; answered with an
+    ``EnrollmentResponse`` (the new certificate, the CA bundle and the node's current lease)."""
+
+    node_id: NodeId
+    csr_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE REQUEST-----")]
+
+
 class EnrollmentResponse(_Strict):
     node_id: NodeId
     certificate_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE-----")]
@@ -485,6 +494,7 @@ SCHEMAS: dict[str, type[BaseModel]] = {
     "lease": Lease,
     "enrollment-request": EnrollmentRequest,
     "enrollment-response": EnrollmentResponse,
+    "certificate-renewal-request": CertificateRenewalRequest,
     "serving-projection": ServingProjection,
     "envelope": Envelope,
     "gpu-facts": GpuFacts,

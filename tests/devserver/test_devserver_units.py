@@ -269,6 +269,13 @@ def test_public_api_of_the_protocol_client_is_pinned() -> None:
         "DesiredStateFetch",
         "FetchStatus",
     }
-    assert set(identity_module.__all__) == {"CertificateInfo", "IdentityError", "NodeIdentity"}
+    assert set(identity_module.__all__) == {
+        "CertificateInfo",
+        "CertificateIssuer",
+        "CertificateRenewal",
+        "IdentityError",
+        "NodeIdentity",
+        "PendingKey",
+    }
     assert issubclass(client_module.ControlPlaneRejected, client_module.ControlPlaneError)
     assert issubclass(client_module.ControlPlaneUnavailable, client_module.ControlPlaneError)

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    CertificateRenewalRequest,
     EnrollmentRequest,
     Observation,
     ValidationError,
@@ -87,6 +88,12 @@ def create_app(control: ControlPlane) -> FastAPI:
         remote = request.client.host if request.client else "unknown"
         control.observe(node_id, observation, remote)
         return Response(status_code=204)
+
+    @app.post("/v1/nodes/{node_id}/certificate")
+    async def renew_certificate(node_id: str, request: Request) -> Response:
+        _authenticate(control, request, node_id)
+        body = await _read_model(request, CertificateRenewalRequest)
+        return _json(control.renew_certificate(peer_certificate_der(request.scope), node_id, body))
 
     @app.get("/v1/serving")
     async def serving(request: Request) -> Response:

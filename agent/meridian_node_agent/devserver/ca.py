@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 _CA_NAME = "meridian-node devserver CA"
+_BACKDATE = dt.timedelta(minutes=5)
 
 
 class CsrError(ValueError):
@@ -132,8 +133,26 @@ class CertificateAuthority:
         write_public_file(self.cert_path, certificate.public_bytes(serialization.Encoding.PEM))
         return certificate
 
-    def issue_node_certificate(self, node_id: str, csr_pem: str, *, days: int) -> IssuedCertificate:
-        """Sign a node's CSR. Only the CSR's public key is used: subject and SANs come from ``node_id``."""
+    def issue_node_certificate(
+        self,
+        node_id: str,
+        csr_pem: str,
+        *,
+        days: int | None = None,
+        lifetime: dt.timedelta | None = None,
+        renewing: x509.Certificate | None = None,
+    ) -> IssuedCertificate:
+        """Sign a node's CSR. Only the CSR's public key is used: subject and SANs come from ``node_id``.
+
+        ``lifetime`` (or ``days``) is how long the certificate is valid from now. With ``renewing`` (the
+        certificate the node presented), the CSR must also name exactly ``node_id`` (CN and DNS SAN) and
+        carry a new key: a renewal rotates the key, so a leaked old key stops mattering at its expiry.
+        """
+        if (days is None) == (lifetime is None):
+            raise TypeError("give exactly one of days and lifetime")
+        valid_for = lifetime if lifetime is not None else dt.timedelta(days=days or 0)
+        if valid_for <= dt.timedelta(0):
+            raise ValueError(f"a certificate lifetime must be positive, got {valid_for}")
         try:
             csr = x509.load_pem_x509_csr(csr_pem.encode("ascii"))
         except (ValueError, UnicodeEncodeError) as exc:
@@ -146,12 +165,16 @@ class CertificateAuthority:
                 raise CsrError(f"EC key on curve {public.curve.name} is not accepted; use P-256 or P-384")
         elif not isinstance(public, ed25519.Ed25519PublicKey):
             raise CsrError(f"{type(public).__name__} keys are not accepted; use an EC P-256/P-384 or Ed25519 key")
+        if renewing is not None:
+            _check_renewal_csr(csr, node_id, renewing)
         now = _now()
-        not_after = now + dt.timedelta(days=days)
+        not_after = now + valid_for
         serial = _serial()
         certificate = (
             self._leaf_builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]), public, serial)
-            .not_valid_before(now - dt.timedelta(minutes=5))
+            # Backdated for clock skew between node and server, but never by more than a tenth of the
+            # lifetime: a short test certificate must not spend most of its life before it was issued.
+            .not_valid_before(now - min(_BACKDATE, valid_for / 10))
             .not_valid_after(not_after)
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(node_id)]), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
@@ -245,6 +268,24 @@ class CertificateAuthority:
             )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False)
+        )
+
+
+def _check_renewal_csr(csr: x509.CertificateSigningRequest, node_id: str, renewing: x509.Certificate) -> None:
+    common_names = [str(a.value) for a in csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    try:
+        san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns_names = list(san.get_values_for_type(x509.DNSName))
+    except x509.ExtensionNotFound:
+        dns_names = []
+    if common_names != [node_id] or dns_names != [node_id]:
+        raise CsrError(
+            f"a renewal CSR must name node {node_id!r} as its only CN and DNS subjectAltName; this one names "
+            f"CN {common_names} and DNS {dns_names}"
+        )
+    if csr.public_key() == renewing.public_key():
+        raise CsrError(
+            "the renewal CSR carries the key of the certificate it renews; generate a new key for every renewal"
         )
 
 

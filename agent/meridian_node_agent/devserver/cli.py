@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--certificate-days", type=int, default=Settings.certificate_days, help="validity of issued client certs"
     )
+    serve.add_argument(
+        "--certificate-seconds",
+        type=int,
+        metavar="N",
+        help="validity of issued client certs in seconds, overriding --certificate-days (to see renewal in "
+        "tests and demos)",
+    )
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=cmd_serve)
 
@@ -171,7 +178,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from meridian_node_agent.devserver.server import bind, prepare_tls, serve
 
     try:
-        settings = Settings(lease_seconds=args.lease_seconds, certificate_days=args.certificate_days)
+        settings = Settings(
+            lease_seconds=args.lease_seconds,
+            certificate_days=args.certificate_days,
+            certificate_seconds=args.certificate_seconds,
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     tokens = [_token_spec(spec, allow_auto=True) for spec in args.token]

@@ -15,11 +15,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ansible_collections.meridian.node.plugins.module_utils import dsse
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     DRIVERS,
+    CertificateRenewalRequest,
     DesiredState,
     EnrollmentRequest,
     EnrollmentResponse,
@@ -33,6 +35,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
 from meridian_node_agent.devserver.ca import CertificateAuthority, CsrError, PeerCertificateError, node_ids_in
 from meridian_node_agent.devserver.files import private_file_exclusive, write_public_file
 from meridian_node_agent.devserver.store import (
+    CertificateRecord,
     LeaseRecord,
     NodeRow,
     PublishedState,
@@ -70,11 +73,21 @@ class Settings:
     certificate_days: int = 30
     state_ttl_seconds: int = 3600
     max_wait_seconds: float = 60.0
+    # When set, overrides certificate_days: short certificates for tests and demos of renewal.
+    certificate_seconds: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "certificate_days", "state_ttl_seconds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.certificate_seconds is not None and self.certificate_seconds < 1:
+            raise ValueError(f"certificate_seconds must be at least 1, got {self.certificate_seconds}")
+
+    @property
+    def certificate_lifetime(self) -> timedelta:
+        if self.certificate_seconds is not None:
+            return timedelta(seconds=self.certificate_seconds)
+        return timedelta(days=self.certificate_days)
 
 
 @dataclass(frozen=True)
@@ -227,7 +240,7 @@ class ControlPlane:
     def enroll(self, request: EnrollmentRequest) -> EnrollmentResponse:
         try:
             issued = self.ca.issue_node_certificate(
-                request.node_id, request.csr_pem, days=self.settings.certificate_days
+                request.node_id, request.csr_pem, lifetime=self.settings.certificate_lifetime
             )
         except CsrError as exc:
             raise ProtocolError(422, "bad-csr", str(exc)) from exc
@@ -255,6 +268,45 @@ class ControlPlane:
         ``node_id`` None (an endpoint without a node in its path) accepts any valid, unrevoked certificate.
         Revocation is looked up per request, so ``revoke`` takes effect on the next one.
         """
+        return self._authenticated(certificate_der, node_id)[1].node_id
+
+    def renew_certificate(
+        self, certificate_der: bytes | None, node_id: str, request: CertificateRenewalRequest
+    ) -> EnrollmentResponse:
+        """A new certificate for the CSR's (new) key, for the node whose current certificate made the call.
+
+        Authenticated like every node endpoint; the presented certificate stays valid until it expires.
+        """
+        presented, record = self._authenticated(certificate_der, node_id)
+        if request.node_id != node_id:
+            raise ProtocolError(
+                403,
+                "wrong-node",
+                f"the renewal request is for node {request.node_id!r}, but was posted for node {node_id!r}",
+            )
+        try:
+            issued = self.ca.issue_node_certificate(
+                node_id, request.csr_pem, lifetime=self.settings.certificate_lifetime, renewing=presented
+            )
+        except CsrError as exc:
+            raise ProtocolError(422, "bad-csr", str(exc)) from exc
+        try:
+            lease = self.store.add_renewed_certificate(
+                node_id=node_id,
+                presented_serial=record.serial,
+                serial=_serial_key(issued.serial),
+                not_after=issued.not_after,
+                now=self.now(),
+            )
+        except StoreConflict as exc:
+            raise ProtocolError(403, exc.reason, exc.detail) from exc
+        return EnrollmentResponse(
+            node_id=node_id, certificate_pem=issued.pem, ca_bundle_pem=self.ca.bundle_pem, lease=_lease(lease)
+        )
+
+    def _authenticated(
+        self, certificate_der: bytes | None, node_id: str | None
+    ) -> tuple[x509.Certificate, CertificateRecord]:
         if certificate_der is None:
             raise ProtocolError(
                 403,
@@ -285,7 +337,7 @@ class ControlPlane:
                 "wrong-node",
                 f"the client certificate is for node {record.node_id!r}, but the request is for node {node_id!r}",
             )
-        return record.node_id
+        return certificate, record
 
     def heartbeat(self, node_id: str) -> Lease:
         try:

@@ -239,6 +239,33 @@ class Store:
             )
             return self._lease(conn, node_id)
 
+    def add_renewed_certificate(
+        self, *, node_id: str, presented_serial: str, serial: str, not_after: datetime, now: datetime
+    ) -> LeaseRecord:
+        """Record a certificate issued by renewal, unless the one presented for it was revoked meanwhile.
+
+        The presented certificate is left as it is: it stays valid until it expires, so a renewal whose
+        answer is lost in transit does not lock the node out.
+        """
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT node_id, revoked_at FROM certificates WHERE serial = ?", (presented_serial,)
+            ).fetchone()
+            if row is None or row[0] != node_id:
+                raise StoreConflict(
+                    "certificate-unknown", f"certificate serial {presented_serial} was never issued to node {node_id!r}"
+                )
+            if row[1] is not None:
+                raise StoreConflict(
+                    "certificate-revoked",
+                    f"the certificate of node {node_id!r} was revoked at {row[1]}; enroll again with a new token",
+                )
+            conn.execute(
+                "INSERT INTO certificates (serial, node_id, issued_at, not_after) VALUES (?, ?, ?, ?)",
+                (serial, node_id, format_rfc3339(now), format_rfc3339(not_after)),
+            )
+            return self._lease(conn, node_id)
+
     def certificate(self, serial: str) -> CertificateRecord | None:
         rows = self._read("SELECT serial, node_id, not_after, revoked_at FROM certificates WHERE serial = ?", (serial,))
         if not rows:

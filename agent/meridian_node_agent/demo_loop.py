@@ -59,7 +59,7 @@ def devserver(data_dir: Path) -> Iterator[dict[str, str]]:
     """``meridian-node-devserver serve`` on a free loopback port; its printed paths, token and URL."""
     process = subprocess.Popen(
         [str(BIN / "meridian-node-devserver"), "serve", "--data-dir", str(data_dir), "--port", "0",
-         "--token", f"{NODE_ID}:auto"],
+         "--token", f"{NODE_ID}@{NODE_ID}:auto"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     info: dict[str, str] = {}

@@ -53,6 +53,10 @@ class DevServer:
     def new_token(self, name: str) -> str:
         return self.cli("token", name).stdout.strip()
 
+    def new_token_for(self, name: str, node_id: str) -> str:
+        """A token that can enroll only ``node_id``."""
+        return self.cli("token", name, "--node-id", node_id).stdout.strip()
+
     def stderr(self) -> str:
         return self.stderr_path.read_text() if self.stderr_path and self.stderr_path.exists() else ""
 

@@ -60,7 +60,7 @@ def create_app(control: ControlPlane) -> FastAPI:
     @app.post("/v1/enroll")
     async def enroll(request: Request) -> Response:
         body = await _read_model(request, EnrollmentRequest)
-        response = control.enroll(body)
+        response = control.enroll(body, request.client.host if request.client else None)
         return _json(response)
 
     @app.post("/v1/nodes/{node_id}/heartbeat")

@@ -10,6 +10,7 @@ Exit status: 0 done, 1 refused (unknown node, used token name, invalid document)
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -19,7 +20,7 @@ from typing import Any
 import yaml
 
 from meridian_node_agent import __version__
-from meridian_node_agent.devserver.control import ControlPlane, Settings, open_control_plane
+from meridian_node_agent.devserver.control import ControlPlane, Settings, check_node_id, open_control_plane
 from meridian_node_agent.devserver.store import NodeRow, UnknownNode
 
 __all__ = ["build_parser", "main"]
@@ -58,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--token",
         action="append",
         default=[],
-        metavar="NAME:auto|NAME:VALUE",
-        help="create a one-time enrollment token before serving (repeatable); 'auto' generates the value",
+        metavar="NAME[@NODE_ID]:auto|NAME[@NODE_ID]:VALUE",
+        help="create a one-time enrollment token before serving (repeatable); 'auto' generates the value; "
+        "'@NODE_ID' binds the token to that node id (recommended: an unbound token can enroll any node id)",
     )
     serve.add_argument(
         "--database", help="SQLite database: a file path or ':memory:' (default DATA_DIR/devserver.sqlite3)"
@@ -83,9 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         "token",
         "create an enrollment token",
         "Create one-time enrollment token NAME; the "
-        "value is generated unless given as NAME:VALUE. Prints the value (only ever shown here).",
+        "value is generated unless given as NAME:VALUE. Prints the value (only ever shown here). Bind it to "
+        "the node it is for with --node-id: an unbound token can enroll any node id.",
     )
     token.add_argument("spec", metavar="NAME[:VALUE]")
+    token.add_argument(
+        "--node-id", metavar="NODE_ID", help="the only node id this token can enroll (recommended; default: any)"
+    )
     token.set_defaults(handler=cmd_token)
 
     publish = _verb(
@@ -185,7 +191,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    tokens = [_token_spec(spec, allow_auto=True) for spec in args.token]
+    tokens = [_serve_token_spec(spec) for spec in args.token]
+    _log_to_stderr(args.log_level)
     control = _open(args, settings, args.database)
     try:
         try:
@@ -196,8 +203,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _say(f"data dir: {args.data_dir}")
         _say(f"ca bundle: {tls.ca}")
         _say(f"control public key: {control.paths.control_public_key} (keyid {control.control_keyid})")
-        for name, value in tokens:
-            _say(f"token {name}: {_create_token(control, name, value)}")
+        for name, value, node_id in tokens:
+            _say(f"token {name}: {_create_token(control, name, value, node_id)}")
+            if node_id is None:
+                _warn(args, f"token {name!r} can enroll any node id; bind it with --token {name}@NODE_ID:...")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         _say(f"listening on https://{shown}:{port}")
@@ -208,12 +217,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    name, value = _token_spec(args.spec, allow_auto=False)
+    name, value = _token_spec(args.spec)
+    node_id = None if args.node_id is None else _node_id(args.node_id, "--node-id")
     control = _open(args)
     try:
-        _say(_create_token(control, name, value))
+        _say(_create_token(control, name, value, node_id))
     finally:
         control.close()
+    if node_id is None:
+        _warn(args, f"token {name!r} can enroll any node id; bind it to its node with --node-id NODE_ID")
     return 0
 
 
@@ -309,26 +321,65 @@ def _stamp(value: datetime | None) -> str:
     return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-def _token_spec(spec: str, *, allow_auto: bool) -> tuple[str, str | None]:
+def _token_spec(spec: str) -> tuple[str, str | None]:
+    """``token``'s NAME[:VALUE]: the value is everything after the first ':', so it may hold ':' and '@'."""
     name, sep, value = spec.partition(":")
     if not name:
         raise UsageError(f"token {spec!r}: the name before ':' is empty")
-    if not sep:
-        if allow_auto:
-            raise UsageError(f"--token {spec!r}: write NAME:auto for a generated value or NAME:VALUE")
-        return name, None
-    if value == "auto" and allow_auto:
-        return name, None
-    if not value:
+    if "@" in name:
+        raise UsageError(f"token {spec!r}: a token name cannot contain '@'; bind a token to its node with --node-id")
+    if sep and not value:
         raise UsageError(f"token {spec!r}: the value after ':' is empty")
-    return name, value
+    return name, value or None
 
 
-def _create_token(control: ControlPlane, name: str, value: str | None) -> str:
+def _serve_token_spec(spec: str) -> tuple[str, str | None, str | None]:
+    """``serve --token``'s NAME[@NODE_ID]:auto|VALUE as (name, value or None for auto, node id or None).
+
+    Names and node ids hold neither ':' nor '@', so splitting at the first ':' and then at '@' is
+    unambiguous whatever the value holds.
+    """
+    head, sep, value = spec.partition(":")
+    name, at, node = head.partition("@")
+    if not sep:
+        raise UsageError(
+            f"--token {spec!r}: write NAME:auto for a generated value or NAME:VALUE, with @NODE_ID after NAME to "
+            "bind the token to a node"
+        )
+    if not name:
+        raise UsageError(f"--token {spec!r}: the name before ':' is empty")
+    node_id = _node_id(node, f"--token {spec!r}") if at else None
+    if not value:
+        raise UsageError(f"--token {spec!r}: the value after ':' is empty")
+    return name, (None if value == "auto" else value), node_id
+
+
+def _node_id(text: str, what: str) -> str:
     try:
-        return control.create_token(name, value)
+        return check_node_id(text)
+    except ValueError as exc:
+        raise UsageError(f"{what}: {exc}") from exc
+
+
+def _create_token(control: ControlPlane, name: str, value: str | None, node_id: str | None) -> str:
+    try:
+        return control.create_token(name, value, node_id)
     except ValueError as exc:
         raise Refused(str(exc)) from exc
+
+
+def _warn(args: argparse.Namespace, message: str) -> None:
+    print(f"meridian-node-devserver {args.verb}: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The devserver's own log lines (refused enrollments, say) next to uvicorn's, on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("meridian_node_agent.devserver")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def _read_document(path: Path) -> dict[str, Any]:

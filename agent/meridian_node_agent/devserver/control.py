@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import TypeAdapter
 
 from ansible_collections.meridian.node.plugins.module_utils import dsse
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
@@ -26,6 +28,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     EnrollmentRequest,
     EnrollmentResponse,
     Lease,
+    NodeId,
     Observation,
     ServingProjection,
     ValidationError,
@@ -50,8 +53,12 @@ __all__ = [
     "DataDir",
     "ProtocolError",
     "Settings",
+    "check_node_id",
     "open_control_plane",
 ]
+
+_log = logging.getLogger(__name__)
+_NODE_ID = TypeAdapter(NodeId)
 
 # Fields of a desired state that publish fills in; a document that sets them is refused.
 SERVER_ASSIGNED_FIELDS = ("generation", "lease_epoch", "issued_at", "expires_at")
@@ -148,6 +155,19 @@ def _load_or_create_control_key(paths: DataDir) -> Ed25519PrivateKey:
 TOKEN_PREFIX = "mnt_"  # noqa: S105 - a prefix, not a secret
 
 
+def check_node_id(value: str) -> str:
+    """``value`` if it is a node id by the contracts' rule (the same check enrollment requests get)."""
+    if not value:
+        raise ValueError("a node id cannot be empty")
+    try:
+        return _NODE_ID.validate_python(value)
+    except ValidationError as exc:
+        raise ValueError(
+            f"{value!r} is not a node id: use lowercase letters, digits, '.' and '-', starting and ending with a "
+            "letter or digit, at most 253 characters"
+        ) from exc
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -178,10 +198,16 @@ class ControlPlane:
 
     # Operator verbs
 
-    def create_token(self, name: str, value: str | None = None) -> str:
-        """Create enrollment token ``name`` (a random value unless given); returns the value."""
-        if not name or ":" in name:
-            raise ValueError(f"token name {name!r} must be non-empty and contain no ':'")
+    def create_token(self, name: str, value: str | None = None, node_id: str | None = None) -> str:
+        """Create enrollment token ``name`` (a random value unless given); returns the value.
+
+        With ``node_id`` the token can enroll only that node; without, it can enroll any node id.
+        """
+        # ':' separates the value and '@' the node id in 'serve --token NAME@NODE_ID:VALUE'.
+        if not name or ":" in name or "@" in name:
+            raise ValueError(f"token name {name!r} must be non-empty and contain no ':' or '@'")
+        if node_id is not None:
+            node_id = check_node_id(node_id)
         if value is not None and len(value) < 8:
             raise ValueError(f"token {name!r}: a value needs at least 8 characters, got {len(value)}")
         if value is not None and value.startswith("-"):
@@ -192,7 +218,7 @@ class ControlPlane:
         # 'enroll --token -abc' is then an error), and secret scanners can recognise leaked ones.
         token = value if value is not None else TOKEN_PREFIX + secrets.token_urlsafe(24)
         try:
-            self.store.put_token(name, token, self.now())
+            self.store.put_token(name, token, self.now(), node_id)
         except StoreConflict as exc:
             raise ValueError(exc.detail) from exc
         return token
@@ -237,7 +263,7 @@ class ControlPlane:
 
     # Protocol
 
-    def enroll(self, request: EnrollmentRequest) -> EnrollmentResponse:
+    def enroll(self, request: EnrollmentRequest, remote_host: str | None = None) -> EnrollmentResponse:
         try:
             issued = self.ca.issue_node_certificate(
                 request.node_id, request.csr_pem, lifetime=self.settings.certificate_lifetime
@@ -254,6 +280,14 @@ class ControlPlane:
                 now=self.now(),
             )
         except StoreConflict as exc:
+            # Refused enrollments are what token guessing or a stolen token looks like: leave a trace.
+            _log.warning(
+                "enrollment refused (%s) for node %r from %s: %s",
+                exc.reason,
+                request.node_id,
+                remote_host or "unknown address",
+                exc.server_note or exc.detail,
+            )
             raise ProtocolError(403, exc.reason, exc.detail) from exc
         return EnrollmentResponse(
             node_id=request.node_id,

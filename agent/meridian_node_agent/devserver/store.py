@@ -9,7 +9,9 @@ commit of any process: a revocation made by the CLI applies to the server's next
 Every multi-statement change runs in ``BEGIN IMMEDIATE``: the write lock is taken up front, so assigning
 the next generation or bumping an epoch cannot race another process doing the same.
 
-Enrollment tokens are stored as sha256 digests; the value is shown once, when it is created.
+Enrollment tokens are stored as sha256 digests; the value is shown once, when it is created. A token
+may be bound to one node id (``tokens.node_id``); NULL means it can enroll any node id. Databases made
+before that column existed get it when they are opened (``_migrate``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ CREATE TABLE IF NOT EXISTS tokens (
     value_sha256 TEXT NOT NULL UNIQUE,
     created_at TEXT NOT NULL,
     used_at TEXT,
-    used_by TEXT
+    used_by TEXT,
+    node_id TEXT
 );
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY,
@@ -83,12 +86,17 @@ class UnknownNode(LookupError):
 
 
 class StoreConflict(Exception):
-    """A write refused because of what is stored: a used token, a stale epoch. ``reason`` is a short code."""
+    """A write refused because of what is stored: a used token, a stale epoch. ``reason`` is a short code.
 
-    def __init__(self, reason: str, detail: str) -> None:
+    ``detail`` goes back to the caller; ``server_note``, when set, is for the server's log only and may
+    name what an unauthenticated caller must not learn (such as the node a token is bound to).
+    """
+
+    def __init__(self, reason: str, detail: str, *, server_note: str | None = None) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.server_note = server_note
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,18 @@ class Store:
             if path != ":memory:":
                 self._conn.execute("PRAGMA journal_mode = WAL")
             self._conn.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a database made by an older devserver up to ``_SCHEMA``: columns added since then.
+
+        Checked inside the write lock, so two processes opening the same old file add the column once.
+        """
+        with self._write() as conn:
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(tokens)")}
+            if "node_id" not in columns:
+                # Tokens made before binding existed stay unbound (NULL): they keep working as they did.
+                conn.execute("ALTER TABLE tokens ADD COLUMN node_id TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -189,8 +209,11 @@ class Store:
 
     # Tokens
 
-    def put_token(self, name: str, value: str, now: datetime) -> None:
-        """Create token ``name``, replacing an unused token of that name; a used name is a conflict."""
+    def put_token(self, name: str, value: str, now: datetime, node_id: str | None = None) -> None:
+        """Create token ``name``, replacing an unused token of that name; a used name is a conflict.
+
+        With ``node_id`` the token can enroll only that node id; without, any.
+        """
         with self._write() as conn:
             row = conn.execute("SELECT used_by FROM tokens WHERE name = ?", (name,)).fetchone()
             if row is not None and row[0] is not None:
@@ -200,8 +223,8 @@ class Store:
             conn.execute("DELETE FROM tokens WHERE name = ?", (name,))
             try:
                 conn.execute(
-                    "INSERT INTO tokens (name, value_sha256, created_at) VALUES (?, ?, ?)",
-                    (name, token_digest(value), format_rfc3339(now)),
+                    "INSERT INTO tokens (name, value_sha256, created_at, node_id) VALUES (?, ?, ?, ?)",
+                    (name, token_digest(value), format_rfc3339(now), node_id),
                 )
             except sqlite3.IntegrityError as exc:
                 raise StoreConflict("token-exists", "another token already has this value; choose another") from exc
@@ -211,14 +234,25 @@ class Store:
     def enroll(
         self, *, token: str, node_id: str, serial: str, not_after: datetime, lease_for: timedelta, now: datetime
     ) -> LeaseRecord:
-        """Consume ``token`` and record the node and its new certificate, all or nothing."""
+        """Consume ``token`` and record the node and its new certificate, all or nothing.
+
+        A token bound to another node id is refused before anything else is said about it, and stays
+        unused: the node it was made for must still be able to enroll with it.
+        """
         stamp = format_rfc3339(now)
         with self._write() as conn:
             row = conn.execute(
-                "SELECT name, used_at FROM tokens WHERE value_sha256 = ?", (token_digest(token),)
+                "SELECT name, used_at, node_id FROM tokens WHERE value_sha256 = ?", (token_digest(token),)
             ).fetchone()
             if row is None:
                 raise StoreConflict("token-unknown", "this enrollment token is not known to the control plane")
+            if row[2] is not None and row[2] != node_id:
+                raise StoreConflict(
+                    "token-wrong-node",
+                    f"this enrollment token is bound to another node id, not {node_id!r}; enroll with the token "
+                    "made for this node, or ask the operator for one",
+                    server_note=f"token {row[0]!r} is bound to node {row[2]!r} but was presented for node {node_id!r}",
+                )
             if row[1] is not None:
                 raise StoreConflict(
                     "token-used", f"enrollment token {row[0]!r} was already used at {row[1]}; tokens are one-time"

@@ -152,11 +152,16 @@ def build_applier(config: AgentConfig) -> Any:
 
 
 def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
+    """``apply.via: systemd``: the inventory the root apply unit writes (the agent has no Docker access
+    there, and must not be given it); in-process: the local Docker Engine, else no engines."""
     from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
         DockerEngine,
         DockerEngineError,
     )
-    from meridian_node_agent.observe import DockerEngines, no_engines
+    from meridian_node_agent.observe import DockerEngines, InventoryEngines, no_engines
+
+    if config.apply.via == "systemd":
+        return InventoryEngines(state_dir=Path(config.state_dir), node_id=config.node_id, log=log)
 
     try:
         engine = DockerEngine.from_env(timeout=5)

@@ -6,6 +6,9 @@ against the root-owned policy before ansible-runner starts, and the playbook ver
 it runs the same ``Applier`` the agent runs in-process (same journal, same playbook), without touching the
 agent's oplog, and writes the answer where the agent waits for it.
 
+Before each answer (and when it starts with nothing to answer) it rewrites ``<state_dir>/engines.json``
+(``engine_inventory``): the agent has no Docker access, and observes its engines from that file.
+
 systemd's ``PathChanged=`` does not queue: a request written while this runs starts nothing. So after each
 answer the spool is read again, and a newer request is answered in the same run.
 """
@@ -18,6 +21,7 @@ import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
@@ -34,9 +38,10 @@ from meridian_node_agent.apply_unit import (
     write_answer,
 )
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config
+from meridian_node_agent.engine_inventory import collect_inventory, write_inventory
 from meridian_node_agent.usage import UsageError
 
-__all__ = ["VERB", "add_parsers", "answer_one", "answer_requests", "cmd_apply_spooled"]
+__all__ = ["VERB", "add_parsers", "answer_one", "answer_requests", "cmd_apply_spooled", "refresh_inventory"]
 
 VERB = "apply-spooled"
 _GENERATION = re.compile(r"^gen-([0-9]+)-")
@@ -48,7 +53,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="(root) apply the request the agent spooled; run by meridian-node-apply.service",
         description="Read <state_dir>/spool/apply-request.json, verify its envelope again against the policy "
         "named in --config, run the reconcile playbook through ansible-runner and write "
-        "<state_dir>/spool/apply-result.json for the agent. Exit 0 when every request answered was applied "
+        "<state_dir>/spool/apply-result.json for the agent, after <state_dir>/engines.json (the engines the "
+        "agent observes without Docker access). Exit 0 when every request answered was applied "
         "(or there was none), 1 when one was refused or failed.",
     )
     verb.set_defaults(handler=cmd_apply_spooled)
@@ -63,6 +69,7 @@ def cmd_apply_spooled(args: argparse.Namespace) -> int:
         answers = answer_requests(config)
     except SpoolError as exc:
         print(f"error: {exc}; nothing was applied", file=sys.stderr)
+        _report_inventory(refresh_inventory(config, clock=lambda: datetime.now(UTC)))
         return 1
     if not answers:
         print(f"no new request in {Path(config.state_dir) / SPOOL_DIR}; nothing to apply")
@@ -79,25 +86,66 @@ def answer_requests(config: AgentConfig, *, clock: Callable[[], datetime] | None
     """Answer the spooled request, and any newer one written meanwhile; each request at most once."""
     spool = Path(config.state_dir) / SPOOL_DIR
     answered: list[ApplyAnswer] = []
+    now = clock or (lambda: datetime.now(UTC))
     while True:
         request = read_request(spool)
         if request is None or any(a.request == request.request for a in answered):
-            return answered
+            break
         try:
             previous = read_answer(spool)
         except SpoolError:
             previous = None  # ours to overwrite; the agent skips a damaged answer too
         if previous is not None and previous.request == request.request:
-            return answered
-        now = clock or (lambda: datetime.now(UTC))
+            break
         try:
             answer = answer_one(config, request, clock=now)
         except Exception as exc:  # answered as failed, then raised: the agent must not wait its whole timeout
             answer = _failed(config, request.request, now(), now, f"the root apply unit failed: {exc!r}")
+            _report_inventory(refresh_inventory(config, clock=now))
             write_answer(spool, answer)
             raise
+        # Before the answer: the agent observes right after it, and must see what this run changed. Also
+        # after a failed run, which may have created or removed containers.
+        _report_inventory(refresh_inventory(config, clock=now))
         write_answer(spool, answer)
         answered.append(answer)
+    if not answered:  # started with nothing to apply: the engines may have changed since the last run
+        _report_inventory(refresh_inventory(config, clock=now))
+    return answered
+
+
+def refresh_inventory(
+    config: AgentConfig, *, clock: Callable[[], datetime], connect: Callable[[], Any] | None = None
+) -> str | None:
+    """Rewrite ``<state_dir>/engines.json`` from what Docker lists now; None, or why it could not. The
+    previous file then stays: the agent still probes each engine in it, so one that is gone is not ready."""
+    from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerEngineError
+
+    if connect is None:
+
+        def connect() -> Any:
+            return DockerEngine.from_env(timeout=30)
+
+    state_dir = Path(config.state_dir)
+    try:
+        inventory = collect_inventory(
+            connect,
+            node_id=config.node_id,
+            policy_path=config.policy,
+            state_dir=str(state_dir),
+            written_at=format_rfc3339(clock()),
+        )
+        write_inventory(state_dir, inventory)
+    # PolicyError and DrainStateError are ValueErrors. The answer matters more than the inventory: none of
+    # these may keep the answer from the agent.
+    except (DockerEngineError, OSError, ValueError) as exc:
+        return f"could not write {state_dir / 'engines.json'}: {exc}; the agent keeps observing the previous one"
+    return None
+
+
+def _report_inventory(problem: str | None) -> None:
+    if problem is not None:
+        print(f"warning: {problem}", file=sys.stderr)
 
 
 def answer_one(config: AgentConfig, request: ApplyRequest, *, clock: Callable[[], datetime]) -> ApplyAnswer:

@@ -20,10 +20,24 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     format_rfc3339,
 )
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerEngineError
+from ansible_collections.meridian.node.plugins.module_utils.drain_state import DrainStateError, list_draining
+from ansible_collections.meridian.node.plugins.module_utils.engine_containers import probe_readiness
 from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import discover_engines
+from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import Driver, DriverError, get_driver
 from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+from meridian_node_agent.engine_inventory import (
+    INVENTORY_FILE,
+    FileIdentity,
+    InventoryEngine,
+    InventoryError,
+    file_identity,
+    read_inventory,
+)
+from meridian_node_agent.logs import EventLogger
 
-__all__ = ["DockerEngines", "EngineSource", "Observer", "no_engines"]
+__all__ = ["DockerEngines", "EngineSource", "InventoryEngines", "Observer", "no_engines"]
+
+_PROBE_TIMEOUT_S = 1.0  # the same bound engine discovery gives one readiness probe
 
 EngineSource = Callable[[], list[dict[str, Any]]]
 
@@ -71,6 +85,104 @@ class DockerEngines:
     def forget(self) -> None:
         """Drop the cached list: the next call asks Docker (after an apply changed the engines)."""
         self._cache = None
+
+
+class InventoryEngines:
+    """Engines as the root apply unit last listed them in ``<state_dir>/engines.json`` (``engine_inventory``),
+    for an agent without Docker access (``apply.via: systemd``).
+
+    The file is re-read only when its identity (inode, mtime, size) changes. Readiness is the agent's own:
+    each running engine with an address is probed once the driver's way per refresh (at most every
+    ``refresh_seconds``, or after ``forget``), and draining comes from the marks in ``<state_dir>/draining``
+    (world-readable, written by root). The dicts are the ones ``DockerEngines`` gives for our engines, so
+    the observation and the serving projection read the same; foreign containers are not listed (root
+    lists only this node's engines). A missing or invalid file is logged once per change of the file and
+    gives no engines: nothing is routed to what cannot be vouched for.
+    """
+
+    def __init__(
+        self,
+        *,
+        state_dir: Path,
+        node_id: str,
+        refresh_seconds: float = 5.0,
+        monotonic: Callable[[], float] = time.monotonic,
+        log: EventLogger | None = None,
+        probe_timeout: float = _PROBE_TIMEOUT_S,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / INVENTORY_FILE
+        self.node_id = node_id
+        self.refresh_seconds = refresh_seconds
+        self.probe_timeout = probe_timeout
+        self._monotonic = monotonic
+        self._log = log or EventLogger()
+        self._identity: FileIdentity | None = None
+        self._looked = False
+        self._engines: tuple[InventoryEngine, ...] = ()
+        self._cache: tuple[float, list[dict[str, Any]]] | None = None
+
+    def __call__(self) -> list[dict[str, Any]]:
+        now = self._monotonic()
+        if self._cache is not None and now - self._cache[0] < self.refresh_seconds:
+            return self._cache[1]
+        self._reload()
+        try:
+            draining = {mark.name for mark in list_draining(str(self.state_dir))}
+            marks_readable = True
+        except DrainStateError as exc:
+            # Which engine is draining is unknown: none is reported ready, so none gets new work.
+            self._log.warning("draining-marks-unreadable", reason=str(exc))
+            draining, marks_readable = set(), False
+        engines = [self._observe(engine, draining, marks_readable) for engine in self._engines]
+        self._cache = (now, engines)
+        return engines
+
+    def forget(self) -> None:
+        """Drop the cached list: the next call looks at the file again and probes (after an apply)."""
+        self._cache = None
+
+    def _reload(self) -> None:
+        identity = file_identity(self.path)
+        if self._looked and identity == self._identity:
+            return
+        self._identity, self._looked = identity, True
+        try:
+            inventory = read_inventory(self.path, node_id=self.node_id)
+        except InventoryError as exc:
+            self._engines = ()
+            self._log.warning("engines-not-observed", reason=str(exc))
+            return
+        self._engines = inventory.engines
+        self._log.info("engine-inventory-read", path=str(self.path), engines=len(inventory.engines))
+
+    def _observe(self, engine: InventoryEngine, draining: set[str], marks_readable: bool) -> dict[str, Any]:
+        return {
+            "name": engine.name,
+            "managed": True,
+            "driver": engine.driver,
+            "image": engine.image,
+            "state": engine.state,
+            "ready": marks_readable and self._ready(engine),
+            "draining": engine.name in draining,
+            "port": engine.port,
+            "served_model_name": engine.served_model_name,
+        }
+
+    def _ready(self, engine: InventoryEngine) -> bool:
+        if engine.state != "running" or engine.host is None or engine.port is None:
+            return False
+        driver = _driver(engine.probe_driver, engine.health_path)
+        if driver is None:
+            return False
+        return probe_readiness(driver, engine.host, engine.port, timeout=self.probe_timeout).ready
+
+
+def _driver(name: str, health_path: str) -> Driver | None:
+    try:
+        return get_driver(name, health_path=health_path if name == "openai" else None)
+    except DriverError:
+        return None
 
 
 class Observer:

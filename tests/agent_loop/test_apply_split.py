@@ -10,10 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import subprocess
-import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import for
 from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import STATE_FILE
 from ansible_collections.meridian.node.tests.agent_loop.node_env import make_node, publish
+from ansible_collections.meridian.node.tests.agent_loop.path_unit import PathUnit, apply_spooled
 from ansible_collections.meridian.node.tests.devserver.devserver_process import running
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     NODE_ID,
@@ -42,7 +40,6 @@ from meridian_node_agent.apply_unit import (
     ApplyAnswer,
     SystemdApplier,
     read_answer,
-    watch_directory,
     write_answer,
     write_request,
 )
@@ -85,54 +82,6 @@ def _node(root: Path, *, via: str = "systemd", timeout: float = 300.0) -> tuple[
     return path, load_config(path)
 
 
-def _apply_spooled(config_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "meridian_node_agent.cli", "--config", str(config_path), "apply-spooled"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
-class _PathUnit:
-    """``PathChanged=`` on the request file starting a oneshot that runs the real verb."""
-
-    def __init__(self, config_path: Path, state_dir: Path, *, before: Callable[[Path], None] | None = None) -> None:
-        self.config_path = config_path
-        self.before = before  # an attacker's move between the agent's write and root's read
-        self.spool = state_dir / SPOOL_DIR
-        self.runs: list[subprocess.CompletedProcess[str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> _PathUnit:
-        self.spool.mkdir(parents=True, exist_ok=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=330)
-
-    def _loop(self) -> None:
-        seen: tuple[int, int] | None = None
-        with watch_directory(self.spool) as watch:
-            while not self._stop.is_set():
-                try:
-                    stat = (self.spool / REQUEST_FILE).stat()
-                    current: tuple[int, int] | None = (stat.st_ino, stat.st_mtime_ns)
-                except FileNotFoundError:
-                    current = None
-                if current is not None and current != seen:
-                    seen = current
-                    if self.before is not None:
-                        self.before(self.spool)
-                        seen = (self.spool / REQUEST_FILE).stat().st_ino, (self.spool / REQUEST_FILE).stat().st_mtime_ns
-                    self.runs.append(_apply_spooled(self.config_path))
-                watch.wait(0.2)
-
-
 def _oplog(state_dir: Path) -> list[tuple[str, int, int, str, str]]:
     return [(e.op, e.generation, e.epoch, e.payload_sha256, e.result) for e in OpLog(state_dir / "oplog.jsonl").read()]
 
@@ -142,9 +91,9 @@ def _journal_names(result: ApplyResult) -> list[str]:
 
 
 @pytest.fixture
-def split(tmp_path: Path) -> Iterator[tuple[Path, AgentConfig, _PathUnit]]:
+def split(tmp_path: Path) -> Iterator[tuple[Path, AgentConfig, PathUnit]]:
     config_path, config = _node(tmp_path / "split")
-    with _PathUnit(config_path, Path(config.state_dir)) as unit:
+    with PathUnit(config_path, Path(config.state_dir)) as unit:
         yield config_path, config, unit
 
 
@@ -158,7 +107,7 @@ def test_state_applied_through_the_split_leaves_the_same_records_as_in_process(t
     assert isinstance(local_applier, Applier) and isinstance(split_applier, SystemdApplier)
 
     local = local_applier.apply(envelope, generation=1, epoch=1, payload_sha256=_sha(payload))
-    with _PathUnit(config_path, Path(config.state_dir)) as unit:
+    with PathUnit(config_path, Path(config.state_dir)) as unit:
         remote = split_applier.apply(envelope, generation=1, epoch=1, payload_sha256=_sha(payload))
 
     assert remote.status == local.status == "successful", (remote.failures, [r.stderr for r in unit.runs])
@@ -191,7 +140,7 @@ def test_agent_loop_applies_a_published_state_through_the_split(tmp_path: Path) 
         generation = publish(server, node.node_id)
         agent = node.agent()
         assert isinstance(agent.applier, SystemdApplier)
-        with _PathUnit(node.config_path, node.state_dir) as unit:
+        with PathUnit(node.config_path, node.state_dir) as unit:
             first = agent.cycle()
             again = agent.cycle()
 
@@ -217,7 +166,7 @@ def test_a_request_swapped_after_the_agent_wrote_it_is_not_reported_as_the_agent
         request = json.loads((spool / REQUEST_FILE).read_text())
         write_request(spool, request["request"], signed("desired-state", theirs, [CONTROL]))
 
-    with _PathUnit(config_path, Path(config.state_dir), before=swap):
+    with PathUnit(config_path, Path(config.state_dir), before=swap):
         result = build_applier(config).apply(
             signed("desired-state", ours, [CONTROL]), generation=8, epoch=1, payload_sha256=_sha(ours)
         )
@@ -239,7 +188,7 @@ def test_root_side_refuses_a_tampered_spooled_envelope_and_applies_nothing(tmp_p
     state_dir = Path(config.state_dir)
     write_request(state_dir / SPOOL_DIR, "gen-7-20261129T120000.000000Z", json.dumps(document).encode())
 
-    run = _apply_spooled(config_path)
+    run = apply_spooled(config_path)
 
     assert run.returncode == 1, run.stdout + run.stderr
     answer = read_answer(state_dir / SPOOL_DIR)
@@ -259,7 +208,7 @@ def test_root_side_refuses_a_request_whose_ident_claims_another_generation(tmp_p
         state_dir / SPOOL_DIR, "gen-9-20261129T120000.000000Z", signed("desired-state", _state(3), [CONTROL])
     )
 
-    run = _apply_spooled(config_path)
+    run = apply_spooled(config_path)
 
     assert run.returncode == 1
     answer = read_answer(state_dir / SPOOL_DIR)
@@ -302,7 +251,7 @@ def test_an_answer_to_another_request_is_not_taken_as_ours_and_a_silent_root_sid
 
 
 def test_an_apply_the_root_side_never_answered_is_applied_again_at_start_up(
-    split: tuple[Path, AgentConfig, _PathUnit],
+    split: tuple[Path, AgentConfig, PathUnit],
 ) -> None:
     _config_path, config, unit = split
     state_dir = Path(config.state_dir)
@@ -380,7 +329,7 @@ def test_root_side_refuses_when_its_own_config_says_this_agent_does_not_apply_th
     state_dir = Path(config.state_dir)
     write_request(state_dir / SPOOL_DIR, "gen-1-20261129T120000.000000Z", signed("desired-state", _state(1), [CONTROL]))
 
-    run = _apply_spooled(config_path)
+    run = apply_spooled(config_path)
 
     assert run.returncode == 1
     answer = read_answer(state_dir / SPOOL_DIR)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import secrets
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ from ansible_collections.meridian.node.plugins.module_utils.docker_engine import
 )
 from ansible_collections.meridian.node.tests.agent_loop.node_env import Node, make_node
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
-from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
+from ansible_collections.meridian.node.tests.helpers.engine_harness import SERVER
+from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
 from meridian_node_agent.control_client import ControlClient
 from meridian_node_agent.cycle import Agent
 from meridian_node_agent.observe import DockerEngines, Observer
@@ -42,6 +44,7 @@ __all__ = [
     "make_e2e_node",
     "remove_containers",
     "serving",
+    "standin_vllm",
     "tag_for_e2e",
 ]
 
@@ -59,6 +62,16 @@ def tag_for_e2e(client: Any, image: LocalImage) -> LocalImage:
     tag = f"{image.tag.rsplit(':', 1)[1]}-{secrets.token_hex(4)}"
     client.images.get(image.id).tag(E2E_REPOSITORY, tag=tag)
     return LocalImage(tag=f"{E2E_REPOSITORY}:{tag}", id=image.id)
+
+
+@contextmanager
+def standin_vllm(client: Any, base: LocalImage) -> Iterator[LocalImage]:
+    """The stand-in vLLM image tagged for this use (``tag_for_e2e``); the tag is removed afterwards."""
+    tagged = tag_for_e2e(client, ensure_engine_image(client, base, SERVER, engine="vllm"))
+    try:
+        yield tagged
+    finally:
+        client.images.remove(tagged.tag)  # only the tag: the image keeps its stand-in name
 
 
 def free_engine_port() -> int:

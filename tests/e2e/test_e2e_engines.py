@@ -40,10 +40,10 @@ from ansible_collections.meridian.node.tests.e2e.e2e_env import (
     make_e2e_node,
     remove_containers,
     serving,
-    tag_for_e2e,
+    standin_vllm,
 )
-from ansible_collections.meridian.node.tests.helpers.engine_harness import SERVER, hold_requests
-from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
+from ansible_collections.meridian.node.tests.helpers.engine_harness import hold_requests
+from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
 from meridian_node_agent.apply import ApplyResult
 from meridian_node_agent.config import load_config
 from meridian_node_agent.control_client import ControlPlaneRejected, ControlPlaneUnavailable
@@ -63,9 +63,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
 
 @pytest.fixture(scope="module")
 def image(docker_client: Any, standin_base_image: LocalImage) -> Iterator[LocalImage]:
-    tagged = tag_for_e2e(docker_client, ensure_engine_image(docker_client, standin_base_image, SERVER, engine="vllm"))
-    yield tagged
-    docker_client.images.remove(tagged.tag)  # only the tag: the image keeps its stand-in name
+    with standin_vllm(docker_client, standin_base_image) as tagged:
+        yield tagged
 
 
 @pytest.fixture

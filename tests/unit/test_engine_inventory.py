@@ -1,0 +1,306 @@
+"""engines.json, the root apply unit's list of this node's engines, and the agent's source that reads it.
+
+The root side is exercised here only where it needs no Docker Engine (tests/agent_loop/test_split_observations.py
+runs it with one).
+
+The readiness probes go to a real stand-in engine process on 127.0.0.1 (tests/engines/standin_server.py):
+no Docker is involved, which is the point of the inventory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ansible_collections.meridian.node.plugins.module_utils.drain_state import mark_draining
+from ansible_collections.meridian.node.tests.helpers.engine_harness import BIND, SERVER, free_port
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
+from meridian_node_agent.apply_cli import answer_requests
+from meridian_node_agent.apply_unit import SPOOL_DIR, read_answer, write_request
+from meridian_node_agent.config import AgentConfig, load_config
+from meridian_node_agent.engine_inventory import (
+    INVENTORY_FILE,
+    MAX_ENGINES,
+    MAX_INVENTORY_BYTES,
+    Inventory,
+    InventoryEngine,
+    InventoryError,
+    read_inventory,
+    write_inventory,
+)
+from meridian_node_agent.logs import EventLogger
+from meridian_node_agent.observe import InventoryEngines
+
+NODE = "gpu-node-7"
+
+
+def _engine(name: str = "chat", port: int | None = 8123, **overrides: Any) -> InventoryEngine:
+    fields: dict[str, Any] = {
+        "name": name,
+        "driver": "vllm",
+        "served_model_name": "tiny-chat",
+        "image": "meridian-node/standin@sha256:" + "a" * 64,
+        "host": BIND if port is not None else None,
+        "port": port,
+        "probe_driver": "vllm",
+        "health_path": "/health",
+        "gpus": ["0"],
+        "min_vram_mib": 1000,
+        "state": "running",
+        **overrides,
+    }
+    return InventoryEngine(**{**fields, "gpus": tuple(fields["gpus"])})
+
+
+def _write(state_dir: Path, *engines: InventoryEngine, node_id: str = NODE) -> Path:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return write_inventory(state_dir, Inventory(node_id=node_id, written_at="2026-11-30T00:00:00Z", engines=engines))
+
+
+def _document(state_dir: Path) -> dict[str, Any]:
+    path = _write(state_dir, _engine())
+    document: dict[str, Any] = json.loads(path.read_text())
+    return document
+
+
+class _Events(EventLogger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def _emit(self, level: int, event: str, fields: dict[str, Any]) -> None:
+        self.seen.append((event, fields))
+
+
+def test_inventory_round_trips_and_is_written_world_readable(tmp_path: Path) -> None:
+    path = _write(tmp_path, _engine(), _engine("embed", port=None, state="exited"))
+
+    assert path == tmp_path / INVENTORY_FILE
+    assert path.stat().st_mode & 0o777 == 0o644  # root writes it, the unprivileged agent must read it
+    inventory = read_inventory(path, node_id=NODE)
+    assert [e.as_dict() for e in inventory.engines] == [
+        _engine().as_dict(),
+        _engine("embed", None, state="exited").as_dict(),
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == [INVENTORY_FILE]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda d: d.update(format=2), "format must be 1 (got 2)"),
+        (lambda d: d.update(extra=1), "unknown fields ['extra']"),
+        (lambda d: d.update(node_id=7), "node_id must be a string"),
+        (lambda d: d.update(written_at=None), "written_at must be a string"),
+        (lambda d: d.update(engines={"chat": {}}), "engines must be a list"),
+        (lambda d: d["engines"].append("chat"), "engines[1]: must be an object"),
+        (lambda d: d["engines"][0].update(port="8123"), "engines[0]: port must be 1-65535 or null ('8123')"),
+        (lambda d: d["engines"][0].update(port=True), "port must be 1-65535 or null (True)"),
+        (lambda d: d["engines"][0].update(port=70000), "port must be 1-65535 or null (70000)"),
+        (lambda d: d["engines"][0].update(host=None), "a port needs a host"),
+        (lambda d: d["engines"][0].update(name=""), "name must be a non-empty string"),
+        (lambda d: d["engines"][0].update(driver=["vllm"]), "driver must be a string or null"),
+        (lambda d: d["engines"][0].update(gpus="0"), "gpus must be a list of strings"),
+        (lambda d: d["engines"][0].update(min_vram_mib=-1), "min_vram_mib must be an integer >= 0 (-1)"),
+        (lambda d: d["engines"][0].update(health_path="health"), "health_path must start with '/'"),
+        (lambda d: d["engines"][0].pop("state"), "must have exactly the fields"),
+        (lambda d: d["engines"].append(dict(d["engines"][0])), "an engine name is listed twice"),
+        (lambda d: d.update(engines=[d["engines"][0]] * (MAX_ENGINES + 1)), f"more than {MAX_ENGINES} engines"),
+    ],
+)
+def test_malformed_inventory_is_refused_with_the_field_named(tmp_path: Path, change: Any, reason: str) -> None:
+    document = _document(tmp_path)
+    change(document)
+    path = tmp_path / INVENTORY_FILE
+    path.write_text(json.dumps(document))
+
+    with pytest.raises(InventoryError) as caught:
+        read_inventory(path, node_id=NODE)
+
+    assert str(path) in str(caught.value) and reason in str(caught.value)
+
+
+def test_inventory_written_for_another_node_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, _engine(), node_id="gpu-node-8")
+
+    with pytest.raises(InventoryError, match="written for node 'gpu-node-8', not this node 'gpu-node-7'"):
+        read_inventory(path, node_id=NODE)
+
+
+def test_oversized_not_json_missing_and_symlinked_inventories_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / INVENTORY_FILE
+    with pytest.raises(InventoryError, match=r"does not exist yet.*apply-spooled"):
+        read_inventory(path, node_id=NODE)
+    path.write_bytes(b" " * (MAX_INVENTORY_BYTES + 1))
+    with pytest.raises(InventoryError, match=f"larger than {MAX_INVENTORY_BYTES} bytes"):
+        read_inventory(path, node_id=NODE)
+    path.write_bytes(b'{"format": 1,')
+    with pytest.raises(InventoryError, match="is not JSON"):
+        read_inventory(path, node_id=NODE)
+    path.unlink()
+    (tmp_path / "elsewhere.json").write_text(json.dumps(_document(tmp_path / "other")))
+    path.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(InventoryError, match="cannot read"):
+        read_inventory(path, node_id=NODE)
+    path.unlink()
+    os.mkfifo(path)  # would block a plain open-and-read forever
+    with pytest.raises(InventoryError, match="not a regular file"):
+        read_inventory(path, node_id=NODE)
+
+
+def test_source_reports_no_engines_and_logs_once_for_a_missing_or_broken_inventory(tmp_path: Path) -> None:
+    events = _Events()
+    source = InventoryEngines(state_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
+
+    assert source() == [] and source() == []
+    (tmp_path / INVENTORY_FILE).write_text("[]")
+    assert source() == [] and source() == []
+
+    assert [(event, "does not exist yet" in f["reason"]) for event, f in events.seen] == [
+        ("engines-not-observed", True),
+        ("engines-not-observed", False),
+    ]
+    assert "the document must be an object" in events.seen[1][1]["reason"]
+
+
+@pytest.fixture
+def standin() -> Iterator[int]:
+    """A stand-in vLLM engine process on 127.0.0.1, ready when yielded; its port."""
+    port = free_port()
+    env = {**os.environ, "STANDIN_ENGINE": "vllm", "STANDIN_PORT": str(port), "STANDIN_HOST": BIND}
+    process = subprocess.Popen([sys.executable, str(SERVER)], env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60  # a liveness bound, not a timing assertion
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{BIND}:{port}/health", timeout=1) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_changed_file(
+    tmp_path: Path, standin: int
+) -> None:
+    path = _write(tmp_path, _engine("chat", port=standin), _engine("idle", port=free_port()))
+    clock = [100.0]
+    source = InventoryEngines(state_dir=tmp_path, node_id=NODE, refresh_seconds=5.0, monotonic=lambda: clock[0])
+
+    first = {e["name"]: e for e in source()}
+
+    assert first["chat"] == {
+        "name": "chat",
+        "managed": True,
+        "driver": "vllm",
+        "image": "meridian-node/standin@sha256:" + "a" * 64,
+        "state": "running",
+        "ready": True,
+        "draining": False,
+        "port": standin,
+        "served_model_name": "tiny-chat",
+    }
+    assert (first["idle"]["ready"], first["idle"]["state"]) == (False, "running")  # nothing answers there
+
+    mark_draining(str(tmp_path), "chat", reason="test")
+    assert source()[0]["draining"] is False  # within refresh_seconds: the cached list
+    clock[0] += 5
+    assert source()[0]["draining"] is True
+
+    # Same identity, different bytes: not re-read (the file is only ever replaced, never edited in place).
+    stat = path.stat()
+    path.write_text(path.read_text().replace('"tiny-chat"', '"tiny-chaz"'))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    source.forget()
+    assert source()[0]["served_model_name"] == "tiny-chat"
+    # A rewrite (new inode) is re-read: the engine root no longer lists is gone.
+    _write(tmp_path, _engine("idle", port=None, state="exited"))
+    source.forget()
+    assert source() == [
+        {
+            "name": "idle",
+            "managed": True,
+            "driver": "vllm",
+            "image": "meridian-node/standin@sha256:" + "a" * 64,
+            "state": "exited",
+            "ready": False,
+            "draining": False,
+            "port": None,
+            "served_model_name": "tiny-chat",
+        }
+    ]
+
+
+def test_unreadable_draining_marks_make_no_engine_ready(tmp_path: Path, standin: int) -> None:
+    _write(tmp_path, _engine("chat", port=standin))
+    (tmp_path / "draining").mkdir()
+    (tmp_path / "draining" / "chat.json").write_text("not json")
+    events = _Events()
+    source = InventoryEngines(state_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
+
+    assert [(e["name"], e["ready"]) for e in source()] == [("chat", False)]
+    assert ("draining-marks-unreadable" in [event for event, _ in events.seen]) is True
+
+
+def _root_config(root: Path, *, images: list[str]) -> AgentConfig:
+    extra = {"images": {"allowed_repositories": images, "require_digest": True}} if images else {}
+    policy = write_policy(root / "etc", control=[make_key()], extra=extra)
+    config = {
+        "node_id": NODE,
+        "mode": "observe-only",  # root refuses every request: the quickest 'failed' apply there is
+        "policy": str(policy),
+        "state_dir": str(root / "state"),
+        "control_plane": {"url": "https://127.0.0.1:9"},
+        "apply": {"via": "systemd"},
+    }
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    return load_config(root / "config.yaml")
+
+
+def test_root_side_writes_the_inventory_after_a_refused_request_without_docker_when_no_image_is_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-docker.sock'}")
+    config = _root_config(tmp_path, images=[])
+    spool = Path(config.state_dir) / SPOOL_DIR
+    write_request(spool, "gen-1-20261129T120000.000000Z", b"{}")
+
+    answers = answer_requests(config)
+
+    assert [a.status for a in answers] == ["failed"]
+    inventory = read_inventory(Path(config.state_dir) / INVENTORY_FILE, node_id=NODE)
+    assert inventory.engines == ()
+
+
+def test_root_side_that_cannot_reach_docker_keeps_the_previous_inventory_and_still_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-docker.sock'}")
+    config = _root_config(tmp_path, images=["meridian-node/standin"])
+    previous = _write(Path(config.state_dir), _engine()).read_bytes()
+    write_request(Path(config.state_dir) / SPOOL_DIR, "gen-1-20261129T120000.000000Z", b"{}")
+
+    answers = answer_requests(config)
+
+    assert [a.status for a in answers] == ["failed"]
+    assert read_answer(Path(config.state_dir) / SPOOL_DIR) == answers[0]
+    assert (Path(config.state_dir) / INVENTORY_FILE).read_bytes() == previous
+    warning = capsys.readouterr().err
+    assert f"could not write {Path(config.state_dir) / INVENTORY_FILE}" in warning
+    assert "Docker Engine" in warning and "keeps observing the previous one" in warning

@@ -30,7 +30,7 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.helpers.engine_harness import SERVER
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
 from meridian_node_agent.control_client import ControlClient
-from meridian_node_agent.cycle import Agent
+from meridian_node_agent.cycle import Agent, CycleOutcome, Outcome
 from meridian_node_agent.observe import DockerEngines, Observer
 
 __all__ = [
@@ -38,6 +38,8 @@ __all__ = [
     "E2E_REPOSITORY",
     "PORT_RANGE",
     "E2ENode",
+    "applied",
+    "container_named",
     "engine_spec",
     "free_engine_port",
     "last_observation",
@@ -162,3 +164,16 @@ def remove_containers(client: Any, prefixes: Iterable[str]) -> list[str]:
             container.remove(force=True)
             removed.append(container.name)
     return removed
+
+
+def container_named(client: Any, name: str) -> Any:
+    """The container called exactly ``name`` (Docker's name filter matches substrings), or None."""
+    found = [c for c in client.containers.list(all=True, filters={"name": name}) if c.name == name]
+    return found[0] if found else None
+
+
+def applied(agent: Agent) -> CycleOutcome:
+    """One agent cycle that must apply; the run's failures are in the assertion message otherwise."""
+    outcome = agent.cycle()
+    assert outcome.outcome == Outcome.APPLIED, (outcome, outcome.run and outcome.run.failures)
+    return outcome

@@ -9,13 +9,10 @@ engine) sits on the host through the engine tests and must come out of them unto
 
 from __future__ import annotations
 
-import itertools
-import secrets
 import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -34,13 +31,13 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.e2e.e2e_env import (
     BIND,
     E2ENode,
+    applied,
+    container_named,
     engine_spec,
     free_engine_port,
     last_observation,
     make_e2e_node,
-    remove_containers,
     serving,
-    standin_vllm,
 )
 from ansible_collections.meridian.node.tests.helpers.engine_harness import hold_requests
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
@@ -51,32 +48,6 @@ from meridian_node_agent.cycle import Agent, CycleOutcome, Outcome, read_status
 from meridian_node_agent.oplog import OpLog
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
-
-_names = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    with running(tmp_path_factory.mktemp("devserver") / "data") as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def image(docker_client: Any, standin_base_image: LocalImage) -> Iterator[LocalImage]:
-    with standin_vllm(docker_client, standin_base_image) as tagged:
-        yield tagged
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-e2e-{secrets.token_hex(3)}"
-    yield name
-    remove_containers(docker_client, [name])
-
-
-@pytest.fixture
-def node_id() -> str:
-    return f"e2e-node-{next(_names)}-{secrets.token_hex(2)}"
 
 
 @pytest.fixture
@@ -92,11 +63,6 @@ def foreign(docker_client: Any, standin_base_image: LocalImage, prefix: str) -> 
     )
     container.reload()
     return container
-
-
-def _container(client: Any, name: str) -> Any:
-    found = [c for c in client.containers.list(all=True, filters={"name": name}) if c.name == name]
-    return found[0] if found else None
 
 
 def _assert_untouched(client: Any, before: Any) -> None:
@@ -143,7 +109,7 @@ def _apply_while_held(
     releaser = threading.Thread(target=_release_when_marked, args=(mark, old, seen))
     releaser.start()
     try:
-        outcome = _applied(agent)
+        outcome = applied(agent)
     finally:
         releaser.join(timeout=120)
         if not seen:
@@ -151,12 +117,6 @@ def _apply_while_held(
         for thread in threads:
             thread.join(timeout=60)
     return outcome, outcomes, seen
-
-
-def _applied(agent: Agent) -> CycleOutcome:
-    outcome = agent.cycle()
-    assert outcome.outcome == Outcome.APPLIED, (outcome, outcome.run and outcome.run.failures)
-    return outcome
 
 
 def test_published_engine_is_started_ready_observed_and_served(
@@ -173,10 +133,10 @@ def test_published_engine_is_started_ready_observed_and_served(
     generation = publish(server, node_id, document={"engines": [engine_spec(name, image, port)]})
     agent = node.agent()
 
-    outcome = _applied(agent)
+    outcome = applied(agent)
 
     assert outcome.generation == generation
-    container = _container(docker_client, name)
+    container = container_named(docker_client, name)
     assert container is not None and container.status == "running"
     observed = last_observation(server, node_id)
     assert observed is not None
@@ -207,7 +167,7 @@ def test_published_engine_is_started_ready_observed_and_served(
     assert agent.cycle().outcome == Outcome.UNCHANGED
     again = _apply_again(node, agent)
     assert (again.status, again.changed, again.failed) == ("successful", 0, 0), again.failures
-    assert _container(docker_client, name).id == container.id
+    assert container_named(docker_client, name).id == container.id
     _assert_untouched(docker_client, foreign)
 
 
@@ -225,8 +185,8 @@ def test_changed_spec_drains_the_old_engine_under_load_then_replaces_it(
     first = engine_spec(name, image, port, args=["--max-model-len", "4096"])
     publish(server, node_id, document={"engines": [first]})
     agent = node.agent()
-    _applied(agent)
-    old = _container(docker_client, name)
+    applied(agent)
+    old = container_named(docker_client, name)
     changed = {**first, "args": ["--max-model-len", "8192"], "replace_strategy": "drain-then-replace"}
     generation = publish(server, node_id, document={"engines": [changed]})
     outcome, outcomes, seen = _apply_while_held(agent, node, old, port, 4)
@@ -235,7 +195,7 @@ def test_changed_spec_drains_the_old_engine_under_load_then_replaces_it(
     assert [status for status, _at in outcomes] == [200] * 4
     assert seen, "the old engine was never marked draining"
     assert all(at > seen[0] for _status, at in outcomes), "a request ended before the engine was marked draining"
-    new = _container(docker_client, name)
+    new = container_named(docker_client, name)
     assert new is not None and new.id != old.id and new.status == "running"
     assert new.labels[LABEL_CONFIG_HASH] != old.labels[LABEL_CONFIG_HASH]
     assert "8192" in new.attrs["Args"]
@@ -270,9 +230,9 @@ def test_state_that_drops_the_engine_drains_and_removes_it_and_leaves_the_others
     name, port = f"{prefix}-chat", free_engine_port()
     publish(server, node_id, document={"engines": [engine_spec(name, image, port)]})
     agent = node.agent()
-    _applied(agent)
+    applied(agent)
     assert [e["engine"] for e in serving(node, prefix)] == [name]
-    old = _container(docker_client, name)
+    old = container_named(docker_client, name)
     generation = publish(server, node_id, document={"engines": []})
     outcome, outcomes, seen = _apply_while_held(agent, node, old, port, 2)
 
@@ -280,7 +240,7 @@ def test_state_that_drops_the_engine_drains_and_removes_it_and_leaves_the_others
     assert outcome.run is not None and outcome.run.changed >= 2  # drained, removed (then recorded)
     assert [status for status, _at in outcomes] == [200, 200]  # drained, not cut off
     assert seen and all(at > seen[0] for _status, at in outcomes)
-    assert _container(docker_client, name) is None
+    assert container_named(docker_client, name) is None
     assert not (node.state_dir / "draining" / f"{name}.json").exists()
     assert serving(node, prefix) == []
     observed = last_observation(server, node_id)
@@ -305,7 +265,7 @@ def test_observe_only_creates_nothing_and_still_reports(
     outcome = node.agent().cycle()
 
     assert (outcome.outcome, outcome.generation, outcome.run) == (Outcome.OBSERVED_ONLY, generation, None)
-    assert _container(docker_client, name) is None
+    assert container_named(docker_client, name) is None
     assert node.node.journal_runs() == [] and node.node.oplog_lines() == []
     assert StateStore(node.state_dir).load().generation == 0
     observed = last_observation(server, node_id)
@@ -373,8 +333,8 @@ def test_control_plane_outage_leaves_the_engine_serving_and_the_agent_resumes(
         name, port = f"{prefix}-chat", free_engine_port()
         generation = publish(server, node_id, document={"engines": [engine_spec(name, image, port)]})
         agent = node.agent()
-        _applied(agent)
-        before = _container(docker_client, name)
+        applied(agent)
+        before = container_named(docker_client, name)
         runs = sorted((node.state_dir / "journal").iterdir())
         stack.close()  # the control plane goes away
 
@@ -391,7 +351,7 @@ def test_control_plane_outage_leaves_the_engine_serving_and_the_agent_resumes(
     assert status == 0
     assert answers == [200, 200, 200]
     assert agent.counters.unavailable == 3
-    after = _container(docker_client, name)
+    after = container_named(docker_client, name)
     assert (after.id, after.attrs["State"]["StartedAt"]) == (before.id, before.attrs["State"]["StartedAt"])
     # Back online with nothing new published: the same generation, and no playbook ran again.
     assert StateStore(node.state_dir).load().generation == generation

@@ -10,10 +10,7 @@ playbook produced them), the outcome from Docker, the oplog, the agent's status 
 
 from __future__ import annotations
 
-import itertools
 import json
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,63 +18,27 @@ import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
 from ansible_collections.meridian.node.tests.agent_loop.node_env import publish
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.e2e.e2e_env import (
     E2ENode,
+    applied,
+    container_named,
     engine_spec,
     free_engine_port,
     last_observation,
     make_e2e_node,
-    remove_containers,
     serving,
-    standin_vllm,
 )
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
 from meridian_node_agent.apply import ApplyResult
-from meridian_node_agent.cycle import Agent, CycleOutcome, Outcome, read_status
+from meridian_node_agent.cycle import Agent, Outcome, read_status
 from meridian_node_agent.oplog import OpLog
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-_names = itertools.count(1)
 CONVERGE = "Converge the engines"
 DRAIN = "Drain the engines the desired state no longer lists"
 REMOVE = "Remove the engines the desired state no longer lists"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    with running(tmp_path_factory.mktemp("devserver") / "data") as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def image(docker_client: Any, standin_base_image: LocalImage) -> Iterator[LocalImage]:
-    with standin_vllm(docker_client, standin_base_image) as tagged:
-        yield tagged
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-e2p-{secrets.token_hex(3)}"
-    yield name
-    remove_containers(docker_client, [name])
-
-
-@pytest.fixture
-def node_id() -> str:
-    return f"e2p-node-{next(_names)}-{secrets.token_hex(2)}"
-
-
-def _container(client: Any, name: str) -> Any:
-    found = [c for c in client.containers.list(all=True, filters={"name": name}) if c.name == name]
-    return found[0] if found else None
-
-
-def _applied(agent: Agent) -> CycleOutcome:
-    outcome = agent.cycle()
-    assert outcome.outcome == Outcome.APPLIED, (outcome, outcome.run and outcome.run.failures)
-    return outcome
 
 
 def _item_results(journal: Path) -> list[tuple[str, str, dict[str, Any]]]:
@@ -108,7 +69,7 @@ def _run_once(agent: Agent) -> ApplyResult:
     return agent.last_run
 
 
-def _assert_generation_applied(node: E2ENode, run: ApplyResult, generation: int) -> None:
+def _assert_generationapplied(node: E2ENode, run: ApplyResult, generation: int) -> None:
     assert (run.generation, run.status, run.failed) == (generation, "successful", 0), run.failures
     last = OpLog(node.state_dir / "oplog.jsonl").last()
     assert last is not None and (last.generation, last.run_ident, last.result) == (generation, run.ident, "successful")
@@ -125,15 +86,15 @@ def test_new_engine_on_a_dropped_engines_port_converges_after_the_old_one_is_pru
     old, new, port = f"{prefix}-a", f"{prefix}-b", free_engine_port()
     publish(server, node_id, document={"engines": [engine_spec(old, image, port)]})
     agent = node.agent()
-    _applied(agent)
+    applied(agent)
     assert [(e["engine"], e["address"]) for e in serving(node, prefix)] == [(old, f"127.0.0.1:{port}")]
 
     generation = publish(server, node_id, document={"engines": [engine_spec(new, image, port)]})
     run = _run_once(agent)
 
-    _assert_generation_applied(node, run, generation)
-    assert _container(docker_client, old) is None
-    container = _container(docker_client, new)
+    _assert_generationapplied(node, run, generation)
+    assert container_named(docker_client, old) is None
+    container = container_named(docker_client, new)
     assert container is not None and container.status == "running"
     assert [b["HostPort"] for bindings in container.ports.values() for b in bindings or []] == [str(port)]
     # The old engine was drained and removed before the new one was placed on its port.
@@ -159,16 +120,16 @@ def test_dropped_engine_in_nobodys_way_serves_until_the_new_engine_is_ready(
     old_port = free_engine_port()
     publish(server, node_id, document={"engines": [engine_spec(old, image, old_port)]})
     agent = node.agent()
-    _applied(agent)
+    applied(agent)
     new_port = free_engine_port()
     assert new_port != old_port  # the old engine publishes its port, so no free one can equal it
 
     generation = publish(server, node_id, document={"engines": [engine_spec(new, image, new_port)]})
     run = _run_once(agent)
 
-    _assert_generation_applied(node, run, generation)
-    assert _container(docker_client, old) is None
-    assert _container(docker_client, new).status == "running"
+    _assert_generationapplied(node, run, generation)
+    assert container_named(docker_client, old) is None
+    assert container_named(docker_client, new).status == "running"
     items = _item_results(run.journal)
     converged = _position(items, CONVERGE, new)
     assert items[converged][2]["ready"] is True

@@ -140,7 +140,11 @@ def build_applier(config: AgentConfig) -> Any:
     if config.apply.via == "systemd":
         from meridian_node_agent.apply_unit import SystemdApplier
 
-        return SystemdApplier(state_dir=Path(config.state_dir), timeout_seconds=config.apply.timeout_seconds)
+        return SystemdApplier(
+            state_dir=Path(config.state_dir),
+            apply_state_dir=Path(config.apply.state_dir),
+            timeout_seconds=config.apply.timeout_seconds,
+        )
     from meridian_node_agent.apply import Applier
 
     return Applier(
@@ -161,7 +165,7 @@ def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
     from meridian_node_agent.observe import DockerEngines, InventoryEngines, no_engines
 
     if config.apply.via == "systemd":
-        return InventoryEngines(state_dir=Path(config.state_dir), node_id=config.node_id, log=log)
+        return InventoryEngines(root_dir=Path(config.apply.state_dir), node_id=config.node_id, log=log)
 
     try:
         engine = DockerEngine.from_env(timeout=5)

@@ -1,6 +1,10 @@
 """Apply a verified desired state: run the collection's ``reconcile.yml`` through ansible-runner.
 
-Layout under the agent's state dir::
+Runs on: whichever side applies. In-process (``apply.via: in-process``, development) inside the agent, in
+its state dir; under the privilege split inside the root apply unit (``apply_cli``), in root's own
+``apply.state_dir``, where the agent can rename nothing.
+
+Layout under that directory::
 
     runs/<ident>/       the run's private_data_dir (inventory, project link, the envelope); removed after
                         the run, because the envelope's payload carries engine environment values
@@ -142,8 +146,8 @@ class Applier:
         self.playbook = playbook or playbooks / "reconcile.yml"
         self.runs_dir = self.state_dir / "runs"
         self.journal_dir = self.state_dir / "journal"
-        # The root apply unit runs this class with write_oplog=False: the oplog belongs to the agent, which
-        # records the start before it asks and the result when the answer comes (see apply_unit).
+        # In-process this is the agent's oplog; in the root apply unit, root's own (in root's directory): the
+        # agent keeps a separate one of what it asked for (apply_unit).
         self.oplog = OpLog(self.state_dir / "oplog.jsonl") if write_oplog else None
 
     def apply(

@@ -1,13 +1,16 @@
 """``meridian-node apply-spooled``: the root side of the privilege split, run by ``meridian-node-apply.service``.
 
-It reads the request the unprivileged agent spooled (see ``apply_unit``) and trusts it only as input:
-the node id, policy, state dir and mode come from the root-owned config, the envelope is verified again
-against the root-owned policy before ansible-runner starts, and the playbook verifies it once more. Then
-it runs the same ``Applier`` the agent runs in-process (same journal, same playbook), without touching the
-agent's oplog, and writes the answer where the agent waits for it.
+Runs on: the root side only.
 
-Before each answer (and when it starts with nothing to answer) it rewrites ``<state_dir>/engines.json``
-(``engine_inventory``): the agent has no Docker access, and observes its engines from that file.
+It reads the one request the unprivileged agent spooled (``apply_root.read_request``) and trusts it only as
+input: the node id, policy, directories and mode come from the root-owned config; the envelope is verified
+again against the root-owned policy and **root's own record** (``<apply.state_dir>/applied.json``: highest
+generation applied, highest epoch, payload sha) before ansible-runner starts, and the playbook verifies it
+once more. Whatever the agent's files say, a generation below root's, the applied generation with other
+bytes, or an epoch below root's highest is refused; the same generation with the same bytes is applied
+again (that is how drift is repaired). Everything root writes stays in its own directory: the runs, the
+journal, its own oplog, the record, the draining marks, and in ``public/`` the answer and
+``engines.json`` (``engine_inventory``: the agent has no Docker access, and observes its engines from it).
 
 systemd's ``PathChanged=`` does not queue: a request written while this runs starts nothing. So after each
 answer the spool is read again, and a newer request is answered in the same run.
@@ -18,24 +21,26 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection, verify_desired_state
 from meridian_node_agent.apply import Applier
-from meridian_node_agent.apply_unit import (
-    SPOOL_DIR,
+from meridian_node_agent.apply_root import BoundaryError, RootDir, prepare_root_dir, read_request
+from meridian_node_agent.apply_spool import (
+    ANSWER_MODE,
+    RESULT_FILE,
     ApplyAnswer,
     ApplyRequest,
     SpoolError,
-    read_answer,
-    read_request,
-    write_answer,
+    read_answer_file,
 )
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config
 from meridian_node_agent.engine_inventory import collect_inventory, write_inventory
@@ -52,10 +57,10 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         VERB,
         help="(root) apply the request the agent spooled; run by meridian-node-apply.service",
         description="Read <state_dir>/spool/apply-request.json, verify its envelope again against the policy "
-        "named in --config, run the reconcile playbook through ansible-runner and write "
-        "<state_dir>/spool/apply-result.json for the agent, after <state_dir>/engines.json (the engines the "
-        "agent observes without Docker access). Exit 0 when every request answered was applied "
-        "(or there was none), 1 when one was refused or failed.",
+        "named in --config and the record in <apply.state_dir>, run the reconcile playbook through "
+        "ansible-runner and write <apply.state_dir>/public/apply-result.json for the agent, after "
+        "<apply.state_dir>/public/engines.json (the engines the agent observes without Docker access). "
+        "Exit 0 when every request answered was applied (or there was none), 1 when one was refused or failed.",
     )
     verb.set_defaults(handler=cmd_apply_spooled)
 
@@ -65,14 +70,27 @@ def cmd_apply_spooled(args: argparse.Namespace) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
+    if config.apply.via != "systemd":
+        # Not this unit's node: there is no agent waiting for an answer, and no directory of root's to use.
+        print(
+            f"error: config {args.config} says apply.via: {config.apply.via}; the apply unit only serves "
+            "apply.via: systemd; nothing was applied",
+            file=sys.stderr,
+        )
+        return 1
     try:
-        answers = answer_requests(config)
+        root = prepare_root_dir(Path(config.apply.state_dir), agent_dir=Path(config.state_dir))
+    except (BoundaryError, OSError) as exc:
+        print(f"error: {exc}; nothing was applied", file=sys.stderr)
+        return 1
+    try:
+        answers = answer_requests(config, root)
     except SpoolError as exc:
         print(f"error: {exc}; nothing was applied", file=sys.stderr)
-        _report_inventory(refresh_inventory(config, clock=lambda: datetime.now(UTC)))
+        _report_inventory(refresh_inventory(config, root, clock=lambda: datetime.now(UTC)))
         return 1
     if not answers:
-        print(f"no new request in {Path(config.state_dir) / SPOOL_DIR}; nothing to apply")
+        print(f"no new request in {Path(config.state_dir) / 'spool'}; nothing to apply")
     for answer in answers:
         tail = f"; {'; '.join(answer.failures)}" if answer.failures else ""
         print(
@@ -82,43 +100,52 @@ def cmd_apply_spooled(args: argparse.Namespace) -> int:
     return 0 if all(answer.status == "successful" for answer in answers) else 1
 
 
-def answer_requests(config: AgentConfig, *, clock: Callable[[], datetime] | None = None) -> list[ApplyAnswer]:
+def answer_requests(
+    config: AgentConfig, root: RootDir, *, clock: Callable[[], datetime] | None = None
+) -> list[ApplyAnswer]:
     """Answer the spooled request, and any newer one written meanwhile; each request at most once."""
-    spool = Path(config.state_dir) / SPOOL_DIR
     answered: list[ApplyAnswer] = []
     now = clock or (lambda: datetime.now(UTC))
     while True:
-        request = read_request(spool)
+        request = read_request(Path(config.state_dir))
         if request is None or any(a.request == request.request for a in answered):
             break
         try:
-            previous = read_answer(spool)
+            previous = read_answer_file(root.public)
         except SpoolError:
             previous = None  # ours to overwrite; the agent skips a damaged answer too
         if previous is not None and previous.request == request.request:
             break
         try:
-            answer = answer_one(config, request, clock=now)
-        except Exception as exc:  # answered as failed, then raised: the agent must not wait its whole timeout
-            answer = _failed(config, request.request, now(), now, f"the root apply unit failed: {exc!r}")
-            _report_inventory(refresh_inventory(config, clock=now))
-            write_answer(spool, answer)
-            raise
+            answer = answer_one(config, root, request, clock=now)
+        except Exception as exc:  # noqa: BLE001 - answered as failed: the agent must not wait its whole timeout
+            traceback.print_exc(file=sys.stderr)  # a bug, not a verdict on the request: keep the whole story
+            answer = _failed(root, request.request, now(), now, f"the root apply unit failed: {exc!r}")
+            _report_inventory(refresh_inventory(config, root, clock=now))
+            write_answer(root, answer)
+            answered.append(answer)
+            break
         # Before the answer: the agent observes right after it, and must see what this run changed. Also
         # after a failed run, which may have created or removed containers.
-        _report_inventory(refresh_inventory(config, clock=now))
-        write_answer(spool, answer)
+        _report_inventory(refresh_inventory(config, root, clock=now))
+        write_answer(root, answer)
         answered.append(answer)
     if not answered:  # started with nothing to apply: the engines may have changed since the last run
-        _report_inventory(refresh_inventory(config, clock=now))
+        _report_inventory(refresh_inventory(config, root, clock=now))
     return answered
 
 
+def write_answer(root: RootDir, answer: ApplyAnswer) -> Path:
+    path = root.public / RESULT_FILE
+    atomic_write(path, answer.model_dump_json().encode("utf-8"), mode=ANSWER_MODE, group=root.group)
+    return path
+
+
 def refresh_inventory(
-    config: AgentConfig, *, clock: Callable[[], datetime], connect: Callable[[], Any] | None = None
+    config: AgentConfig, root: RootDir, *, clock: Callable[[], datetime], connect: Callable[[], Any] | None = None
 ) -> str | None:
-    """Rewrite ``<state_dir>/engines.json`` from what Docker lists now; None, or why it could not. The
-    previous file then stays: the agent still probes each engine in it, so one that is gone is not ready."""
+    """Rewrite ``public/engines.json`` from what Docker lists now; None, or why it could not. The previous
+    file then stays: the agent still probes each engine in it, so one that is gone is not ready."""
     from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerEngineError
 
     if connect is None:
@@ -126,20 +153,21 @@ def refresh_inventory(
         def connect() -> Any:
             return DockerEngine.from_env(timeout=30)
 
-    state_dir = Path(config.state_dir)
     try:
         inventory = collect_inventory(
             connect,
             node_id=config.node_id,
             policy_path=config.policy,
-            state_dir=str(state_dir),
+            state_dir=str(root.path),
             written_at=format_rfc3339(clock()),
         )
-        write_inventory(state_dir, inventory)
+        write_inventory(root.public, inventory, group=root.group)
     # PolicyError and DrainStateError are ValueErrors. The answer matters more than the inventory: none of
     # these may keep the answer from the agent.
     except (DockerEngineError, OSError, ValueError) as exc:
-        return f"could not write {state_dir / 'engines.json'}: {exc}; the agent keeps observing the previous one"
+        return (
+            f"could not write {root.public / 'engines.json'}: {exc}; the agent keeps observing the previous one"
+        )
     return None
 
 
@@ -148,22 +176,23 @@ def _report_inventory(problem: str | None) -> None:
         print(f"warning: {problem}", file=sys.stderr)
 
 
-def answer_one(config: AgentConfig, request: ApplyRequest, *, clock: Callable[[], datetime]) -> ApplyAnswer:
-    """Verify the request's envelope as root sees it, then run the reconcile playbook for it."""
-    state_dir = Path(config.state_dir)
+def answer_one(
+    config: AgentConfig, root: RootDir, request: ApplyRequest, *, clock: Callable[[], datetime]
+) -> ApplyAnswer:
+    """Verify the request's envelope as root sees it, against root's record, then run the reconcile playbook."""
     ident = request.request
     started = clock()
 
     def refuse(reason: str) -> ApplyAnswer:
         return _failed(
-            config, ident, started, clock, f"the root apply unit refused request {ident}: {reason}; nothing was applied"
+            root, ident, started, clock, f"the root apply unit refused request {ident}: {reason}; nothing was applied"
         )
 
     if config.mode == "observe-only":
         return refuse("config mode is observe-only, which never applies")
-    if config.apply.via != "systemd":
+    if config.apply.via != "systemd":  # cmd_apply_spooled stops before; a caller of this function must too
         return refuse(f"the config says apply.via: {config.apply.via}; the apply unit only serves apply.via: systemd")
-    if (state_dir / "journal" / ident).exists() or (state_dir / "runs" / ident).exists():
+    if (root.journal / ident).exists() or (root.runs / ident).exists():
         return refuse("an earlier attempt at it was interrupted (its journal exists); the agent applies it again")
     try:
         envelope = request.envelope_bytes()
@@ -171,8 +200,9 @@ def answer_one(config: AgentConfig, request: ApplyRequest, *, clock: Callable[[]
         refusal = policy.mode_allowed(config.mode)
         if refusal:
             return refuse(f"mode: {refusal}")
+        # Root's record decides, read once: the epoch and generation checked here are the ones recorded.
         verified = verify_desired_state(
-            envelope, policy, node_id=config.node_id, now=clock(), applied=StateStore(state_dir).load()
+            envelope, policy, node_id=config.node_id, now=clock(), applied=StateStore(root.path).load()
         )
     except Rejection as exc:
         return refuse(f"the envelope is rejected ({exc.code.value}): {exc.message}")
@@ -182,12 +212,11 @@ def answer_one(config: AgentConfig, request: ApplyRequest, *, clock: Callable[[]
     if not ident.startswith(f"gen-{state.generation}-"):
         return refuse(f"the request names a run of another generation than the envelope's {state.generation}")
     applier = Applier(
-        state_dir=state_dir,
+        state_dir=root.path,
         node_id=config.node_id,
         policy_path=config.policy,
         keep_runs=config.journal.keep_runs,
         clock=clock,
-        write_oplog=False,
     )
     result = applier.apply(
         envelope,
@@ -197,23 +226,22 @@ def answer_one(config: AgentConfig, request: ApplyRequest, *, clock: Callable[[]
         secrets=[value for engine in state.engines for value in engine.env.values()],
         ident=ident,
     )
-    return ApplyAnswer.from_result(result, verified.payload_sha256)
+    return ApplyAnswer.from_result(result, verified.payload_sha256, state.lease_epoch)
 
 
-def _failed(
-    config: AgentConfig, ident: str, started: datetime, clock: Callable[[], datetime], message: str
-) -> ApplyAnswer:
+def _failed(root: RootDir, ident: str, started: datetime, clock: Callable[[], datetime], message: str) -> ApplyAnswer:
     match = _GENERATION.match(ident)
+    generation = int(match.group(1)) if match else 0
     return ApplyAnswer(
         request=ident,
         payload_sha256="",
-        generation=int(match.group(1)) if match else 0,
+        generation=generation if generation <= 2**63 - 1 else 0,
         status="failed",
         rc=None,
         changed=0,
         failed=0,
         failures=[message],
-        journal=str(Path(config.state_dir) / "journal" / ident),
+        journal=str(root.journal / ident),
         started_at=format_rfc3339(started),
         finished_at=format_rfc3339(clock()),
         wall_seconds=0.0,

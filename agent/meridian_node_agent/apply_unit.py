@@ -1,21 +1,22 @@
 """Apply through the root apply unit: the agent's side of the privilege split.
 
-The agent runs unprivileged; what it may ask of root crosses the boundary as two files in its spool:
+Runs on: the agent side (the unprivileged ``meridian-node run``).
 
-    spool/apply-request.json   written by the agent (atomically): the run ident it chose and the envelope,
-                               byte for byte as it verified it. ``meridian-node-apply.path`` watches this
-                               file (``PathChanged=``) and starts ``meridian-node-apply.service``.
-    spool/apply-result.json    written by the root unit (atomically): the answer to one request.
+The agent writes ``<state_dir>/spool/apply-request.json`` (atomically): the run ident it chose and the
+envelope, byte for byte as it verified it. ``meridian-node-apply.path`` watches that file
+(``PathChanged=``) and starts ``meridian-node-apply.service``, which answers in
+``<apply.state_dir>/public/apply-result.json``, in root's own directory (see ``apply_spool``).
 
 The root side (``apply_cli``) trusts the request only as input: it re-verifies the envelope against the
-root-owned policy and config, and the playbook verifies it once more. The agent takes an answer only
-when it names its own request (an old or foreign answer is waited past), and counts it as failed when
-root ran an envelope with another payload hash than the one the agent spooled. The agent does not poll
-blindly: it sleeps on inotify on the spool directory, with a slow re-check in case an event is lost.
+root-owned policy and its own record of what was applied, and the playbook verifies it once more. The
+agent takes an answer only when it names its own request (an old or foreign answer is waited past), and
+counts it as failed when root ran an envelope with another payload hash than the one the agent spooled.
+The agent does not poll blindly: it sleeps on inotify on root's ``public/`` directory, with a slow re-check
+in case an event is lost (or the directory does not exist yet, before root's first run).
 
-The oplog stays the agent's: ``started`` before the request is written, the result when the answer
+The oplog here is the agent's: ``started`` before the request is written, the result when the answer
 arrives. No answer within the timeout leaves the operation unfinished in the oplog, so start-up
-re-applies it, exactly like a crash in the middle of an in-process apply.
+re-applies it, exactly like a crash in the middle of an in-process apply. Root keeps its own oplog.
 """
 
 from __future__ import annotations
@@ -29,123 +30,28 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from ansible_collections.meridian.node.plugins.module_utils.contracts import (
-    describe_validation_error,
-    format_rfc3339,
-)
 from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
-from meridian_node_agent.apply import APPLY_OP, RUN_IDENT_PATTERN, ApplyResult, run_ident
+from meridian_node_agent.apply import APPLY_OP, ApplyResult, run_ident
+from meridian_node_agent.apply_spool import (
+    PUBLIC_DIR,
+    REQUEST_FILE,
+    REQUEST_MODE,
+    SPOOL_DIR,
+    ApplyAnswer,
+    ApplyRequest,
+    SpoolError,
+    read_answer_file,
+)
 from meridian_node_agent.oplog import STARTED, Operation, OpLog
 
-__all__ = [
-    "REQUEST_FILE",
-    "RESULT_FILE",
-    "SPOOL_DIR",
-    "ApplyAnswer",
-    "ApplyRequest",
-    "SpoolError",
-    "SystemdApplier",
-    "read_answer",
-    "read_request",
-    "watch_directory",
-    "write_answer",
-    "write_request",
-]
+__all__ = ["SystemdApplier", "watch_directory", "write_request"]
 
-SPOOL_DIR = "spool"
-REQUEST_FILE = "apply-request.json"
-RESULT_FILE = "apply-result.json"
-# A desired state is kilobytes; anything near this is not one, and root does not read unbounded input.
-MAX_REQUEST_BYTES = 8 * 1024 * 1024
-# Requests are private to the agent (and root); answers carry only counts and messages the agent shows.
-REQUEST_MODE = 0o600
-ANSWER_MODE = 0o644
 # Even with inotify, look again this often: an event lost to a replaced directory must not cost a timeout.
 _BACKSTOP_SECONDS = 5.0
-# Without inotify (not Linux) this is the re-check interval.
+# Without inotify (not Linux), or before root's public directory exists, this is the re-check interval.
 _FALLBACK_SECONDS = 0.5
-
-
-class SpoolError(ValueError):
-    """A request or answer file is unreadable or malformed; the message names the file and the field."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class ApplyRequest(_Strict):
-    format: Literal[1] = 1
-    request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
-    envelope: str  # base64 of the envelope bytes: the signature covers exact bytes, JSON re-encoding would not
-
-    def envelope_bytes(self) -> bytes:
-        try:
-            return base64.b64decode(self.envelope, validate=True)
-        except ValueError as exc:
-            raise SpoolError(f"request {self.request}: envelope is not valid base64: {exc}") from exc
-
-
-class ApplyAnswer(_Strict):
-    format: Literal[1] = 1
-    request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
-    payload_sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")]  # empty when the envelope was refused
-    generation: Annotated[int, Field(ge=0)]
-    status: Literal["successful", "failed", "canceled", "timeout"]
-    rc: int | None
-    changed: Annotated[int, Field(ge=0)]
-    failed: Annotated[int, Field(ge=0)]
-    failures: list[str]
-    journal: str
-    started_at: str
-    finished_at: str
-    wall_seconds: Annotated[float, Field(ge=0)]
-
-    def to_result(self) -> ApplyResult:
-        return ApplyResult(
-            ident=self.request,
-            generation=self.generation,
-            status=self.status,
-            rc=self.rc,
-            changed=self.changed,
-            failed=self.failed,
-            journal=Path(self.journal),
-            started_at=datetime.fromisoformat(self.started_at),
-            finished_at=datetime.fromisoformat(self.finished_at),
-            wall_seconds=self.wall_seconds,
-            failures=list(self.failures),
-        )
-
-    @classmethod
-    def from_result(cls, result: ApplyResult, payload_sha256: str) -> ApplyAnswer:
-        return cls(
-            request=result.ident,
-            payload_sha256=payload_sha256,
-            generation=result.generation,
-            status=_STATUSES.get(result.status, "failed"),
-            rc=result.rc,
-            changed=result.changed,
-            failed=result.failed,
-            failures=list(result.failures),
-            journal=str(result.journal),
-            started_at=format_rfc3339(result.started_at),
-            finished_at=format_rfc3339(result.finished_at),
-            wall_seconds=result.wall_seconds,
-        )
-
-
-_STATUSES: dict[str, Literal["successful", "failed", "canceled", "timeout"]] = {
-    "successful": "successful",
-    "canceled": "canceled",
-    "timeout": "timeout",
-}
-
-
-_Model = TypeVar("_Model", ApplyRequest, ApplyAnswer)
 
 
 def write_request(spool: Path, ident: str, envelope: bytes) -> Path:
@@ -156,50 +62,7 @@ def write_request(spool: Path, ident: str, envelope: bytes) -> Path:
     return path
 
 
-def read_request(spool: Path) -> ApplyRequest | None:
-    """The pending request, or None when there is none; a malformed one raises ``SpoolError``."""
-    raw = _read_capped(spool / REQUEST_FILE)
-    if raw is None:
-        return None
-    return _parse(ApplyRequest, raw, spool / REQUEST_FILE)
-
-
-def write_answer(spool: Path, answer: ApplyAnswer) -> Path:
-    path = spool / RESULT_FILE
-    atomic_write(path, answer.model_dump_json().encode("utf-8"), mode=ANSWER_MODE)
-    return path
-
-
-def read_answer(spool: Path) -> ApplyAnswer | None:
-    raw = _read_capped(spool / RESULT_FILE)
-    if raw is None:
-        return None
-    return _parse(ApplyAnswer, raw, spool / RESULT_FILE)
-
-
-def _read_capped(path: Path) -> bytes | None:
-    try:
-        # O_NOFOLLOW: root reads this file from a directory the agent owns; a symlink there is refused.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise SpoolError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    with os.fdopen(fd, "rb") as handle:
-        raw = handle.read(MAX_REQUEST_BYTES + 1)
-    if len(raw) > MAX_REQUEST_BYTES:
-        raise SpoolError(f"{path} is larger than {MAX_REQUEST_BYTES} bytes; a desired state is never that big")
-    return raw
-
-
-def _parse(model: type[_Model], raw: bytes, path: Path) -> _Model:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise SpoolError(f"{path}: {describe_validation_error(exc)}") from exc
-
-
-# Waiting for the answer: inotify on the spool directory, through libc (no third-party package).
+# Waiting for the answer: inotify on root's public directory, through libc (no third-party package).
 
 # Answers arrive by rename (IN_MOVED_TO); IN_CLOSE_WRITE covers a hand-written file.
 _IN_CLOSE_WRITE = 0x008
@@ -207,10 +70,18 @@ _IN_MOVED_TO = 0x080
 
 
 class _Watch:
-    """Wakes ``wait`` when something is written or renamed into a directory; falls back to a short sleep."""
+    """Wakes ``wait`` when something is written or renamed into a directory; falls back to a short sleep.
+
+    A directory that does not exist yet (root's ``public/`` before its first run) is watched as soon as
+    it appears: each fallback sleep tries again.
+    """
 
     def __init__(self, directory: Path) -> None:
+        self.directory = directory
         self.fd: int | None = None
+        self._start()
+
+    def _start(self) -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -219,7 +90,7 @@ class _Watch:
         if fd < 0:
             return
         mask = _IN_CLOSE_WRITE | _IN_MOVED_TO
-        if libc.inotify_add_watch(fd, os.fsencode(directory), mask) < 0:
+        if libc.inotify_add_watch(fd, os.fsencode(self.directory), mask) < 0:
             os.close(fd)
             return
         self.fd = fd
@@ -229,6 +100,7 @@ class _Watch:
             return
         if self.fd is None:
             time.sleep(min(seconds, _FALLBACK_SECONDS))
+            self._start()
             return
         ready, _, _ = select.select([self.fd], [], [], min(seconds, _BACKSTOP_SECONDS))
         if ready:
@@ -259,17 +131,20 @@ class SystemdApplier:
         self,
         *,
         state_dir: Path,
+        apply_state_dir: Path,
         timeout_seconds: float,
         clock: Callable[[], datetime] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.spool = self.state_dir / SPOOL_DIR
+        self.public = Path(apply_state_dir) / PUBLIC_DIR
         self.timeout_seconds = timeout_seconds
         self.clock = clock or (lambda: datetime.now(UTC))
         self.monotonic = monotonic
         self.oplog = OpLog(self.state_dir / "oplog.jsonl")
-        self.journal_dir = self.state_dir / "journal"
+        # Root's journal; the agent cannot read it, but the path in a message tells an operator where to look.
+        self.journal_dir = Path(apply_state_dir) / "journal"
 
     def apply(
         self,
@@ -293,7 +168,7 @@ class SystemdApplier:
         self.oplog.append(result=STARTED, at=started_at, **common)
         self.spool.mkdir(parents=True, exist_ok=True, mode=0o700)
         begin = self.monotonic()
-        with watch_directory(self.spool) as watch:
+        with watch_directory(self.public) as watch:
             write_request(self.spool, ident, envelope)
             answer = self._await(watch, ident, begin + self.timeout_seconds)
         if answer is None:
@@ -338,7 +213,7 @@ class SystemdApplier:
         if pending is None:
             return None
         try:
-            answer = read_answer(self.spool)
+            answer = read_answer_file(self.public)
         except SpoolError:
             return None
         if answer is None or answer.request != pending.run_ident:
@@ -356,7 +231,7 @@ class SystemdApplier:
     def _await(self, watch: _Watch, ident: str, deadline: float) -> ApplyAnswer | None:
         while True:
             try:
-                answer = read_answer(self.spool)
+                answer = read_answer_file(self.public)
             except SpoolError:
                 answer = None  # a damaged answer is nobody's answer; the right one replaces it
             if answer is not None and answer.request == ident:

@@ -19,7 +19,12 @@ from ansible_collections.meridian.node.plugins.module_utils.artifact_store impor
     Store,
     ensure_artifact,
 )
-from ansible_collections.meridian.node.plugins.module_utils.policy import DEFAULT_POLICY_PATH, PolicyError, load_policy
+from ansible_collections.meridian.node.plugins.module_utils.policy import (
+    DEFAULT_POLICY_PATH,
+    Policy,
+    PolicyError,
+    load_policy,
+)
 from meridian_node_agent.usage import UsageError
 
 
@@ -51,12 +56,18 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
     listing.set_defaults(handler=cmd_list)
 
 
-def _store(args: argparse.Namespace) -> tuple[Store, Any]:
+def _store(args: argparse.Namespace) -> tuple[Store, Policy]:
     try:
         policy = load_policy(args.policy)
     except PolicyError as exc:
         raise UsageError(str(exc)) from None
-    return Store(str(args.store or policy.store.path)), policy
+    return (Store(str(args.store)) if args.store else Store.for_policy(policy.store)), policy
+
+
+def _checked(store: Store) -> None:
+    """Refuse an untrusted store before anything else, and put its warnings where an operator sees them."""
+    for warning in store.check_trust():
+        print(f"meridian-node artifact: warning: {warning}", file=sys.stderr)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -80,6 +91,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         "max_bytes": policy.store.max_bytes,
     }
     try:
+        _checked(store)
         planned = ensure_artifact(store, manifest, check_mode=True, **options).plan
         reporter = Progress(f"{manifest.name} {manifest.version}", planned.summary()["fetch_bytes"], sys.stderr)
         outcome = ensure_artifact(
@@ -111,7 +123,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     store, _ = _store(args)
-    rows = store.list_versions()
+    try:
+        _checked(store)
+        rows = store.list_versions()
+    except (ArtifactStoreError, OSError) as exc:
+        # The index is root's (0600): run unprivileged, this is where it says so.
+        print(f"meridian-node artifact list: error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

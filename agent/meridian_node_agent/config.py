@@ -21,6 +21,8 @@ from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import (
 )
 
 DEFAULT_CONFIG_PATH = "/etc/meridian-node/config.yaml"
+DEFAULT_STATE_DIR = "/var/lib/meridian-node"
+DEFAULT_APPLY_STATE_DIR = "/var/lib/meridian-node-apply"
 CONFIG_ENV = "MERIDIAN_NODE_CONFIG"
 
 Mode = Literal["observe-only", "managed-host", "kubernetes-integrated", "air-gapped"]
@@ -92,6 +94,10 @@ class Apply(_Section):
     (the agent spools a request; ``meridian-node-apply.path`` starts the root unit that runs it)."""
 
     via: Literal["in-process", "systemd"] = "in-process"
+    # The root apply unit's own directory (its StateDirectory=): its record of the applied generation and
+    # highest epoch, its journal and ansible-runner dirs, the draining marks, and ``public/`` where it
+    # answers. Root-owned; the agent only reads ``public/`` and ``draining/`` there.
+    state_dir: str = DEFAULT_APPLY_STATE_DIR
     # Large model downloads run inside one apply: generous by default, never unbounded.
     timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 3600.0
 
@@ -109,7 +115,7 @@ class AgentConfig(_Section):
     node_id: NodeId
     mode: Mode = "observe-only"
     policy: str = DEFAULT_POLICY_PATH
-    state_dir: str = "/var/lib/meridian-node"
+    state_dir: str = DEFAULT_STATE_DIR
     control_plane: ControlPlane | None = None
     backoff: Backoff = Field(default_factory=Backoff)
     certificate_renewal: CertificateRenewal = Field(default_factory=CertificateRenewal)
@@ -131,6 +137,11 @@ class AgentConfig(_Section):
     def identity_dir(self) -> Path:
         return Path(self.state_dir) / "identity"
 
+    @property
+    def record_dir(self) -> Path:
+        """Where the record that decides lives: the root unit's directory under the split, else the agent's."""
+        return Path(self.apply.state_dir if self.apply.via == "systemd" else self.state_dir)
+
 
 def default_config_path() -> str:
     return os.environ.get(CONFIG_ENV, DEFAULT_CONFIG_PATH)
@@ -151,12 +162,22 @@ def load_config(path: os.PathLike[str] | str) -> AgentConfig:
     except ValidationError as exc:
         raise ConfigError(f"{what}: {describe_validation_error(exc)}") from exc
     base = Path(source).resolve().parent
-    return config.model_copy(
+    resolved = config.model_copy(
         update={
             "policy": str(base / config.policy),
             "state_dir": str(base / config.state_dir),
+            "apply": config.apply.model_copy(update={"state_dir": str(base / config.apply.state_dir)}),
             "air_gap": None
             if config.air_gap is None
             else AirGap(inbox=str(base / config.air_gap.inbox), outbox=str(base / config.air_gap.outbox)),
         }
     )
+    if resolved.apply.via == "systemd":
+        agent_dir, root_dir = os.path.normpath(resolved.state_dir), os.path.normpath(resolved.apply.state_dir)
+        if os.path.commonpath([agent_dir, root_dir]) in (agent_dir, root_dir):
+            raise ConfigError(
+                f"{what}: apply.state_dir ({root_dir}) and state_dir ({agent_dir}) must be separate directories, "
+                "neither inside the other: the agent can rename anything under its own directory, so the root "
+                f"apply unit keeps its record and journal apart (default {DEFAULT_APPLY_STATE_DIR})"
+            )
+    return resolved

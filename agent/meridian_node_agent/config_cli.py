@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from ansible_collections.meridian.node.plugins.module_utils.policy import ROLES, Policy, PolicyError, load_policy
-from meridian_node_agent.apply_unit import REQUEST_FILE, SPOOL_DIR
+from meridian_node_agent.apply_spool import PUBLIC_DIR, REQUEST_FILE, RESULT_FILE, SPOOL_DIR
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config
 
 
@@ -46,9 +46,11 @@ def describe_apply(config: AgentConfig) -> str:
     if config.apply.via == "in-process":
         return "apply: in-process (ansible-runner runs inside the agent, with the agent's privileges)"
     request = Path(config.state_dir) / SPOOL_DIR / REQUEST_FILE
+    answer = Path(config.apply.state_dir) / PUBLIC_DIR / RESULT_FILE
     return (
         f"apply: via systemd (the agent writes {request}; meridian-node-apply.path starts the root "
-        f"meridian-node-apply.service, whose answer it waits for up to {config.apply.timeout_seconds:g} s)"
+        f"meridian-node-apply.service, which keeps its record and journal in {config.apply.state_dir} and "
+        f"answers in {answer}; the agent waits up to {config.apply.timeout_seconds:g} s)"
     )
 
 

@@ -47,7 +47,7 @@ from meridian_node_agent.control_client import (
 )
 from meridian_node_agent.identity import CertificateIssuer, CertificateRenewal, IdentityError, NodeIdentity
 from meridian_node_agent.logs import EventLogger
-from meridian_node_agent.oplog import OpLog
+from meridian_node_agent.oplog import ABANDONED, OpLog
 
 __all__ = [
     "REPORT_REFRESH_SECONDS",
@@ -272,34 +272,43 @@ class Agent:
         return outcome
 
     def recover(self) -> ApplyResult | None:
-        """Apply again an operation the oplog shows as started and never finished (a crash mid-apply)."""
+        """Apply again an operation the oplog shows as started and never finished (a crash mid-apply).
+
+        Never raises for what it finds: an operation it cannot resume (the spool is gone or damaged, the
+        state no longer verifies, the apply cannot even be requested) is recorded ``abandoned`` with the
+        reason, so the next start does not try it again and crash in the same place.
+        """
         pending = self.oplog.pending()
         if pending is None:
             return None
         if self.config.mode == "observe-only":
             self.log.warning("interrupted-apply-not-resumed", run_ident=pending.run_ident, reason="observe-only")
             return None
-        self.oplog.append(
-            op=pending.op,
-            generation=pending.generation,
-            epoch=pending.epoch,
-            payload_sha256=pending.payload_sha256,
-            run_ident=pending.run_ident,
-            result="interrupted",
-        )
+
+        def close(result: str, reason: str | None = None) -> None:
+            self.oplog.append(
+                op=pending.op,
+                generation=pending.generation,
+                epoch=pending.epoch,
+                payload_sha256=pending.payload_sha256,
+                run_ident=pending.run_ident,
+                result=result,
+                reason=reason,
+            )
+
         try:
             envelope = self.spool.read_bytes()
             verified = self._verify(envelope)
-        except (OSError, Rejection) as exc:
+        except (OSError, Rejection, StateStoreError) as exc:
+            close(ABANDONED, str(exc))
             self.log.error("interrupted-apply-abandoned", run_ident=pending.run_ident, error=str(exc))
             return None
         if verified.payload_sha256 != pending.payload_sha256:
-            self.log.error(
-                "interrupted-apply-abandoned",
-                run_ident=pending.run_ident,
-                error=f"the spool holds sha256 {verified.payload_sha256}, the operation was {pending.payload_sha256}",
-            )
+            reason = f"the spool holds sha256 {verified.payload_sha256}, the operation was {pending.payload_sha256}"
+            close(ABANDONED, reason)
+            self.log.error("interrupted-apply-abandoned", run_ident=pending.run_ident, error=reason)
             return None
+        close("interrupted")
         self.log.info("resuming-interrupted-apply", run_ident=pending.run_ident, generation=pending.generation)
         return self._apply(envelope, verified)
 
@@ -322,7 +331,13 @@ class Agent:
         if verified.already_applied:
             self.etag = etag
             return CycleOutcome(Outcome.UNCHANGED, state.generation)
-        atomic_write(self.spool_path(), envelope, mode=0o600)
+        try:
+            atomic_write(self.spool_path(), envelope, mode=0o600)
+        except OSError as exc:
+            # A full disk or a broken state dir: this apply did not happen, and the next cycle tries again.
+            self.counters.apply_failures += 1
+            self.log.error("desired-state-not-spooled", generation=state.generation, error=str(exc))
+            return CycleOutcome(Outcome.APPLY_FAILED, state.generation)
         if self.config.mode == "observe-only":
             self.log.info("desired-state-verified-not-applied", generation=state.generation, mode=self.config.mode)
             self.etag = etag
@@ -343,20 +358,38 @@ class Agent:
         )
 
     def _apply(self, envelope: bytes, verified: VerifiedState) -> ApplyResult:
+        """Apply once; whatever goes wrong (even asking for the apply) is a failed apply, counted, not a crash."""
         state = verified.state
         secrets = [value for engine in state.engines for value in engine.env.values()]
         self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch)
-        result = self.applier.apply(
-            envelope,
-            generation=state.generation,
-            epoch=state.lease_epoch,
-            payload_sha256=verified.payload_sha256,
-            secrets=secrets,
-        )
+        started_at = self.clock()
+        try:
+            result = self.applier.apply(
+                envelope,
+                generation=state.generation,
+                epoch=state.lease_epoch,
+                payload_sha256=verified.payload_sha256,
+                secrets=secrets,
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure to apply is reported as one, never a crash loop
+            result = ApplyResult(
+                ident="",
+                generation=state.generation,
+                status="failed",
+                rc=None,
+                changed=0,
+                failed=0,
+                journal=Path(),
+                started_at=started_at,
+                finished_at=self.clock(),
+                wall_seconds=0.0,
+                failures=[f"the apply could not be run: {type(exc).__name__}: {exc}"],
+            )
         self.last_run = result
         self.observer.forget()  # the apply changed what there is to observe
         if result.ok:
             self.counters.applies += 1
+            self._record(state.generation, state.lease_epoch, verified.payload_sha256)
         else:
             self.counters.apply_failures += 1
         if self.metrics is not None:
@@ -372,6 +405,17 @@ class Agent:
             failures=result.failures,
         )
         return result
+
+    def _record(self, generation: int, epoch: int, payload_sha256: str) -> None:
+        """The agent's own record of what was applied, with the epoch the apply was decided under.
+
+        In-process the playbook already wrote it (this is then a no-op); under the split root keeps its own,
+        which is the one that decides, and this copy is what the agent shows and skips unchanged states by.
+        """
+        try:
+            self.store.record_applied(generation, epoch, payload_sha256)
+        except (StateStoreError, OSError) as exc:
+            self.log.error("applied-state-not-recorded", generation=generation, error=str(exc))
 
     def _renew_certificate(self, issuer: CertificateIssuer) -> None:
         now = self.clock()

@@ -108,13 +108,13 @@ class Inventory:
         }
 
 
-def write_inventory(state_dir: Path, inventory: Inventory) -> Path:
-    """Replace ``<state_dir>/engines.json`` atomically (temporary file, fsync, rename), mode 0644."""
+def write_inventory(state_dir: Path, inventory: Inventory, *, group: int = -1) -> Path:
+    """Replace ``<state_dir>/engines.json`` atomically (temporary file, fsync, rename), mode 0644, ``group``."""
     from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
 
     path = Path(state_dir) / INVENTORY_FILE
     data = json.dumps(inventory.as_dict(), sort_keys=True, indent=1).encode("utf-8") + b"\n"
-    atomic_write(path, data, mode=INVENTORY_MODE)
+    atomic_write(path, data, mode=INVENTORY_MODE, group=group)
     return path
 
 

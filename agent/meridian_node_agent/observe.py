@@ -25,6 +25,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_containers im
 from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import discover_engines
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import Driver, DriverError, get_driver
 from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+from meridian_node_agent.apply_spool import PUBLIC_DIR
 from meridian_node_agent.engine_inventory import (
     INVENTORY_FILE,
     FileIdentity,
@@ -88,30 +89,30 @@ class DockerEngines:
 
 
 class InventoryEngines:
-    """Engines as the root apply unit last listed them in ``<state_dir>/engines.json`` (``engine_inventory``),
-    for an agent without Docker access (``apply.via: systemd``).
+    """Engines as the root apply unit last listed them in ``<apply.state_dir>/public/engines.json``
+    (``engine_inventory``), for an agent without Docker access (``apply.via: systemd``).
 
     The file is re-read only when its identity (inode, mtime, size) changes. Readiness is the agent's own:
     each running engine with an address is probed once the driver's way per refresh (at most every
-    ``refresh_seconds``, or after ``forget``), and draining comes from the marks in ``<state_dir>/draining``
-    (world-readable, written by root). The dicts are the ones ``DockerEngines`` gives for our engines, so
-    the observation and the serving projection read the same; foreign containers are not listed (root
-    lists only this node's engines). A missing or invalid file is logged once per change of the file and
-    gives no engines: nothing is routed to what cannot be vouched for.
+    ``refresh_seconds``, or after ``forget``), and draining comes from the marks in
+    ``<apply.state_dir>/draining`` (world-readable, written by root). The dicts are the ones
+    ``DockerEngines`` gives for our engines, so the observation and the serving projection read the same;
+    foreign containers are not listed (root lists only this node's engines). A missing or invalid file is
+    logged once per change of the file and gives no engines: nothing is routed to what cannot be vouched for.
     """
 
     def __init__(
         self,
         *,
-        state_dir: Path,
+        root_dir: Path,
         node_id: str,
         refresh_seconds: float = 5.0,
         monotonic: Callable[[], float] = time.monotonic,
         log: EventLogger | None = None,
         probe_timeout: float = _PROBE_TIMEOUT_S,
     ) -> None:
-        self.state_dir = Path(state_dir)
-        self.path = self.state_dir / INVENTORY_FILE
+        self.root_dir = Path(root_dir)
+        self.path = self.root_dir / PUBLIC_DIR / INVENTORY_FILE
         self.node_id = node_id
         self.refresh_seconds = refresh_seconds
         self.probe_timeout = probe_timeout
@@ -128,7 +129,7 @@ class InventoryEngines:
             return self._cache[1]
         self._reload()
         try:
-            draining = {mark.name for mark in list_draining(str(self.state_dir))}
+            draining = {mark.name for mark in list_draining(str(self.root_dir))}
             marks_readable = True
         except DrainStateError as exc:
             # Which engine is draining is unknown: none is reported ready, so none gets new work.
@@ -226,9 +227,13 @@ class Observer:
         now = self._monotonic()
         if self._artifact_cache is not None and now - self._artifact_cache[0] < self._artifact_refresh:
             return self._artifact_cache[1]
+        from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import ArtifactStoreError
+
         try:
             rows = self._store.list_versions()
-        except OSError:
+        except (OSError, ArtifactStoreError):
+            # Unreadable (the index is root's, 0600, under the split) or refused as untrusted: report none
+            # rather than let what is on disk stop the cycle.
             return []
         listed = [
             {

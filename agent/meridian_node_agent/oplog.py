@@ -17,10 +17,13 @@ from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 
-__all__ = ["STARTED", "OpLog", "Operation"]
+__all__ = ["ABANDONED", "STARTED", "OpLog", "Operation"]
 
 STARTED = "started"
+# An interrupted operation that start-up could not resume; its entry carries the reason.
+ABANDONED = "abandoned"
 _FIELDS = ("op", "generation", "epoch", "payload_sha256", "run_ident", "result", "at")
+_OPTIONAL = ("reason",)
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Operation:
     run_ident: str
     result: str
     at: str
+    reason: str | None = None
 
 
 class OpLog:
@@ -48,6 +52,7 @@ class OpLog:
         run_ident: str,
         result: str,
         at: datetime | None = None,
+        reason: str | None = None,
     ) -> Operation:
         entry = Operation(
             op=op,
@@ -57,8 +62,10 @@ class OpLog:
             run_ident=run_ident,
             result=result,
             at=format_rfc3339(at or datetime.now(UTC)),
+            reason=reason,
         )
-        line = (json.dumps(asdict(entry), separators=(",", ":")) + "\n").encode("utf-8")
+        document = {name: value for name, value in asdict(entry).items() if name in _FIELDS or value is not None}
+        line = (json.dumps(document, separators=(",", ":")) + "\n").encode("utf-8")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -108,9 +115,9 @@ def _decode(text: bytes) -> Operation | None:
         document: Any = json.loads(text)
     except ValueError:
         return None  # a torn line from a crash mid-write
-    if not isinstance(document, dict) or set(document) != set(_FIELDS):
+    if not isinstance(document, dict) or not set(_FIELDS) <= set(document) <= {*_FIELDS, *_OPTIONAL}:
         return None
     try:
-        return Operation(**{name: document[name] for name in _FIELDS})
+        return Operation(**{name: document[name] for name in (*_FIELDS, *_OPTIONAL) if name in document})
     except TypeError:
         return None

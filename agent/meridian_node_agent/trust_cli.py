@@ -29,10 +29,10 @@ from ansible_collections.meridian.node.plugins.module_utils.policy import (
     PolicyError,
     load_policy,
 )
-from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
+from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
+from meridian_node_agent.config import DEFAULT_APPLY_STATE_DIR
 from meridian_node_agent.usage import UsageError
 
-DEFAULT_STATE_DIR = Path("/var/lib/meridian-node/state")
 KIND_MODELS: dict[str, type[BaseModel]] = {
     "desired-state": DesiredState,
     "artifact-manifest": ArtifactManifest,
@@ -75,8 +75,10 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
     verify.add_argument("--kind", required=True, choices=sorted(dsse.PAYLOAD_TYPES))
     verify.add_argument("--node-id", default=None,
                         help="the node the state must be for (default: this host's name)")
-    verify.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                        help=f"durable applied generation and epoch (default {DEFAULT_STATE_DIR})")
+    verify.add_argument("--state-dir", type=Path, default=None,
+                        help="the directory of the host's record of the applied generation and epoch (default: "
+                        "the one that decides under --config: apply.state_dir with apply.via: systemd, else "
+                        f"state_dir; {DEFAULT_APPLY_STATE_DIR} when there is no config)")
     verify.add_argument("--record", action="store_true",
                         help="store the accepted generation and epoch as applied")
     verify.add_argument("--at", type=parse_timestamp, default=None, metavar="RFC3339",
@@ -150,12 +152,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     data = read_bytes(args.envelope, "envelope")
     now = args.at or datetime.now(UTC)
     node_id = args.node_id or socket.gethostname().lower()
-    store = StateStore(args.state_dir)
+    store = StateStore(args.state_dir or record_dir(args.config))
     try:
         result = _verify(args.kind, data, policy, store, node_id=node_id, now=now, record=args.record)
     except trust.Rejection as rejection:
         _emit({"accepted": False, "reason": rejection.code.value, "message": rejection.message})
         return 1
+    except (StateStoreError, OSError) as exc:
+        # A damaged record is not a verdict on the envelope: say so on the same one-line channel.
+        _emit({"accepted": False, "reason": "record-error", "message": str(exc)})
+        return 2
     _emit({"accepted": True, **result})
     return 0
 
@@ -201,10 +207,17 @@ def _verify(
 
 
 def _load_applied(store: StateStore) -> trust.AppliedState:
+    return store.load()
+
+
+def record_dir(config_path: str) -> Path:
+    """The record that decides on this host, as the config names it; the production default without one."""
+    from meridian_node_agent.config import ConfigError, load_config
+
     try:
-        return store.load()
-    except (OSError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
+        return load_config(config_path).record_dir
+    except ConfigError:
+        return Path(DEFAULT_APPLY_STATE_DIR)
 
 
 def _emit(document: dict[str, Any]) -> None:

@@ -10,13 +10,19 @@ resumed and never deleted; any other is deleted once it has not been written to 
 remaining ones go oldest first before the plan gives up (reason ``budget``). Versions go before young
 partials because an evicted version is a rollback target lost, while a young partial is only a resume
 point; both cost a download to get back.
+
+A blob that another user owns, that its group or others can write, or that has a hard link outside the
+store is *untrusted* (``StoreState.untrusted``, with the reason): whoever has or had write access to it
+could change its bytes behind the size, inode and mtime the index recorded. Quick verification never
+takes it as verified. The plan re-ingests it (``reingest``): the store copies it through the verifying
+fetcher into a fresh inode of its own, and fetches it from the source when the copy does not match.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -49,6 +55,10 @@ class ArtifactPathError(ArtifactStoreError):
 
 class StoreLockedError(ArtifactStoreError):
     """Another run held the store lock for longer than the caller was willing to wait."""
+
+
+class StoreTrustError(ArtifactStoreError):
+    """A store directory or file is owned or writable by someone other than the store's user (or root)."""
 
 
 # --- records -----------------------------------------------------------------------------------------
@@ -101,6 +111,7 @@ class StoreState:
     version_dir_exists: bool = False
     conflicts: tuple[str, ...] = ()  # symlinks found where the observed version's files would go
     observed_at: datetime | None = None  # the store's clock when observed; partial ages count from it
+    untrusted: Mapping[str, str] = field(default_factory=dict)  # sha256 -> why its blob is not trusted
 
 
 # --- the plan ------------------------------------------------------------------------------------------
@@ -113,6 +124,14 @@ class FetchStep:
     path: str  # first manifest path with this content (for messages)
     location: str
     resume_from: int
+
+
+@dataclass(frozen=True)
+class Reingest:
+    """A blob on disk the store does not trust (``reason``), copied into a fresh inode and re-verified."""
+
+    sha256: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -146,6 +165,7 @@ class ArtifactPlan:
     verify: str = "quick"
     fetch: tuple[FetchStep, ...] = ()
     rehash: tuple[str, ...] = ()
+    reingest: tuple[Reingest, ...] = ()
     assemble: bool = False
     record: bool = False
     pin: bool = False
@@ -165,6 +185,7 @@ class ArtifactPlan:
         return bool(
             self.fetch
             or adopt
+            or self.reingest
             or self.assemble
             or self.record
             or self.pin_changed
@@ -186,6 +207,7 @@ class ArtifactPlan:
             ],
             "fetch_bytes": sum(s.size - s.resume_from for s in self.fetch),
             "rehash": list(self.rehash),
+            "reingest": [{"sha256": r.sha256, "reason": r.reason} for r in self.reingest],
             "assemble": self.assemble,
             "promote": self.promote,
             "previous_current": self.previous_current,
@@ -210,6 +232,9 @@ class ArtifactPlan:
         after = [f"current: {after_current or '(none)'}"]
         for step in self.fetch:
             after.append(f"fetch {step.path} ({step.size} bytes, sha256 {step.sha256[:12]}...)")
+        for item in self.reingest:
+            before.append(f"untrusted blob {item.sha256[:12]}...: {item.reason}")
+            after.append(f"re-verified copy of blob {item.sha256[:12]}...")
         for eviction in self.evict:
             before.append(f"version {eviction.name}/{eviction.version} ({eviction.size} bytes)")
             after.append(f"evicted {eviction.name}/{eviction.version}")
@@ -295,6 +320,7 @@ def plan_artifact(
 
     fetch: list[FetchStep] = []
     rehash: list[str] = []
+    reingest: list[Reingest] = []
     for sha, (size, path, url) in needed.items():
         on_disk = state.present.get(sha)
         recorded = state.blobs.get(sha)
@@ -302,12 +328,15 @@ def plan_artifact(
             location = resolve_location(source, path, file_url=url, base_url=manifest.base_url)
             partial = state.partial.get(sha)
             fetch.append(FetchStep(sha, size, path, location, min(partial.size if partial else 0, size)))
+        elif sha in state.untrusted:
+            # Hashing it in place would prove nothing: whoever can write it can change it after the hash.
+            reingest.append(Reingest(sha, state.untrusted[sha]))
         elif recorded != on_disk or on_disk.size != size or verify == "full":
             rehash.append(sha)
 
     record = state.versions.get((name, version))
     same_files = record is not None and record.files == files
-    assemble = not (same_files and state.intact) or bool(fetch)
+    assemble = not (same_files and state.intact) or bool(fetch) or bool(reingest)
     current = state.current.get(name)
 
     before_bytes = _referenced_bytes(state.versions.values(), state) + _partial_bytes(state.partial)
@@ -331,6 +360,7 @@ def plan_artifact(
         verify=verify,
         fetch=tuple(fetch),
         rehash=tuple(rehash),
+        reingest=tuple(reingest),
         assemble=assemble,
         record=not same_files,
         pin=pin,

@@ -7,7 +7,7 @@ Layout (``root`` is ``store.path``)::
     artifacts/<name>/<version>/   the manifest's tree, every file a hard link to its blob
     artifacts/<name>/current      symlink to <version>, switched atomically (new link + rename)
     index.json                    what was verified: versions (files, size, pinned, last_used) and the
-                                  stat (size, inode, mtime) of every verified blob
+                                  stat (size, inode, mtime) of every verified blob; written 0600
     .lock                         flock'd for the whole plan+apply of one run
 
 How it fits together:
@@ -25,6 +25,22 @@ Choices worth knowing:
   link to its blob (same inode) and the blob still has the size, inode and mtime recorded when it was
   hashed. Nothing is re-read, so a re-run over 100 GB costs a few ``lstat`` calls. ``verify="full"``
   re-hashes every blob of the version; a bad blob is deleted, fetched again and the version re-linked.
+- Quick verification is only sound if nobody but the store's writer can have changed what it trusts, so
+  the store refuses to work (``StoreTrustError``, naming the path) unless: every directory looked up on
+  the way to the root, symlinks followed, is owned by root or the effective uid and not writable by group
+  or others unless sticky (sshd's StrictModes rule); the root, ``blobs/``, ``blobs/sha256``, ``staging/``,
+  ``artifacts/`` and every ``artifacts/<name>/`` are owned by root or the effective uid and writable by
+  nobody else; ``index.json`` and ``.lock`` likewise, and no more than 0644. Root is accepted beside the
+  effective uid because root can change anything anyway: in production the writer is root, and an
+  unprivileged reader (``artifact list``) gets past these checks and then a clear error for the 0600 index.
+  ``check_trust`` runs on every observe and apply (a few ``lstat`` calls); ``relocate_to`` is the one
+  exception, for a store left at the old default inside the agent's directory (see ``policy``): that
+  directory is warned about, not refused, until the store moves.
+- A blob another user owns, that its group or others can write, or that has more hard links than the
+  store made is never taken as verified: it is re-ingested (see ``artifact_plan``). A version directory
+  another user owns or can write is not intact and is assembled again.
+- ``artifacts/<name>/current`` is read through ``current_version``, which checks the link on its resolved
+  path: anything but a version directory right beside it is refused, naming the link and its target.
 - A blob present on disk but not in the index (a crash between rename and index write) is re-hashed
   and adopted rather than downloaded again.
 - Paths are validated again here even though the contracts already did: ``model_construct`` and
@@ -54,13 +70,15 @@ import errno
 import fcntl
 import json
 import os
+import pwd
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import (
     ArtifactIntegrityError,
@@ -91,8 +109,10 @@ from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import
     FetchStep,
     PartialDrop,
     PartialFile,
+    Reingest,
     StoreLockedError,
     StoreState,
+    StoreTrustError,
     VersionRecord,
     _check_relative,
     check_manifest_paths,
@@ -101,6 +121,9 @@ from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest, format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write, fsync_directory
+
+if TYPE_CHECKING:
+    from ansible_collections.meridian.node.plugins.module_utils.policy import StorePolicy
 
 __all__ = [
     "CURRENT",
@@ -119,9 +142,11 @@ __all__ = [
     "Outcome",
     "PartialDrop",
     "PartialFile",
+    "Reingest",
     "Store",
     "StoreLockedError",
     "StoreState",
+    "StoreTrustError",
     "VersionRecord",
     "check_manifest_paths",
     "ensure_artifact",
@@ -142,18 +167,30 @@ class ApplyResult:
     evicted: tuple[str, ...] = ()
     removed_blobs: tuple[str, ...] = ()
     dropped_partials: tuple[str, ...] = ()  # sha256 of the partial downloads deleted
+    reingested: tuple[str, ...] = ()  # untrusted blobs copied into a fresh, verified inode
     promoted: bool = False
 
 
 @dataclass
 class Store:
-    """The store at ``root``. ``clock`` is read once per apply, for ``last_used``/``verified_at``."""
+    """The store at ``root``. ``clock`` is read once per apply, for ``last_used``/``verified_at``.
+
+    ``relocate_to`` is set (by ``for_policy``) only for a store left at the old default path inside the
+    agent's directory: that one directory is then warned about rather than refused, and the warning says
+    how to move the store there.
+    """
 
     root: str
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    relocate_to: str | None = None
 
     def __post_init__(self) -> None:
         self.root = os.path.abspath(os.fspath(self.root))
+
+    @classmethod
+    def for_policy(cls, policy: StorePolicy) -> Store:
+        """The store a policy's ``store`` section names (``policy.store``)."""
+        return cls(policy.path, relocate_to=policy.relocate_to)
 
     # paths
     @property
@@ -186,9 +223,10 @@ class Store:
     @contextlib.contextmanager
     def lock(self, timeout: float | None = None, poll: float = 0.05) -> Iterator[None]:
         """Hold the store's flock. ``timeout`` None waits as long as it takes."""
+        self.check_trust()  # before creating anything: the path to the root must be ours to create in
         _makedirs(self.root)
         path = os.path.join(self.root, LOCK_FILE)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
@@ -209,33 +247,140 @@ class Store:
         finally:
             os.close(fd)  # closing drops the flock
 
+    # trust
+    def check_trust(self) -> tuple[str, ...]:
+        """Refuse a store that anyone but its user or root could have changed; return the warnings to show.
+
+        Raises ``StoreTrustError`` (an owner or mode) or ``ArtifactPathError`` (a symlink in the store's
+        own layout), naming the path. Parts that do not exist yet are skipped: the store creates them.
+        """
+        euid = os.geteuid()
+        warnings: list[str] = []
+        legacy_parent = os.path.realpath(os.path.dirname(self.root)) if self.relocate_to else None
+        parent_problem = None
+        for directory in _lookup_dirs(self.root):
+            problem = _dir_problem(os.lstat(directory), euid, sticky_ok=True)
+            if problem is None:
+                continue
+            if directory == legacy_parent:
+                parent_problem = f"{directory} {problem}"
+                continue
+            raise StoreTrustError(
+                f"refusing the artifact store {self.root}: {directory}, a directory on the way to it, {problem}, "
+                "so whoever controls it can replace the store and swap the model files engines mount. Keep the "
+                f"store under directories that only root can change, or fix {directory} "
+                f"(chown root:root, chmod go-w) if that is safe"
+            )
+        if self.relocate_to is not None:
+            warnings.append(_relocation_warning(self.root, self.relocate_to, parent_problem))
+        for path in self._layout_dirs():
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(info.st_mode):
+                raise ArtifactPathError(
+                    f"{path} is a symlink; the store does not follow symlinks in its own layout. Remove it and "
+                    "run again"
+                )
+            problem = _dir_problem(info, euid, sticky_ok=False)
+            if problem is not None:
+                raise StoreTrustError(self._tampered(path, problem, euid, "chmod 0755"))
+        for name in (INDEX_FILE, LOCK_FILE):
+            path = os.path.join(self.root, name)
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            problem = _file_problem(info, euid, limit=0o644)
+            if problem is not None:
+                raise StoreTrustError(self._tampered(path, problem, euid, "chmod 0600"))
+        return tuple(warnings)
+
+    def _layout_dirs(self) -> list[str]:
+        fixed = [self.root, os.path.dirname(self.blobs_dir), self.blobs_dir, self.staging_dir, self.artifacts_dir]
+        names = []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in os.scandir(self.artifacts_dir):
+                if entry.is_dir(follow_symlinks=False) or entry.is_symlink():
+                    names.append(entry.path)
+        return fixed + sorted(names)
+
+    def _tampered(self, path: str, problem: str, euid: int, mode_fix: str) -> str:
+        owner = "root:root" if euid == 0 else str(euid)
+        return (
+            f"refusing the artifact store {self.root}: {path} {problem}; only {_who(euid)} may change the "
+            "store, or another user could swap the model files engines mount. Find out how it changed, then "
+            f"fix it (chown {owner} {path}; {mode_fix} {path}) and run again"
+        )
+
+    def current_version(self, name: str) -> str | None:
+        """The version ``artifacts/<name>/current`` points at; None when there is no such link.
+
+        Checked on the resolved path: a link that leads anywhere but to a version directory beside it
+        (an absolute path, ``..``, a version that is itself a symlink, a temporary, a file) is refused,
+        naming the link and its target. A link to a version that is missing is returned: nothing is read
+        through it, and the next promote replaces it.
+        """
+        name_dir = os.path.join(self.artifacts_dir, name)
+        link = os.path.join(name_dir, CURRENT)
+        if not os.path.islink(link):
+            if os.path.lexists(link):
+                raise ArtifactPathError(
+                    f"{link} is not a symlink; the store only makes 'current' as a link to a version. Remove it "
+                    "and make a version current again"
+                )
+            return None
+        target = os.readlink(link)
+        resolved = os.path.realpath(link)
+        real_name_dir = os.path.realpath(name_dir)
+        if (
+            not _VERSION.match(target)
+            or target == CURRENT
+            or resolved != os.path.join(real_name_dir, target)
+            or os.path.dirname(real_name_dir) != os.path.realpath(self.artifacts_dir)
+            or (os.path.lexists(resolved) and not os.path.isdir(resolved))
+        ):
+            raise ArtifactPathError(
+                f"{link} points at {target!r}, which resolves to {resolved}: not a version directory of {name!r} "
+                f"in the store {self.root}. Refusing to use it; remove the link (rm {link}) and make a version "
+                "current again"
+            )
+        return target
+
     # reading
     def observe(self, name: str | None = None, version: str | None = None) -> StoreState:
         """Read index and disk; with ``name``/``version``, also check that version's directory."""
         observed_at = self.clock()
+        self.check_trust()
         index = self._load_index()
         versions = index["versions"]
         blobs = index["blobs"]
         present: dict[str, BlobRecord] = {}
+        stats: dict[str, os.stat_result] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.blobs_dir):
                 if _SHA256.match(entry.name) and entry.is_file(follow_symlinks=False):
-                    stat = entry.stat(follow_symlinks=False)
-                    present[entry.name] = BlobRecord(stat.st_size, stat.st_ino, stat.st_mtime_ns)
+                    info = entry.stat(follow_symlinks=False)
+                    present[entry.name] = BlobRecord(info.st_size, info.st_ino, info.st_mtime_ns)
+                    stats[entry.name] = info
+        links = _links_under(self.artifacts_dir) if stats else {}
+        euid = os.geteuid()
+        untrusted = {sha: why for sha, info in stats.items() if (why := _blob_problem(info, euid, links)) is not None}
         partial: dict[str, PartialFile] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.staging_dir):
                 sha = entry.name.removesuffix(".partial")
                 if sha != entry.name and _SHA256.match(sha) and entry.is_file(follow_symlinks=False):
-                    stat = entry.stat(follow_symlinks=False)
-                    partial[sha] = PartialFile(stat.st_size, datetime.fromtimestamp(stat.st_mtime_ns / 1e9, UTC))
+                    info = entry.stat(follow_symlinks=False)
+                    partial[sha] = PartialFile(info.st_size, datetime.fromtimestamp(info.st_mtime_ns / 1e9, UTC))
         current: dict[str, str] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.artifacts_dir):
-                link = os.path.join(entry.path, CURRENT)
-                with contextlib.suppress(OSError):
-                    if entry.is_dir(follow_symlinks=False) and os.path.islink(link):
-                        current[entry.name] = os.readlink(link)
+                if entry.is_dir(follow_symlinks=False):
+                    points_at = self.current_version(entry.name)
+                    if points_at is not None:
+                        current[entry.name] = points_at
         state = StoreState(
             root=self.root,
             versions=versions,
@@ -244,6 +389,7 @@ class Store:
             current=current,
             partial=partial,
             observed_at=observed_at,
+            untrusted=untrusted,
         )
         if name is None or version is None:
             return state
@@ -279,7 +425,8 @@ class Store:
         record = state.versions.get((name, version))
         files = record.files if record else ()
         conflicts: list[str] = []
-        intact = record is not None
+        # A directory someone else can write may hold anything by now: assemble the version afresh.
+        intact = record is not None and _dirs_are_ours(base, os.geteuid())
         for path, sha, size in files:
             target = base
             for part in path.split("/"):
@@ -288,12 +435,18 @@ class Store:
                     conflicts.append(target)
                     break
             try:
-                stat = os.lstat(target)
+                info = os.lstat(target)
             except OSError:
                 intact = False
                 continue
             blob = state.present.get(sha)
-            if blob is None or state.blobs.get(sha) != blob or stat.st_ino != blob.ino or stat.st_size != size:
+            if (
+                blob is None
+                or sha in state.untrusted
+                or state.blobs.get(sha) != blob
+                or info.st_ino != blob.ino
+                or info.st_size != size
+            ):
                 intact = False
         if record is None:
             conflicts.extend(_symlinks_under(base))
@@ -306,6 +459,13 @@ class Store:
                 raw = json.load(handle)
         except FileNotFoundError:
             return {"versions": {}, "blobs": {}}
+        except PermissionError as exc:
+            # Still an OSError, so callers that skip an unreadable store (the agent's observer) keep doing so.
+            raise PermissionError(
+                exc.errno,
+                f"the store index {path} is readable by root only (the store writes it 0600); run this as root "
+                "(for example sudo meridian-node artifact list)",
+            ) from exc
         except (OSError, ValueError) as exc:
             raise ArtifactStoreError(
                 f"the store index {path} cannot be read ({exc}); move it aside and run again: blobs on disk are "
@@ -349,7 +509,8 @@ class Store:
                 "last_used": format_rfc3339(record.last_used),
                 "verified_at": format_rfc3339(record.verified_at),
             }
-        atomic_write(os.path.join(self.root, INDEX_FILE), json.dumps(document, indent=1).encode(), mode=0o644)
+        # Root-only: nothing in it is secret, but no one else has any business with what the store trusts.
+        atomic_write(os.path.join(self.root, INDEX_FILE), json.dumps(document, indent=1).encode(), mode=0o600)
 
     # applying
     def apply(self, plan: ArtifactPlan, config: FetchConfig | None = None) -> ApplyResult:
@@ -363,6 +524,14 @@ class Store:
                     f"the disk is full: no space left under the artifact store {self.root} ({exc}); free space "
                     "there (or lower store.max_bytes) and run again",
                 ) from exc
+            if exc.errno == errno.EROFS:
+                hint = (
+                    f"; it is still at the old default path, which the apply unit may not write: move it to "
+                    f"{self.relocate_to} (see the warning)"
+                    if self.relocate_to
+                    else "; give the apply unit write access to it (ReadWritePaths=) or set store.path"
+                )
+                raise ArtifactStoreError(f"the artifact store {self.root} is read-only here ({exc}){hint}") from exc
             raise
 
     def _apply(self, plan: ArtifactPlan, config: FetchConfig) -> ApplyResult:
@@ -375,6 +544,7 @@ class Store:
             self.artifacts_dir,
         ):
             _makedirs(directory)
+        self.check_trust()
         index = self._load_index()
         versions: dict[tuple[str, str], VersionRecord] = dict(index["versions"])
         blobs: dict[str, BlobRecord] = dict(index["blobs"])
@@ -434,6 +604,20 @@ class Store:
         if rehashed:
             self._write_index(versions, blobs)
 
+        reingested: list[str] = []
+        for item in plan.reingest:
+            size_expected, path, url = first_path[item.sha256]
+            if self._reingest(item.sha256, size_expected, path, config):
+                blobs[item.sha256] = _stat_blob(self.blob_path(item.sha256))
+                reingested.append(item.sha256)
+                continue
+            blobs.pop(item.sha256, None)
+            repaired.append(item.sha256)
+            location = resolve_location(plan.source, path, file_url=url, base_url=manifest.base_url)
+            to_fetch.append(FetchStep(item.sha256, size_expected, path, location, 0))
+        if plan.reingest:
+            self._write_index(versions, blobs)
+
         fetched: list[FetchResult] = []
         for step in to_fetch:
             staging = self.staging_path(step.sha256)
@@ -480,7 +664,15 @@ class Store:
             self._switch_current(name, version)
             promoted = True
         changed = bool(
-            fetched or repaired or evicted or removed_blobs or dropped or promoted or changed_record or plan.assemble
+            fetched
+            or repaired
+            or reingested
+            or evicted
+            or removed_blobs
+            or dropped
+            or promoted
+            or changed_record
+            or plan.assemble
         )
         return ApplyResult(
             changed=changed,
@@ -490,8 +682,36 @@ class Store:
             evicted=tuple(evicted),
             removed_blobs=tuple(removed_blobs),
             dropped_partials=dropped,
+            reingested=tuple(reingested),
             promoted=promoted,
         )
+
+    def _reingest(self, sha: str, size: int, path: str, config: FetchConfig) -> bool:
+        """Copy an untrusted blob through the verifying fetcher into a fresh inode; False if it is bad.
+
+        The copy is hashed as it is read, so a writer changing the blob meanwhile only makes it fail; the
+        new inode has no link the store did not make, and is the store's own, 0444. A bad blob is deleted.
+        """
+        blob, staging = self.blob_path(sha), self.staging_path(sha)
+        _unlink(staging)  # a partial of a blob already held resumes nothing: copy from byte 0
+        try:
+            fetch_file(
+                blob,
+                path=path,
+                size=size,
+                sha256=sha,
+                staging_path=staging,
+                config=dataclasses.replace(config, progress=None, attempts=1),
+            )
+        except (ArtifactIntegrityError, ArtifactTransferError):
+            _unlink(staging)
+            _unlink(blob)
+            fsync_directory(self.blobs_dir)
+            return False
+        os.chmod(staging, _BLOB_MODE)
+        os.replace(staging, blob)
+        fsync_directory(self.blobs_dir)
+        return True
 
     def _drop_partials(self, plan: ArtifactPlan) -> tuple[str, ...]:
         """Delete the partial downloads the plan gave up on (before fetching, so the budget holds meanwhile)."""
@@ -689,8 +909,136 @@ def _symlinks_under(base: str) -> list[str]:
 
 
 def _stat_blob(path: str) -> BlobRecord:
-    stat = os.lstat(path)
-    return BlobRecord(stat.st_size, stat.st_ino, stat.st_mtime_ns)
+    info = os.lstat(path)
+    return BlobRecord(info.st_size, info.st_ino, info.st_mtime_ns)
+
+
+# The kernel's own bound on symlinks followed in one lookup (ELOOP).
+_MAX_SYMLINKS = 40
+
+
+def _lookup_dirs(path: str) -> list[str]:
+    """Every directory a name is looked up in while resolving ``path`` the kernel's way, in order.
+
+    Checking only the ancestors of ``realpath(path)`` would miss a directory that holds a symlink on the
+    way, and whoever can write that directory can re-point the link. Resolution stops at the first
+    missing component: the store creates the rest itself, in the last directory listed.
+    """
+    pending = list(reversed(path.split("/")))
+    current = "/"
+    looked_in: list[str] = []
+    hops = 0
+    while pending:
+        part = pending.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        if current not in looked_in:
+            looked_in.append(current)
+        candidate = os.path.join(current, part)
+        try:
+            mode = os.lstat(candidate).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            break
+        if not stat.S_ISLNK(mode):
+            current = candidate
+            continue
+        hops += 1
+        if hops > _MAX_SYMLINKS:
+            raise ArtifactPathError(f"resolving {path} follows more than {_MAX_SYMLINKS} symlinks (a loop?)")
+        target = os.readlink(candidate)
+        if target.startswith("/"):
+            current = "/"
+        pending.extend(reversed(target.split("/")))
+    return looked_in
+
+
+def _dir_problem(info: os.stat_result, euid: int, *, sticky_ok: bool) -> str | None:
+    """Why another user could change entries in this directory; None when only root or ``euid`` can."""
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid not in (0, euid):
+        return f"is owned by {_who(info.st_uid)}"
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022 and not (sticky_ok and mode & stat.S_ISVTX):
+        return f"is writable by {_writers(mode)} (mode {mode:04o})"
+    return None
+
+
+def _file_problem(info: os.stat_result, euid: int, *, limit: int) -> str | None:
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_uid not in (0, euid):
+        return f"is owned by {_who(info.st_uid)}"
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & ~limit:
+        return f"has mode {mode:04o}, more than the {limit:04o} the store allows"
+    return None
+
+
+def _blob_problem(info: os.stat_result, euid: int, links: Mapping[tuple[int, int], int]) -> str | None:
+    """Why a blob's bytes may have changed behind its recorded stat; None when only root or ``euid`` could."""
+    if info.st_uid not in (0, euid):
+        return f"it is owned by {_who(info.st_uid)}"
+    mode = stat.S_IMODE(info.st_mode)
+    # The owner's write bit is left alone: the owner is root or the store's own user, who could write anyway.
+    if mode & 0o022:
+        return f"it is writable by {_writers(mode)} (mode {mode:04o}; the store makes blobs {_BLOB_MODE:04o})"
+    ours = 1 + links.get((info.st_dev, info.st_ino), 0)
+    if info.st_nlink > ours:
+        return f"it has {info.st_nlink} hard links and only {ours} are the store's: another name for it exists"
+    return None
+
+
+def _links_under(directory: str) -> dict[tuple[int, int], int]:
+    """How many names each file (device, inode) has under ``directory``, symlinks not followed."""
+    counts: dict[tuple[int, int], int] = {}
+    for base, _dirs, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(OSError):
+                info = os.lstat(os.path.join(base, name))
+                if stat.S_ISREG(info.st_mode):
+                    key = (info.st_dev, info.st_ino)
+                    counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _dirs_are_ours(base: str, euid: int) -> bool:
+    for directory, _dirs, _files in os.walk(base):
+        with contextlib.suppress(OSError):
+            if _dir_problem(os.lstat(directory), euid, sticky_ok=False) is not None:
+                return False
+    return True
+
+
+def _who(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _writers(mode: int) -> str:
+    return " and ".join(who for who, bit in (("its group", 0o020), ("others", 0o002)) if mode & bit)
+
+
+def _relocation_warning(root: str, new: str, parent_problem: str | None) -> str:
+    exposure = (
+        f"{parent_problem}, so that user can swap the model files engines mount until the store moves"
+        if parent_problem
+        else "inside the agent's directory"
+    )
+    return (
+        f"the artifact store is still at the old default {root}: the policy sets no store.path, and the "
+        f"default moved to {new}, a directory of root's own, because {exposure}. To move it: stop the units "
+        "(systemctl stop meridian-node.service meridian-node-apply.path meridian-node-apply.service); run "
+        f"mv -T {root} {new} (it replaces the empty directory the apply unit creates there), "
+        f"chown -R root:root {new} and chmod go-w {new}; start the units again. Engines mount the resolved "
+        "version directory, so every engine that uses an artifact changes its mount source and is "
+        "re-created, by its replace strategy, on its next converge"
+    )
 
 
 def _makedirs(path: str) -> None:

@@ -49,6 +49,7 @@ Driver = Literal["vllm", "tgi", "sglang", "ollama", "llamacpp", "lmdeploy", "ope
 __all__ = [
     "API_VERSION",
     "DRIVERS",
+    "INT64_MAX",
     "PYDANTIC_IMPORT_ERROR",
     "ArtifactManifest",
     "ArtifactRef",
@@ -203,10 +204,14 @@ def _relative_store_path(value: str) -> str:
 
 RelativePath = Annotated[str, AfterValidator(_relative_store_path)]
 
+# Counters and sizes in signed documents fit a signed 64-bit integer: every reader (SQLite, Go, Java, a
+# JSON parser that maps to int64) sees the same number, and nothing downstream overflows on a huge one.
+INT64_MAX = 2**63 - 1
+
 
 class ManifestFile(_Strict):
     path: RelativePath
-    size: Annotated[int, Field(ge=0)]
+    size: Annotated[int, Field(ge=0, le=INT64_MAX)]
     sha256: Sha256Hex
     url: str | None = Field(default=None, description="where to fetch this file; default base_url + path")
 
@@ -276,7 +281,7 @@ class EngineSpec(_Strict):
     model: ModelRef
     served_model_name: str | None = None
     gpus: list[str] = Field(default_factory=list, description="GPU uuids, indexes or MIG instance uuids")
-    min_vram_mib: Annotated[int, Field(ge=0)] = 0
+    min_vram_mib: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     port: Annotated[int, Field(ge=1, le=65535)]
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -288,8 +293,8 @@ class DesiredState(_Strict):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["DesiredState"]
     node_id: NodeId
-    generation: Annotated[int, Field(ge=1)]
-    lease_epoch: Annotated[int, Field(ge=0)]
+    generation: Annotated[int, Field(ge=1, le=INT64_MAX)]
+    lease_epoch: Annotated[int, Field(ge=0, le=INT64_MAX)]
     issued_at: UtcTimestamp
     expires_at: UtcTimestamp
     artifacts: list[ArtifactRef] = Field(default_factory=list)
@@ -322,7 +327,7 @@ def _unique(what: str, values: list[Any]) -> None:
 
 class BundleFile(_Strict):
     path: RelativePath
-    size: Annotated[int, Field(ge=0)]
+    size: Annotated[int, Field(ge=0, le=INT64_MAX)]
     sha256: Sha256Hex
 
 
@@ -340,7 +345,7 @@ class Bundle(_Strict):
 
 class Lease(_Strict):
     node_id: NodeId
-    epoch: Annotated[int, Field(ge=0)]
+    epoch: Annotated[int, Field(ge=0, le=INT64_MAX)]
     expires_at: UtcTimestamp
     renewed_at: UtcTimestamp
 
@@ -459,10 +464,10 @@ class Observation(_Strict):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["Observation"]
     node_id: NodeId
-    lease_epoch: Annotated[int, Field(ge=0)]
+    lease_epoch: Annotated[int, Field(ge=0, le=INT64_MAX)]
     observed_at: UtcTimestamp
     mode: Literal["observe-only", "managed-host", "kubernetes-integrated", "air-gapped"]
-    applied_generation: Annotated[int, Field(ge=0)]
+    applied_generation: Annotated[int, Field(ge=0, le=INT64_MAX)]
     gpu: GpuFacts
     engines: list[EngineObservation] = Field(default_factory=list)
     artifacts: list[ArtifactObservation] = Field(default_factory=list)

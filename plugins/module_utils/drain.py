@@ -161,7 +161,7 @@ class DrainOptions:
     force: bool = False
     stop: bool = True
     stop_timeout_s: int | None = None  # None: the driver's own
-    state_dir: str = "/var/lib/meridian-node"
+    state_dir: str = "/var/lib/meridian-node-apply"
     reason: str = "drained by meridian.node.drain"
 
 

@@ -129,7 +129,7 @@ class Options:
     drain_timeout_s: float = 300
     drain_grace_s: float = 10
     policy_path: str = "/etc/meridian/policy.yaml"
-    state_dir: str = "/var/lib/meridian-node"
+    state_dir: str = "/var/lib/meridian-node-apply"
     store_path: str | None = None
     owner: str | None = None
 
@@ -194,15 +194,37 @@ def artifact_dir(store_path: str, artifact: str) -> str:
 
     Resolved to the version directory so the container mounts one fixed version, and a newly promoted
     version changes the settings (and so replaces the engine) instead of changing under it.
+
+    Checked after resolving: the result must be a version directory of this artifact inside the store,
+    or a planted ``current`` (absolute, ``..``, a symlinked version) would mount any directory of the host
+    into the engine. The store's ``Store.current_version`` applies the same rule; it is repeated here
+    because this module must not import the store (its contracts import pydantic).
     """
-    link = os.path.join(store_path, "artifacts", artifact, "current")
+    artifacts = os.path.join(store_path, "artifacts")
+    link = os.path.join(artifacts, artifact, "current")
     if not os.path.isdir(link):
         raise EngineInstanceError(
             f"artifact {artifact!r} has no promoted version in the store: {link} does not exist; make it "
             "present first with meridian.node.verified_artifact (promote: true)",
             check="artifact",
         )
-    return os.path.realpath(link)
+    resolved = os.path.realpath(link)
+    versions = os.path.realpath(os.path.join(artifacts, artifact))
+    version = os.path.basename(resolved)
+    if (
+        os.path.dirname(resolved) != versions
+        or versions != os.path.join(os.path.realpath(artifacts), artifact)
+        or version == "current"
+        or version.startswith(".")
+    ):
+        target = os.readlink(link) if os.path.islink(link) else "(not a symlink)"
+        raise EngineInstanceError(
+            f"artifact {artifact!r}: {link} points at {target!r}, which resolves to {resolved}, not a version "
+            f"directory of {artifact!r} in the store {store_path}; refusing to mount it. Remove the link and make "
+            "a version current again with meridian.node.verified_artifact",
+            check="artifact",
+        )
+    return resolved
 
 
 def _model_files(directory: str) -> list[str]:

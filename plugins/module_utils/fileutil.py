@@ -20,8 +20,8 @@ def fsync_directory(path: "os.PathLike[str] | str") -> None:
         os.close(fd)
 
 
-def atomic_write(path: "os.PathLike[str] | str", data: bytes, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``data`` atomically and durably.
+def atomic_write(path: "os.PathLike[str] | str", data: bytes, mode: int = 0o600, group: int = -1) -> None:
+    """Replace ``path`` with ``data`` atomically and durably; ``group`` (a gid) is set before the rename.
 
     The temporary file lives in the destination's directory because ``os.replace`` is only atomic within
     one filesystem. File data is fsynced before the rename and the directory after it, so after a crash
@@ -34,6 +34,8 @@ def atomic_write(path: "os.PathLike[str] | str", data: bytes, mode: int = 0o600)
         try:
             # mkstemp creates 0600; set the requested mode before any data is in the file.
             os.fchmod(fd, mode)
+            if group != -1:
+                os.fchown(fd, -1, group)
             view = memoryview(data)
             while view:
                 written = os.write(fd, view)

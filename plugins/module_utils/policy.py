@@ -11,6 +11,13 @@ Choices worth knowing:
 - Only *public* Ed25519 keys are accepted; a private-key PEM is an error (see ``dsse.load_public_key_pem``).
 - ``control`` must be configured. ``artifact`` and ``air_gap_authority`` may be left out: documents of a
   role without keys are then refused (``threshold-not-met``), never accepted.
+- ``store.path`` defaults to ``DEFAULT_STORE_PATH``, a root-owned directory of its own: the store used to
+  default to ``LEGACY_STORE_PATH``, inside the agent's directory, where the agent's user could swap the
+  model files engines mount. An install that relied on the old default keeps working: when the policy
+  names no path and only the old default holds a store, the old path is used and ``StorePolicy.path_source``
+  says ``legacy-default`` (``StorePolicy.relocate_to`` names the new home), so the store can warn and say
+  how to move it. That decision reads the disk (a few ``lstat`` calls), and is the only part of parsing
+  that does, apart from key files. A policy that names ``store.path`` is taken as it is.
 - ``store.max_bytes`` takes an integer or a size string: ``K``/``M``/``G``/``T`` (optionally followed
   by ``B``) are powers of 1000, ``Ki``/``Mi``/``Gi``/``Ti`` (optionally ``B``) powers of 1024.
 - ``images.allowed_repositories`` entries match the repository part of a reference exactly
@@ -52,16 +59,25 @@ if TYPE_CHECKING:
 __all__ = [
     "AGENT_MODES",
     "DEFAULT_POLICY_PATH",
+    "DEFAULT_STORE_PATH",
+    "LEGACY_STORE_PATH",
     "ROLES",
     "Policy",
     "PolicyError",
     "Role",
+    "StorePolicy",
+    "default_store_path",
     "load_policy",
     "parse_policy",
     "parse_size",
 ]
 
 DEFAULT_POLICY_PATH = "/etc/meridian/policy.yaml"
+# Root's own directory (the apply unit's StateDirectory=), so no other user can rename or replace it.
+DEFAULT_STORE_PATH = "/var/lib/meridian-node-artifacts"
+# The default before the store moved out of the agent's directory; still honoured (see default_store_path).
+LEGACY_STORE_PATH = "/var/lib/meridian-node/artifacts"
+StorePathSource = Literal["policy", "default", "legacy-default"]
 
 Role = Literal["control", "artifact", "air_gap_authority"]
 ROLES: tuple[Role, ...] = ("control", "artifact", "air_gap_authority")
@@ -172,7 +188,11 @@ def _engines(data: Any) -> EnginesPolicy:
 
 def _store(data: Any) -> StorePolicy:
     document = check_mapping(data, "store", optional=("path", "max_bytes"))
-    path = check_str(document.get("path", "/var/lib/meridian-node/artifacts"), "store.path")
+    source: StorePathSource = "policy"
+    if "path" in document:
+        path = check_str(document["path"], "store.path")
+    else:
+        path, source = default_store_path()
     if not os.path.isabs(path):
         raise FieldError("store.path", f"must be an absolute path (got {path!r})")
     max_bytes = document.get("max_bytes", 500 * 1000**3)
@@ -182,7 +202,23 @@ def _store(data: Any) -> StorePolicy:
         size = parse_size(max_bytes)
     except ValueError as exc:
         raise FieldError("store.max_bytes", str(exc)) from None
-    return StorePolicy(path, size)
+    return StorePolicy(path, size, source)
+
+
+def default_store_path(new: str | None = None, old: str | None = None) -> tuple[str, StorePathSource]:
+    """The store a policy without ``store.path`` means: ``new`` (``DEFAULT_STORE_PATH``), unless only ``old``
+    (``LEGACY_STORE_PATH``) holds a store. The new directory may exist and be empty: the apply unit's
+    ``StateDirectory=`` creates it on every start, before anyone moved the old store there."""
+    new = DEFAULT_STORE_PATH if new is None else new
+    old = LEGACY_STORE_PATH if old is None else old
+    if _holds_store(old) and not _holds_store(new):
+        return old, "legacy-default"
+    return new, "default"
+
+
+def _holds_store(path: str) -> bool:
+    # Any of the store's own entries: a crash can leave blobs before the first index write.
+    return any(os.path.lexists(os.path.join(path, entry)) for entry in ("index.json", "blobs", "artifacts"))
 
 
 def _agent(data: Any) -> AgentPolicy:
@@ -209,8 +245,18 @@ class EnginesPolicy:
 
 @dataclass(frozen=True)
 class StorePolicy:
+    """``path_source`` says where ``path`` came from: ``policy`` (the file names it, also the default for
+    callers that build one), ``default`` (``DEFAULT_STORE_PATH``), or ``legacy-default`` (the file names
+    none and the store still sits at ``LEGACY_STORE_PATH``; see the module docstring)."""
+
     path: str
     max_bytes: int
+    path_source: StorePathSource = "policy"
+
+    @property
+    def relocate_to(self) -> str | None:
+        """Where a store left at the old default should move; None for every other store."""
+        return DEFAULT_STORE_PATH if self.path_source == "legacy-default" else None
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ One small JSON file, ``<state_dir>/applied.json``, replaced atomically. It only 
 lowering either number is refused, because a lower number on disk re-opens the door to replaying old
 desired state. A damaged file is an error, never "start from zero", for the same reason.
 
-Read-modify-write is serialised with an ``flock`` on ``applied.json.lock``, because the agent (lease
-epochs) and the privileged apply unit (generations) both write it.
+Read-modify-write is serialised with an ``flock`` on ``applied.json.lock``: in-process, the agent (lease
+epochs) and its playbook (generations) both write it. Under the privilege split each side has its own
+file in its own directory, and root's is the one that decides what root applies.
 """
 
 from __future__ import annotations
@@ -87,12 +88,9 @@ class StateStore:
                     f"refusing to record generation {generation} with sha256 {payload_sha256}: it was recorded "
                     f"with sha256 {current.payload_sha256} ({self.path}); a generation is never reused"
                 )
-            if epoch < current.epoch:
-                raise StateStoreError(
-                    f"refusing to record epoch {epoch}: epoch {current.epoch} was already seen ({self.path}) "
-                    "and the epoch never goes down"
-                )
-            new = AppliedState(generation=generation, epoch=epoch, payload_sha256=payload_sha256)
+            # ``epoch`` is the one the apply was decided under. A higher epoch seen since (a lease renewed while
+            # the playbook ran) stays: the record must say this generation runs, and the epoch never goes down.
+            new = AppliedState(generation=generation, epoch=max(epoch, current.epoch), payload_sha256=payload_sha256)
             if new != current:
                 self._write(new)
             return new

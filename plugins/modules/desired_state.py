@@ -41,9 +41,10 @@ options:
     default: /etc/meridian/policy.yaml
   state_dir:
     description:
-      - Directory holding the applied-state record C(applied.json).
+      - Directory holding the applied-state record C(applied.json): the root-owned C(apply.state_dir) of the
+        agent's config, never a directory an unprivileged user can write.
     type: path
-    default: /var/lib/meridian-node
+    default: /var/lib/meridian-node-apply
   record:
     description:
       - Record the generation as applied (run this last, after everything else converged).
@@ -68,13 +69,13 @@ attributes:
 EXAMPLES = r"""
 - name: Verify the desired state before changing anything
   meridian.node.desired_state:
-    envelope: /var/lib/meridian-node/spool/desired-state.json
+    envelope: /etc/meridian-node/desired-state.json
     node_id: gpu-node-1
   register: verified
 
 - name: Record the generation once everything converged
   meridian.node.desired_state:
-    envelope: /var/lib/meridian-node/spool/desired-state.json
+    envelope: /etc/meridian-node/desired-state.json
     node_id: gpu-node-1
     record: true
 """
@@ -153,7 +154,7 @@ def main() -> None:
             "envelope": {"type": "path", "required": True},
             "node_id": {"type": "str", "required": True},
             "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node"},
+            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
             "record": {"type": "bool", "default": False},
             "secrets": {"type": "bool", "default": False},
         },

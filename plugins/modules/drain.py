@@ -68,9 +68,10 @@ options:
     type: int
   state_dir:
     description:
-      - The host's state directory; draining marks live in C(<state_dir>/draining/).
+      - The root-owned state directory of the host's apply side (the agent's C(apply.state_dir)).
+      - Draining marks live in C(<state_dir>/draining/).
     type: path
-    default: /var/lib/meridian-node
+    default: /var/lib/meridian-node-apply
   reason:
     description:
       - Why the engine is drained, recorded in its mark.
@@ -181,7 +182,7 @@ def main() -> None:
             "force": {"type": "bool", "default": False},
             "stop": {"type": "bool", "default": True},
             "stop_timeout": {"type": "int"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node"},
+            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
             "reason": {"type": "str", "default": "drained by meridian.node.drain"},
         },
         supports_check_mode=True,

@@ -35,9 +35,10 @@ options:
     default: /etc/meridian/policy.yaml
   state_dir:
     description:
-      - The host's state directory; draining marks are read from C(<state_dir>/draining/).
+      - The root-owned state directory of the host's apply side (the agent's C(apply.state_dir)).
+      - Draining marks are read from C(<state_dir>/draining/).
     type: path
-    default: /var/lib/meridian-node
+    default: /var/lib/meridian-node-apply
   managed_only:
     description:
       - List only the engines run by M(meridian.node.engine_instance), leaving out everybody else's.
@@ -200,7 +201,7 @@ def main() -> None:
     module = AnsibleModule(
         argument_spec={
             "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node"},
+            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
             "managed_only": {"type": "bool", "default": False},
             "owner": {"type": "str"},
             "probe": {"type": "bool", "default": True},

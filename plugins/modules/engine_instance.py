@@ -143,9 +143,10 @@ options:
     default: /etc/meridian/policy.yaml
   state_dir:
     description:
-      - The host's state directory; draining marks live in C(<state_dir>/draining/).
+      - The root-owned state directory of the host's apply side (the agent's C(apply.state_dir)).
+      - Draining marks live in C(<state_dir>/draining/).
     type: path
-    default: /var/lib/meridian-node
+    default: /var/lib/meridian-node-apply
   store_path:
     description:
       - The artifact store to resolve O(model.artifact) in. Defaults to the policy's C(store.path).
@@ -310,7 +311,7 @@ def main() -> None:
             "drain_timeout": {"type": "int", "default": 300},
             "drain_grace": {"type": "int", "default": 10},
             "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node"},
+            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
             "store_path": {"type": "path"},
             "owner": {"type": "str"},
         },

@@ -26,6 +26,13 @@ description:
     to it for 7 days, unless that run resumes it.
   - HTTP redirects are followed (at most 10 hops); a redirect from https to plain http is refused.
   - Any failure leaves the previously current version in place and serving.
+  - The store refuses to work, naming the path, when a directory on the way to it, one of its own
+    directories, or its index is owned or writable by a user other than root. A blob another user owns
+    or can write, or that has a hard link outside the store, is copied into a fresh file and verified
+    again instead of being trusted.
+  - A policy without C(store.path) means C(/var/lib/meridian-node-artifacts). A store still at the old
+    default C(/var/lib/meridian-node/artifacts), inside the agent's directory, keeps being used, with a
+    warning saying how to move it.
 requirements:
   - pydantic, cryptography and PyYAML on the managed host.
 options:
@@ -138,7 +145,7 @@ path:
   description: The version directory.
   returned: success
   type: str
-  sample: /var/lib/meridian-node/artifacts/artifacts/llama-3-8b/1.2.0
+  sample: /var/lib/meridian-node-artifacts/artifacts/llama-3-8b/1.2.0
 current:
   description: The name's current version after the run (in check mode, after the planned run).
   returned: success
@@ -167,6 +174,7 @@ fetched:
 import json
 import os
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
@@ -208,7 +216,7 @@ def main() -> None:
         if error is not None:
             module.fail_json(msg=missing_required_lib(package), exception=error)
     try:
-        result = run(module.params, check_mode=module.check_mode, diff=module._diff)
+        result = run(module.params, check_mode=module.check_mode, diff=module._diff, warn=module.warn)
     except (policy.PolicyError, Rejection, ArtifactError, ArtifactStoreError, ManifestInputError) as exc:
         module.fail_json(msg=f"Error making artifact {module.params['state']}: {exc}")
     except RuntimeError as exc:
@@ -241,11 +249,15 @@ def read_manifest(value: Any) -> bytes:
     )
 
 
-def run(params: dict[str, Any], *, check_mode: bool, diff: bool) -> dict[str, Any]:
+def run(
+    params: dict[str, Any], *, check_mode: bool, diff: bool, warn: Callable[[str], None] = lambda _message: None
+) -> dict[str, Any]:
     host_policy = policy.load_policy(params["policy"])
     verified = verify_artifact_manifest(read_manifest(params["manifest"]), host_policy)
     manifest = verified.manifest
-    store = Store(host_policy.store.path)
+    store = Store.for_policy(host_policy.store)
+    for warning in store.check_trust():
+        warn(warning)
     if params["state"] == "absent":
         outcome = remove_artifact(
             store,

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from meridian_node_agent.apply_unit import REQUEST_FILE, SPOOL_DIR, watch_directory
+from meridian_node_agent.apply_spool import REQUEST_FILE, SPOOL_DIR
+from meridian_node_agent.apply_unit import watch_directory
 
 
 def apply_spooled(config_path: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:

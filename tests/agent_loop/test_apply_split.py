@@ -34,15 +34,10 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
 )
 from meridian_node_agent.agent_cli import build_applier
 from meridian_node_agent.apply import Applier, ApplyResult
-from meridian_node_agent.apply_unit import (
-    REQUEST_FILE,
-    SPOOL_DIR,
-    ApplyAnswer,
-    SystemdApplier,
-    read_answer,
-    write_answer,
-    write_request,
-)
+from meridian_node_agent.apply_cli import write_answer
+from meridian_node_agent.apply_root import RootDir, prepare_root_dir
+from meridian_node_agent.apply_spool import PUBLIC_DIR, REQUEST_FILE, SPOOL_DIR, ApplyAnswer, read_answer_file
+from meridian_node_agent.apply_unit import SystemdApplier, write_request
 from meridian_node_agent.cli import main as cli_main
 from meridian_node_agent.config import AgentConfig, load_config
 from meridian_node_agent.cycle import SPOOL_FILE, Agent, Outcome
@@ -75,7 +70,7 @@ def _node(root: Path, *, via: str = "systemd", timeout: float = 300.0) -> tuple[
         "policy": str(policy),
         "state_dir": str(root / "state"),
         "control_plane": {"url": "https://127.0.0.1:9"},  # never called: these tests apply, not fetch
-        "apply": {"via": via, "timeout_seconds": timeout},
+        "apply": {"via": via, "timeout_seconds": timeout, "state_dir": str(root / "apply")},
     }
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -84,6 +79,14 @@ def _node(root: Path, *, via: str = "systemd", timeout: float = 300.0) -> tuple[
 
 def _oplog(state_dir: Path) -> list[tuple[str, int, int, str, str]]:
     return [(e.op, e.generation, e.epoch, e.payload_sha256, e.result) for e in OpLog(state_dir / "oplog.jsonl").read()]
+
+
+def _answer(config: AgentConfig) -> ApplyAnswer | None:
+    return read_answer_file(Path(config.apply.state_dir) / PUBLIC_DIR)
+
+
+def _root(config: AgentConfig) -> RootDir:
+    return prepare_root_dir(Path(config.apply.state_dir), agent_dir=Path(config.state_dir))
 
 
 def _journal_names(result: ApplyResult) -> list[str]:
@@ -112,19 +115,24 @@ def test_state_applied_through_the_split_leaves_the_same_records_as_in_process(t
 
     assert remote.status == local.status == "successful", (remote.failures, [r.stderr for r in unit.runs])
     assert (remote.changed, remote.failed) == (local.changed, local.failed) == (1, 0)
-    local_dir, split_dir = Path(local_config.state_dir), Path(config.state_dir)
-    assert (split_dir / STATE_FILE).read_bytes() == (local_dir / STATE_FILE).read_bytes()
-    assert _oplog(split_dir) == _oplog(local_dir) == [
+    local_dir, split_dir, root_dir = Path(local_config.state_dir), Path(config.state_dir), Path(config.apply.state_dir)
+    # Root's record is the one the playbook wrote; the agent's own copy is not written by the applier.
+    assert (root_dir / STATE_FILE).read_bytes() == (local_dir / STATE_FILE).read_bytes()
+    assert not (split_dir / STATE_FILE).exists()
+    # Each side keeps its own oplog of the same operation, under the agent's ident.
+    assert _oplog(split_dir) == _oplog(root_dir) == _oplog(local_dir) == [
         ("apply", 1, 1, _sha(payload), "started"),
         ("apply", 1, 1, _sha(payload), "successful"),
     ]
     assert [e.run_ident for e in OpLog(split_dir / "oplog.jsonl").read()] == [remote.ident] * 2
-    # The journal is ansible-runner's artifacts under the agent's ident, exactly as in-process.
-    assert remote.journal == split_dir / "journal" / remote.ident
+    assert [e.run_ident for e in OpLog(root_dir / "oplog.jsonl").read()] == [remote.ident] * 2
+    # The journal is ansible-runner's artifacts under the agent's ident, in root's directory.
+    assert remote.journal == root_dir / "journal" / remote.ident
     assert _journal_names(remote) == _journal_names(local)
     assert (remote.journal / "status").read_text() == "successful"
-    assert list((split_dir / "runs").iterdir()) == []
-    answer = read_answer(split_dir / SPOOL_DIR)
+    assert list((root_dir / "runs").iterdir()) == []
+    assert not (split_dir / "journal").exists() and not (split_dir / "runs").exists()
+    answer = _answer(config)
     assert answer is not None and answer.request == remote.ident
     assert [run.returncode for run in unit.runs] == [0]
 
@@ -134,7 +142,7 @@ def test_agent_loop_applies_a_published_state_through_the_split(tmp_path: Path) 
     with running(tmp_path / "data") as server:
         node = make_node(server, tmp_path / "node", "split-node-1")
         document = yaml.safe_load(node.config_path.read_text())
-        document["apply"] = {"via": "systemd", "timeout_seconds": 300}
+        document["apply"] = {"via": "systemd", "timeout_seconds": 300, "state_dir": str(tmp_path / "node-apply")}
         node.config_path.write_text(yaml.safe_dump(document))
         node.config = load_config(node.config_path)
         generation = publish(server, node.node_id)
@@ -146,7 +154,10 @@ def test_agent_loop_applies_a_published_state_through_the_split(tmp_path: Path) 
 
     assert first.outcome == Outcome.APPLIED, (first, [r.stdout + r.stderr for r in unit.runs])
     assert again.outcome == Outcome.UNCHANGED
-    assert first.run is not None and node.journal_runs() == [first.run.ident]
+    assert first.run is not None
+    assert sorted(p.name for p in (Path(node.config.apply.state_dir) / "journal").iterdir()) == [first.run.ident]
+    # Root's record decides; the agent recorded its own copy from the answer.
+    assert json.loads((Path(node.config.apply.state_dir) / STATE_FILE).read_text())["generation"] == generation
     assert json.loads(node.applied_file().read_text())["generation"] == generation
     assert [(e.run_ident, e.result) for e in OpLog(node.state_dir / "oplog.jsonl").read()] == [
         (first.run.ident, "started"),
@@ -191,12 +202,13 @@ def test_root_side_refuses_a_tampered_spooled_envelope_and_applies_nothing(tmp_p
     run = apply_spooled(config_path)
 
     assert run.returncode == 1, run.stdout + run.stderr
-    answer = read_answer(state_dir / SPOOL_DIR)
+    answer = _answer(config)
     assert answer is not None and answer.status == "failed"
     assert "threshold-not-met" in answer.failures[0] and "nothing was applied" in answer.failures[0]
     assert "threshold-not-met" in run.stdout
-    assert not (state_dir / STATE_FILE).exists()
-    assert not (state_dir / "journal").exists() and not (state_dir / "runs").exists()
+    root_dir = Path(config.apply.state_dir)
+    assert not (root_dir / STATE_FILE).exists()
+    assert list((root_dir / "journal").iterdir()) == [] and list((root_dir / "runs").iterdir()) == []
 
 
 def test_root_side_refuses_a_request_whose_ident_claims_another_generation(tmp_path: Path) -> None:
@@ -211,9 +223,9 @@ def test_root_side_refuses_a_request_whose_ident_claims_another_generation(tmp_p
     run = apply_spooled(config_path)
 
     assert run.returncode == 1
-    answer = read_answer(state_dir / SPOOL_DIR)
+    answer = _answer(config)
     assert answer is not None and "another generation" in answer.failures[0]
-    assert not (state_dir / STATE_FILE).exists()
+    assert not (Path(config.apply.state_dir) / STATE_FILE).exists()
 
 
 def test_an_answer_to_another_request_is_not_taken_as_ours_and_a_silent_root_side_times_out(tmp_path: Path) -> None:
@@ -234,8 +246,7 @@ def test_an_answer_to_another_request_is_not_taken_as_ours_and_a_silent_root_sid
         finished_at="2020-01-01T00:00:01Z",
         wall_seconds=1.0,
     )
-    (state_dir / SPOOL_DIR).mkdir(parents=True)
-    write_answer(state_dir / SPOOL_DIR, stale)
+    write_answer(_root(config), stale)
     applier = build_applier(config)  # no root side is listening
     envelope = signed("desired-state", payload, [CONTROL])
 
@@ -275,6 +286,7 @@ def test_an_apply_the_root_side_never_answered_is_applied_again_at_start_up(
         (result.ident, "successful"),
     ]
     assert OpLog(state_dir / "oplog.jsonl").pending() is None
+    assert json.loads((Path(config.apply.state_dir) / STATE_FILE).read_text())["generation"] == 5
     assert json.loads((state_dir / STATE_FILE).read_text())["generation"] == 5
 
 
@@ -291,7 +303,6 @@ def test_a_late_answer_to_a_timed_out_request_finishes_its_oplog_entry(tmp_path:
     )
     applier = build_applier(config)
     assert applier.record_late_answer() is None  # nothing answered yet: still unfinished
-    (state_dir / SPOOL_DIR).mkdir()
     late = ApplyAnswer(
         request=ident,
         payload_sha256="b" * 64,
@@ -306,7 +317,7 @@ def test_a_late_answer_to_a_timed_out_request_finishes_its_oplog_entry(tmp_path:
         finished_at="2026-11-29T12:00:02Z",
         wall_seconds=2.0,
     )
-    write_answer(state_dir / SPOOL_DIR, late)
+    write_answer(_root(config), late)
 
     recorded = applier.record_late_answer()
 
@@ -314,17 +325,11 @@ def test_a_late_answer_to_a_timed_out_request_finishes_its_oplog_entry(tmp_path:
     assert OpLog(state_dir / "oplog.jsonl").pending() is None
 
 
-@pytest.mark.parametrize(
-    ("setting", "reason"),
-    [({"mode": "observe-only"}, "observe-only"), ({"apply": {"via": "in-process"}}, "apply.via: in-process")],
-)
-def test_root_side_refuses_when_its_own_config_says_this_agent_does_not_apply_through_it(
-    tmp_path: Path, setting: dict[str, Any], reason: str
-) -> None:
+def test_root_side_refuses_when_its_own_config_says_observe_only(tmp_path: Path) -> None:
     # A compromised agent can write a request; whether root acts on it is the root-owned config's call.
     config_path, config = _node(tmp_path / "node")
     document = yaml.safe_load(config_path.read_text())
-    document.update(setting)
+    document["mode"] = "observe-only"
     config_path.write_text(yaml.safe_dump(document))
     state_dir = Path(config.state_dir)
     write_request(state_dir / SPOOL_DIR, "gen-1-20261129T120000.000000Z", signed("desired-state", _state(1), [CONTROL]))
@@ -332,9 +337,22 @@ def test_root_side_refuses_when_its_own_config_says_this_agent_does_not_apply_th
     run = apply_spooled(config_path)
 
     assert run.returncode == 1
-    answer = read_answer(state_dir / SPOOL_DIR)
-    assert answer is not None and reason in answer.failures[0]
-    assert not (state_dir / STATE_FILE).exists() and not (state_dir / "journal").exists()
+    answer = _answer(config)
+    assert answer is not None and "observe-only" in answer.failures[0]
+    root_dir = Path(config.apply.state_dir)
+    assert not (root_dir / STATE_FILE).exists() and list((root_dir / "journal").iterdir()) == []
+
+
+def test_root_side_does_nothing_at_all_when_its_config_says_the_agent_applies_in_process(tmp_path: Path) -> None:
+    config_path, config = _node(tmp_path / "node", via="in-process")
+    state_dir = Path(config.state_dir)
+    write_request(state_dir / SPOOL_DIR, "gen-1-20261129T120000.000000Z", signed("desired-state", _state(1), [CONTROL]))
+
+    run = apply_spooled(config_path)
+
+    assert run.returncode == 1
+    assert "apply.via: in-process; the apply unit only serves apply.via: systemd" in run.stderr
+    assert not Path(config.apply.state_dir).exists()  # no answer, no record, no directory of root's
 
 
 def test_check_config_explains_a_bad_apply_setting_and_describes_a_good_one(

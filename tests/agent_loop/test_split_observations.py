@@ -41,7 +41,8 @@ from ansible_collections.meridian.node.tests.helpers.standin_image import LocalI
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import desired_state, make_key, signed, write_policy
 from meridian_node_agent.agent_cli import _engine_source
 from meridian_node_agent.apply import run_ident
-from meridian_node_agent.apply_unit import SPOOL_DIR, read_answer, write_request
+from meridian_node_agent.apply_spool import PUBLIC_DIR, SPOOL_DIR, read_answer_file
+from meridian_node_agent.apply_unit import write_request
 from meridian_node_agent.config import AgentConfig, load_config
 from meridian_node_agent.cycle import Outcome
 from meridian_node_agent.engine_inventory import INVENTORY_FILE
@@ -83,7 +84,7 @@ def _root_config(root: Path, node_id: str) -> tuple[Path, AgentConfig]:
         "policy": str(policy),
         "state_dir": str(root / "state"),
         "control_plane": {"url": "https://127.0.0.1:9"},  # never called: the root side only applies
-        "apply": {"via": "systemd", "timeout_seconds": 300},
+        "apply": {"via": "systemd", "timeout_seconds": 300, "state_dir": str(root / "apply")},
     }
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -110,9 +111,10 @@ def test_agent_without_docker_access_reports_the_engine_root_started_then_draini
     applied = apply_spooled(config_path, root_env)
 
     assert applied.returncode == 0, applied.stdout + applied.stderr
-    answer = read_answer(state_dir / SPOOL_DIR)
+    root_dir = Path(config.apply.state_dir)
+    answer = read_answer_file(root_dir / PUBLIC_DIR)
     assert answer is not None and answer.status == "successful"
-    inventory_path = state_dir / INVENTORY_FILE
+    inventory_path = root_dir / PUBLIC_DIR / INVENTORY_FILE
     assert inventory_path.stat().st_mode & 0o777 == 0o644
     written = json.loads(inventory_path.read_text())
     assert (written["format"], written["node_id"]) == (1, node_id)
@@ -140,7 +142,7 @@ def test_agent_without_docker_access_reports_the_engine_root_started_then_draini
 
     assert source() == [expected]
 
-    mark_draining(str(state_dir), name, reason="test")
+    mark_draining(str(root_dir), name, reason="test")  # what a root-side drain does
     source.forget()  # what the cycle does after an apply; otherwise the list is re-read within 5 s
     assert source() == [{**expected, "draining": True}]
 
@@ -164,7 +166,7 @@ def test_engines_of_a_split_node_reach_the_serving_projection_and_leave_it_when_
     with running(tmp_path / "data") as server:
         node = make_e2e_node(server, tmp_path / "node", f"split-node-{secrets.token_hex(2)}")
         document = yaml.safe_load(node.node.config_path.read_text())
-        document["apply"] = {"via": "systemd", "timeout_seconds": 300}
+        document["apply"] = {"via": "systemd", "timeout_seconds": 300, "state_dir": str(tmp_path / "node-apply")}
         node.node.config_path.write_text(yaml.safe_dump(document))
         node.node.config = load_config(node.node.config_path)
         name, port = f"{prefix}-chat", free_engine_port()
@@ -186,7 +188,7 @@ def test_engines_of_a_split_node_reach_the_serving_projection_and_leave_it_when_
             }
         ]
 
-        mark_draining(str(node.state_dir), name, reason="test")
+        mark_draining(str(tmp_path / "node-apply"), name, reason="test")
         agent.observer.forget()  # the engine list is otherwise re-read within 5 s
         agent.cycle()
         assert serving(node, prefix) == []

@@ -17,13 +17,14 @@ import pytest
 
 from meridian_node_agent.agent_cli import cmd_run
 from meridian_node_agent.apply_cli import cmd_apply_spooled
-from meridian_node_agent.apply_unit import REQUEST_FILE, SPOOL_DIR
+from meridian_node_agent.apply_spool import REQUEST_FILE, SPOOL_DIR
 from meridian_node_agent.cli import build_parser
 from meridian_node_agent.config import DEFAULT_CONFIG_PATH, AgentConfig, Apply
 
 UNITS = Path(__file__).resolve().parents[2] / "systemd"
 AGENT, PATH, APPLY = "meridian-node.service", "meridian-node-apply.path", "meridian-node-apply.service"
 DEFAULT_STATE_DIR = AgentConfig.model_fields["state_dir"].default
+DEFAULT_APPLY_STATE_DIR = Apply.model_fields["state_dir"].default
 
 
 def _unit(name: str) -> dict[str, dict[str, list[str]]]:
@@ -93,7 +94,7 @@ def test_agent_runs_unprivileged_and_confined_to_its_state_dir() -> None:
     assert service["ProtectSystem"] == ["strict"]
     assert service["PrivateTmp"] == ["yes"]
     assert service["CapabilityBoundingSet"] == [""]
-    assert service["ReadWritePaths"] == [DEFAULT_STATE_DIR]
+    assert "ReadWritePaths" not in service  # StateDirectory= is its only writable place
     assert f"/var/lib/{service['StateDirectory'][0]}" == DEFAULT_STATE_DIR
 
 
@@ -103,6 +104,20 @@ def test_apply_unit_is_a_root_oneshot_only_the_path_unit_starts() -> None:
     assert service["Type"] == ["oneshot"] and service["User"] == ["root"]
     assert "Install" not in unit  # never enabled on its own: the path unit is the only trigger
     assert service["ProtectSystem"] == ["strict"]
-    assert service["ReadWritePaths"] == [DEFAULT_STATE_DIR]
+    # It writes only its own directories; nothing under the agent's directory is writable to it.
+    assert "ReadWritePaths" not in service
+    directories = [f"/var/lib/{name}" for name in service["StateDirectory"][0].split()]
+    assert directories == [DEFAULT_APPLY_STATE_DIR, load_policy_defaults_store_path()]
+    assert not any(d.startswith(DEFAULT_STATE_DIR + "/") for d in directories)
+    assert service["StateDirectoryMode"] == ["0711"]
+    assert service["Environment"] == [f"HOME={DEFAULT_APPLY_STATE_DIR}"]
     # The root run stops where the agent stops waiting for it.
     assert float(_one(APPLY, "Service", "TimeoutStartSec")) == Apply.model_fields["timeout_seconds"].default
+
+
+def load_policy_defaults_store_path() -> str:
+    """The artifact store's default path, as the policy loader has it (a policy that names no store)."""
+    from ansible_collections.meridian.node.plugins.module_utils.policy import parse_policy
+
+    text = "trust:\n  control: {threshold: 1, public_keys: [control.pem]}\n"
+    return parse_policy(text, Path("/nonexistent"), keys=False).store.path

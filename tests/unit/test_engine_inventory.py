@@ -26,7 +26,9 @@ from ansible_collections.meridian.node.plugins.module_utils.drain_state import m
 from ansible_collections.meridian.node.tests.helpers.engine_harness import BIND, SERVER, free_port
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
 from meridian_node_agent.apply_cli import answer_requests
-from meridian_node_agent.apply_unit import SPOOL_DIR, read_answer, write_request
+from meridian_node_agent.apply_root import RootDir, prepare_root_dir
+from meridian_node_agent.apply_spool import PUBLIC_DIR, SPOOL_DIR, read_answer_file
+from meridian_node_agent.apply_unit import write_request
 from meridian_node_agent.config import AgentConfig, load_config
 from meridian_node_agent.engine_inventory import (
     INVENTORY_FILE,
@@ -160,10 +162,11 @@ def test_oversized_not_json_missing_and_symlinked_inventories_are_refused(tmp_pa
 
 def test_source_reports_no_engines_and_logs_once_for_a_missing_or_broken_inventory(tmp_path: Path) -> None:
     events = _Events()
-    source = InventoryEngines(state_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
 
     assert source() == [] and source() == []
-    (tmp_path / INVENTORY_FILE).write_text("[]")
+    (tmp_path / PUBLIC_DIR).mkdir()
+    (tmp_path / PUBLIC_DIR / INVENTORY_FILE).write_text("[]")
     assert source() == [] and source() == []
 
     assert [(event, "does not exist yet" in f["reason"]) for event, f in events.seen] == [
@@ -199,9 +202,9 @@ def standin() -> Iterator[int]:
 def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_changed_file(
     tmp_path: Path, standin: int
 ) -> None:
-    path = _write(tmp_path, _engine("chat", port=standin), _engine("idle", port=free_port()))
+    path = _write(tmp_path / PUBLIC_DIR, _engine("chat", port=standin), _engine("idle", port=free_port()))
     clock = [100.0]
-    source = InventoryEngines(state_dir=tmp_path, node_id=NODE, refresh_seconds=5.0, monotonic=lambda: clock[0])
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=5.0, monotonic=lambda: clock[0])
 
     first = {e["name"]: e for e in source()}
 
@@ -230,7 +233,7 @@ def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_chang
     source.forget()
     assert source()[0]["served_model_name"] == "tiny-chat"
     # A rewrite (new inode) is re-read: the engine root no longer lists is gone.
-    _write(tmp_path, _engine("idle", port=None, state="exited"))
+    _write(tmp_path / PUBLIC_DIR, _engine("idle", port=None, state="exited"))
     source.forget()
     assert source() == [
         {
@@ -248,11 +251,11 @@ def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_chang
 
 
 def test_unreadable_draining_marks_make_no_engine_ready(tmp_path: Path, standin: int) -> None:
-    _write(tmp_path, _engine("chat", port=standin))
+    _write(tmp_path / PUBLIC_DIR, _engine("chat", port=standin))
     (tmp_path / "draining").mkdir()
     (tmp_path / "draining" / "chat.json").write_text("not json")
     events = _Events()
-    source = InventoryEngines(state_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
 
     assert [(e["name"], e["ready"]) for e in source()] == [("chat", False)]
     assert ("draining-marks-unreadable" in [event for event, _ in events.seen]) is True
@@ -267,10 +270,14 @@ def _root_config(root: Path, *, images: list[str]) -> AgentConfig:
         "policy": str(policy),
         "state_dir": str(root / "state"),
         "control_plane": {"url": "https://127.0.0.1:9"},
-        "apply": {"via": "systemd"},
+        "apply": {"via": "systemd", "state_dir": str(root / "apply")},
     }
     (root / "config.yaml").write_text(yaml.safe_dump(config))
     return load_config(root / "config.yaml")
+
+
+def _root(config: AgentConfig) -> RootDir:
+    return prepare_root_dir(Path(config.apply.state_dir), agent_dir=Path(config.state_dir))
 
 
 def test_root_side_writes_the_inventory_after_a_refused_request_without_docker_when_no_image_is_allowed(
@@ -281,10 +288,11 @@ def test_root_side_writes_the_inventory_after_a_refused_request_without_docker_w
     spool = Path(config.state_dir) / SPOOL_DIR
     write_request(spool, "gen-1-20261129T120000.000000Z", b"{}")
 
-    answers = answer_requests(config)
+    root = _root(config)
+    answers = answer_requests(config, root)
 
     assert [a.status for a in answers] == ["failed"]
-    inventory = read_inventory(Path(config.state_dir) / INVENTORY_FILE, node_id=NODE)
+    inventory = read_inventory(root.public / INVENTORY_FILE, node_id=NODE)
     assert inventory.engines == ()
 
 
@@ -293,14 +301,15 @@ def test_root_side_that_cannot_reach_docker_keeps_the_previous_inventory_and_sti
 ) -> None:
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-docker.sock'}")
     config = _root_config(tmp_path, images=["meridian-node/standin"])
-    previous = _write(Path(config.state_dir), _engine()).read_bytes()
+    root = _root(config)
+    previous = _write(root.public, _engine()).read_bytes()
     write_request(Path(config.state_dir) / SPOOL_DIR, "gen-1-20261129T120000.000000Z", b"{}")
 
-    answers = answer_requests(config)
+    answers = answer_requests(config, root)
 
     assert [a.status for a in answers] == ["failed"]
-    assert read_answer(Path(config.state_dir) / SPOOL_DIR) == answers[0]
-    assert (Path(config.state_dir) / INVENTORY_FILE).read_bytes() == previous
+    assert read_answer_file(root.public) == answers[0]
+    assert (root.public / INVENTORY_FILE).read_bytes() == previous
     warning = capsys.readouterr().err
-    assert f"could not write {Path(config.state_dir) / INVENTORY_FILE}" in warning
+    assert f"could not write {root.public / INVENTORY_FILE}" in warning
     assert "Docker Engine" in warning and "keeps observing the previous one" in warning

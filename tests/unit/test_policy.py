@@ -7,9 +7,11 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse
+from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse, policy
 from ansible_collections.meridian.node.plugins.module_utils.policy import (
     DEFAULT_POLICY_PATH,
+    DEFAULT_STORE_PATH,
+    LEGACY_STORE_PATH,
     Policy,
     PolicyError,
     load_policy,
@@ -31,7 +33,7 @@ trust:
   air_gap_authority:  {threshold: 1, public_keys: [keys/air_gap_authority-0.pem]}
 images:  {allowed_repositories: [ghcr.io/acme/vllm, registry.local:5000/engines/*], require_digest: true}
 engines: {allowed_drivers: [vllm, tgi], bind_address: 127.0.0.1, port_range: [8000, 8099]}
-store:   {path: /var/lib/meridian-node/artifacts, max_bytes: 500G}
+store:   {path: /var/lib/meridian-node-artifacts, max_bytes: 500G}
 agent:   {allowed_modes: [observe-only, managed-host]}
 """
 
@@ -75,7 +77,8 @@ def test_full_policy_loads_every_section(policy_dir: Path) -> None:
     assert policy.engines.port_range == (8000, 8099)
     assert policy.engines.bind_address == "127.0.0.1"
     assert policy.store.max_bytes == 500 * 10**9
-    assert policy.store.path == "/var/lib/meridian-node/artifacts"
+    assert policy.store.path == "/var/lib/meridian-node-artifacts"
+    assert policy.store.path_source == "policy" and policy.store.relocate_to is None
     assert policy.agent.allowed_modes == ("observe-only", "managed-host")
 
 
@@ -110,6 +113,59 @@ def test_omitted_sections_take_safe_defaults(policy_dir: Path) -> None:
     assert policy.engines.bind_address == "127.0.0.1"
     assert policy.store.max_bytes == 500 * 10**9
     assert "managed-host" in policy.agent.allowed_modes
+
+
+@pytest.fixture
+def store_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """The new and the old default store paths, moved under ``tmp_path`` (neither exists yet)."""
+    new, old = tmp_path / "meridian-node-artifacts", tmp_path / "meridian-node" / "artifacts"
+    monkeypatch.setattr(policy, "DEFAULT_STORE_PATH", str(new))
+    monkeypatch.setattr(policy, "LEGACY_STORE_PATH", str(old))
+    return new, old
+
+
+def test_the_default_store_is_roots_own_directory_outside_the_agents() -> None:
+    assert DEFAULT_STORE_PATH == "/var/lib/meridian-node-artifacts"
+    assert not DEFAULT_STORE_PATH.startswith("/var/lib/meridian-node/")
+    assert LEGACY_STORE_PATH == "/var/lib/meridian-node/artifacts"
+
+
+def test_a_policy_without_store_path_gets_the_new_default(policy_dir: Path, store_defaults: tuple[Path, Path]) -> None:
+    new, _old = store_defaults
+    store = load_policy(write(policy_dir, with_control())).store
+    assert (store.path, store.path_source, store.relocate_to) == (str(new), "default", None)
+
+
+@pytest.mark.parametrize("new_state", ["absent", "empty"])
+def test_a_store_left_at_the_old_default_keeps_being_used_and_names_where_it_should_go(
+    policy_dir: Path, store_defaults: tuple[Path, Path], new_state: str
+) -> None:
+    new, old = store_defaults
+    (old / "blobs" / "sha256").mkdir(parents=True)
+    (old / "index.json").write_text("{}")
+    if new_state == "empty":
+        new.mkdir()  # what the apply unit's StateDirectory= leaves before anyone moved the store
+    store = load_policy(write(policy_dir, with_control())).store
+    assert (store.path, store.path_source, store.relocate_to) == (str(old), "legacy-default", str(new))
+
+
+def test_once_the_new_default_holds_a_store_the_old_one_is_ignored(
+    policy_dir: Path, store_defaults: tuple[Path, Path]
+) -> None:
+    new, old = store_defaults
+    (old / "artifacts").mkdir(parents=True)
+    (new / "artifacts").mkdir(parents=True)
+    store = load_policy(write(policy_dir, with_control())).store
+    assert (store.path, store.path_source) == (str(new), "default")
+
+
+def test_an_explicit_store_path_is_taken_as_is_even_at_the_old_default(
+    policy_dir: Path, store_defaults: tuple[Path, Path]
+) -> None:
+    _new, old = store_defaults
+    (old / "artifacts").mkdir(parents=True)
+    store = load_policy(write(policy_dir, with_control(f"store: {{path: {old}}}"))).store
+    assert (store.path, store.path_source, store.relocate_to) == (str(old), "policy", None)
 
 
 def test_unconfigured_role_trusts_nobody(policy_dir: Path) -> None:

@@ -100,12 +100,14 @@ def test_same_generation_with_other_content_is_refused(tmp_path: Path) -> None:
     assert store.load() == AppliedState(5, 1, SHA_A)
 
 
-def test_lower_epoch_is_refused_when_recording_a_generation(tmp_path: Path) -> None:
+def test_an_epoch_that_rose_while_the_apply_ran_is_kept_and_the_generation_still_recorded(tmp_path: Path) -> None:
+    # The apply of generation 1 was decided under epoch 3; a lease renewal saw epoch 4 while it ran. The
+    # host runs generation 1 now, so the record must say so, and the epoch must not go back to 3.
     store = StateStore(tmp_path)
+    store.observe_epoch(3)
     store.observe_epoch(4)
-    with pytest.raises(StateStoreError, match="refusing to record epoch 3: epoch 4 was already seen"):
-        store.record_applied(1, 3, SHA_A)
-    assert store.load() == AppliedState(0, 4, None)
+    assert store.record_applied(1, 3, SHA_A) == AppliedState(1, 4, SHA_A)
+    assert store.load() == AppliedState(1, 4, SHA_A)
 
 
 def test_lower_epoch_is_refused_when_observing(tmp_path: Path) -> None:

@@ -30,3 +30,6 @@ def docker_client() -> Iterator[Any]:
 
 # The stand-in engine base image (built once per machine, cached): see tests/helpers/standin_image.py.
 from ansible_collections.meridian.node.tests.helpers.standin_image import standin_base_image  # noqa: E402, F401
+
+# The systemd test host, booted with meridian-node installed: see tests/helpers/systemd_host.py.
+from ansible_collections.meridian.node.tests.helpers.systemd_host import installed_host  # noqa: E402, F401

@@ -41,8 +41,8 @@ options:
     default: /etc/meridian/policy.yaml
   state_dir:
     description:
-      - Directory holding the applied-state record C(applied.json): the root-owned C(apply.state_dir) of the
-        agent's config, never a directory an unprivileged user can write.
+      - Directory holding the applied-state record C(applied.json).
+      - Use the root-owned C(apply.state_dir) of the agent's config, never a directory an unprivileged user can write.
     type: path
     default: /var/lib/meridian-node-apply
   record:

@@ -190,11 +190,18 @@ def site(
             site = Site(host, server, node_id, engine, port, image, first, generation, docker_client)
             with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT):
                 _wait(f"generation {generation} applied", lambda: _root_generation(host) == generation, host)
+                # The playbook records before root answers: wait for the answer too, or a test reads the last one.
+                _wait(f"the answer to generation {generation}", lambda: _answered(site, generation), host)
                 _wait(f"engine {engine} serving", site.serving, host)
             yield site
         finally:
             host.exec(["systemctl", "stop", AGENT_UNIT, PATH_UNIT], check=False)
             remove_containers(docker_client, [engine])
+
+
+def _answered(site: Site, generation: int) -> bool:
+    answer = site.answer()
+    return answer is not None and answer["generation"] == generation
 
 
 def _root_generation(host: SystemdHost) -> int:
@@ -210,8 +217,11 @@ def test_the_whole_loop_runs_under_systemd_with_root_keeping_its_own_record(site
     # The apply unit re-verified and ran it: one line per answered request in its journal.
     assert f"generation {site.generation} successful" in host.journal(APPLY_UNIT)
     # The agent's own copy and its status say the same, learnt from the answer.
-    status = json.loads(host.read_file(f"{AGENT_DIR}/status.json"))
-    assert status["applied_generation"] == site.generation
+    _wait(
+        "the agent's status showing the generation",
+        lambda: json.loads(host.read_file(f"{AGENT_DIR}/status.json"))["applied_generation"] == site.generation,
+        host,
+    )
     # Root wrote nothing in the agent's directory; the agent can list nothing of root's.
     assert host.exec(["find", AGENT_DIR, "-user", "root"]).stdout == ""
     assert site.as_meridian(f"ls {ROOT_DIR}", check=False).returncode != 0

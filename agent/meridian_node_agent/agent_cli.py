@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config
+from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
 from meridian_node_agent.control_client import ControlClient, ControlPlaneError
 from meridian_node_agent.identity import CertificateInfo, IdentityError, NodeIdentity
 from meridian_node_agent.logs import EventLogger, configure_logging
@@ -66,6 +68,9 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "and result, the agent's counters, and the client certificate's expiry and renewal, from the state "
         "dir (the agent need not be running).",
     )
+    status.add_argument(
+        "--json", action="store_true", help="print one JSON document (for scripts and monitoring) instead of a table"
+    )
     status.set_defaults(handler=cmd_status)
 
 
@@ -110,7 +115,7 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         policy = load_policy(config.policy)
     except PolicyError as exc:
         raise UsageError(str(exc)) from exc
-    refusal = policy.mode_allowed(config.mode)
+    refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode)
     if refusal:
         raise UsageError(f"mode: {refusal}")
     if config.control_plane is None:
@@ -207,8 +212,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     except IdentityError:
         certificate = None
     now = datetime.now(UTC)
+    if args.json:
+        print(json.dumps(status_document(config, applied, read_status(state_dir), oplog, certificate), sort_keys=True))
+        return 0
     print(format_status(config, applied.generation, applied.epoch, read_status(state_dir), oplog, certificate, now))
     return 0
+
+
+def status_document(
+    config: AgentConfig,
+    applied: Any,
+    status: dict[str, Any] | None,
+    oplog: OpLog,
+    certificate: CertificateInfo | None,
+) -> dict[str, Any]:
+    """What ``status`` shows, as data: the agent's own status file as it wrote it, plus what is on disk."""
+    last = oplog.last()
+    return {
+        "node_id": config.node_id,
+        "mode": config.mode,
+        "applied": {"generation": applied.generation, "epoch": applied.epoch, "payload_sha256": applied.payload_sha256},
+        "last_operation": None if last is None else {k: v for k, v in asdict(last).items() if v is not None},
+        "agent": status,  # None when the agent has not written one yet
+        "certificate": None
+        if certificate is None
+        else {
+            "serial": f"{certificate.serial:x}",
+            "not_before": format_rfc3339(certificate.not_before),
+            "not_after": format_rfc3339(certificate.not_after),
+        },
+    }
 
 
 def format_status(
@@ -236,10 +269,11 @@ def format_status(
             "counters",
             f"cycles {counters.get('cycles', 0)}, applies {counters.get('applies', 0)}, "
             f"apply failures {counters.get('apply_failures', 0)}, unavailable {counters.get('unavailable', 0)}, "
-            f"refused {counters.get('refused', 0)}"
+            f"refused {counters.get('refused', 0)}, repairs {counters.get('repairs', 0)}"
             if counters
             else "-",
         ),
+        ("supervision", _supervision_text((status or {}).get("supervision") or {})),
         ("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none"),
         ("engines", _engines_text((status or {}).get("engines") or [])),
         ("certificate", _certificate_text(certificate, now or datetime.now(UTC))),
@@ -248,6 +282,20 @@ def format_status(
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _supervision_text(engines: dict[str, Any]) -> str:
+    if not engines:
+        return "all engines as applied"
+    parts = []
+    for name, state in sorted(engines.items()):
+        text = f"{name}: {state.get('problem') or 'healthy'}"
+        if state.get("for_seconds") is not None:
+            text += f" for {state['for_seconds']} s"
+        if state.get("repairs"):
+            text += f", {state['repairs']} repair(s), next in {state.get('next_repair_in_seconds')} s"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def _certificate_text(certificate: CertificateInfo | None, now: datetime) -> str:

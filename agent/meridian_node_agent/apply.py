@@ -159,6 +159,7 @@ class Applier:
         payload_sha256: str,
         secrets: Iterable[str] = (),
         ident: str | None = None,
+        reason: str | None = None,
     ) -> ApplyResult:
         """Run the playbook once for this envelope; the oplog records the start before anything runs.
 
@@ -181,6 +182,7 @@ class Applier:
                     run_ident=ident,
                     result=result,
                     at=at,
+                    reason=reason if result == STARTED else None,
                 )
 
         record(STARTED, started_at)

@@ -42,7 +42,7 @@ from meridian_node_agent.apply_spool import (
     SpoolError,
     read_answer_file,
 )
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config
+from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
 from meridian_node_agent.engine_inventory import collect_inventory, write_inventory
 from meridian_node_agent.usage import UsageError
 
@@ -190,6 +190,9 @@ def answer_one(
 
     if config.mode == "observe-only":
         return refuse("config mode is observe-only, which never applies")
+    unavailable = mode_unavailable(config.mode)
+    if unavailable:
+        return refuse(unavailable)
     if config.apply.via != "systemd":  # cmd_apply_spooled stops before; a caller of this function must too
         return refuse(f"the config says apply.via: {config.apply.via}; the apply unit only serves apply.via: systemd")
     if (root.journal / ident).exists() or (root.runs / ident).exists():

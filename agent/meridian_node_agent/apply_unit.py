@@ -154,6 +154,7 @@ class SystemdApplier:
         epoch: int,
         payload_sha256: str,
         secrets: Iterable[str] = (),  # the root side finds them itself, in the envelope it verified
+        reason: str | None = None,
     ) -> ApplyResult:
         self.record_late_answer()
         started_at = self.clock()
@@ -165,7 +166,7 @@ class SystemdApplier:
             "payload_sha256": payload_sha256,
             "run_ident": ident,
         }
-        self.oplog.append(result=STARTED, at=started_at, **common)
+        self.oplog.append(result=STARTED, at=started_at, reason=reason, **common)
         self.spool.mkdir(parents=True, exist_ok=True, mode=0o700)
         begin = self.monotonic()
         with watch_directory(self.public) as watch:

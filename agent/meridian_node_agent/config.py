@@ -26,6 +26,20 @@ DEFAULT_APPLY_STATE_DIR = "/var/lib/meridian-node-apply"
 CONFIG_ENV = "MERIDIAN_NODE_CONFIG"
 
 Mode = Literal["observe-only", "managed-host", "kubernetes-integrated", "air-gapped"]
+# Modes the contract names but this version does not build yet. They are refused by check-config, run and
+# the apply unit, never run as something else (kubernetes-integrated once converged like managed-host).
+UNBUILT_MODES = {
+    "kubernetes-integrated": "it needs a read-only Kubernetes observer, which this version does not have",
+    "air-gapped": "reading bundles from an inbox is not built yet",
+}
+
+
+def mode_unavailable(mode: str) -> str | None:
+    """Why ``mode`` cannot run in this version, or None when it can."""
+    why = UNBUILT_MODES.get(mode)
+    if why is None:
+        return None
+    return f"mode {mode} is not available yet: {why}; use observe-only or managed-host"
 
 
 class ConfigError(ValueError):
@@ -102,6 +116,28 @@ class Apply(_Section):
     timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 3600.0
 
 
+class Supervision(_Section):
+    """How the agent keeps the applied engines running (``supervise``): graces and the crash-loop backoff."""
+
+    # Missing, not running or lost readiness this long is drift (Docker's restart policy goes first).
+    settle_seconds: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    # Never ready this long after the apply is drift: engines load models for minutes.
+    startup_grace_seconds: Annotated[float, Field(ge=0, le=86400)] = 600.0
+    # kubelet's CrashLoopBackOff: 10 s doubling to 5 min, forgotten after 10 min healthy.
+    backoff_initial_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    backoff_max_seconds: Annotated[float, Field(gt=0, le=86400)] = 300.0
+    healthy_reset_seconds: Annotated[float, Field(ge=0, le=86400)] = 600.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Supervision":
+        if self.backoff_max_seconds < self.backoff_initial_seconds:
+            raise ValueError(
+                f"backoff_max_seconds ({self.backoff_max_seconds}) is below backoff_initial_seconds "
+                f"({self.backoff_initial_seconds})"
+            )
+        return self
+
+
 class Metrics(_Section):
     listen: Annotated[str, Field(pattern=r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$")] = "127.0.0.1:9464"
 
@@ -121,6 +157,7 @@ class AgentConfig(_Section):
     certificate_renewal: CertificateRenewal = Field(default_factory=CertificateRenewal)
     journal: Journal = Field(default_factory=Journal)
     apply: Apply = Field(default_factory=Apply)
+    supervision: Supervision = Field(default_factory=Supervision)
     air_gap: AirGap | None = None
     metrics: Metrics | None = None
     log: Log = Field(default_factory=Log)

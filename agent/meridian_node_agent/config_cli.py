@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ansible_collections.meridian.node.plugins.module_utils.policy import ROLES, Policy, PolicyError, load_policy
 from meridian_node_agent.apply_spool import PUBLIC_DIR, REQUEST_FILE, RESULT_FILE, SPOOL_DIR
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config
+from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
 
 
 def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -34,7 +34,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(describe_policy(policy))
-    refusal = policy.mode_allowed(config.mode)
+    refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode)
     if refusal:
         print(f"error: config {args.config}: mode: {refusal}", file=sys.stderr)
         return 1

@@ -48,6 +48,7 @@ from meridian_node_agent.control_client import (
 from meridian_node_agent.identity import CertificateIssuer, CertificateRenewal, IdentityError, NodeIdentity
 from meridian_node_agent.logs import EventLogger
 from meridian_node_agent.oplog import ABANDONED, OpLog
+from meridian_node_agent.supervise import Supervisor
 
 __all__ = [
     "REPORT_REFRESH_SECONDS",
@@ -68,6 +69,7 @@ REPORT_REFRESH_SECONDS = 60.0
 STATUS_REFRESH_SECONDS = 60.0
 _REFUSAL_HINTS = {
     "certificate-revoked": "this node's certificate was revoked: enroll again with a new token",
+    "certificate-expired": "the node's certificate expired before it was renewed: enroll again with a new token",
     "wrong-node": "the certificate names another node than config node_id: fix node_id or re-enroll",
     "certificate-untrusted": "the certificate is not the control plane's (expired or another CA): re-enroll",
     "certificate-unknown": "the control plane never issued this certificate: re-enroll",
@@ -83,6 +85,9 @@ class Outcome(StrEnum):
     REJECTED = "rejected"
     OBSERVED_ONLY = "observe-only"
     LEASE_LAPSED = "lease-lapsed"
+    # The state did not change, but engines had drifted from it and were reconciled again.
+    REPAIRED = "repaired"
+    REPAIR_FAILED = "repair-failed"
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,14 @@ class ControlPlane(Protocol):
 
 class ApplyPort(Protocol):
     def apply(
-        self, envelope: bytes, *, generation: int, epoch: int, payload_sha256: str, secrets: Any = ()
+        self,
+        envelope: bytes,
+        *,
+        generation: int,
+        epoch: int,
+        payload_sha256: str,
+        secrets: Any = (),
+        reason: str | None = None,
     ) -> ApplyResult: ...
 
 
@@ -145,6 +157,7 @@ class Counters:
     apply_failures: int = 0
     unavailable: int = 0
     refused: int = 0  # the control plane answered and said no (403 revoked, 404 unknown node...)
+    repairs: int = 0  # reconciles of the applied generation because engines drifted from it
     rejections: dict[str, int] = field(default_factory=dict)
 
 
@@ -191,6 +204,17 @@ class Agent:
         self._renewed_at: float | None = None
         self._epoch_ok = True
         self._engines: list[dict[str, Any]] = []
+        supervision = config.supervision
+        self.supervisor = Supervisor(
+            settle_seconds=supervision.settle_seconds,
+            startup_grace_seconds=supervision.startup_grace_seconds,
+            backoff_initial_seconds=supervision.backoff_initial_seconds,
+            backoff_max_seconds=supervision.backoff_max_seconds,
+            healthy_reset_seconds=supervision.healthy_reset_seconds,
+            clock=monotonic,
+        )
+        # The envelope of the state last applied successfully, verified: what supervision repairs towards.
+        self._desired: tuple[bytes, VerifiedState] | None = None
         # Renewal talks to the real control client even when a test wraps ``client`` for the other calls.
         self.issuer: CertificateIssuer | None = client if isinstance(client, CertificateIssuer) else None
         renewal = config.certificate_renewal
@@ -207,6 +231,7 @@ class Agent:
     def run(self, *, once: bool = False, max_cycles: int | None = None) -> int:
         """Cycle until stopped (or once). Returns 0 when the last cycle succeeded, 1 otherwise."""
         self.recover()
+        self._resume_supervision()
         failures = 0
         attempts = 0
         while True:
@@ -214,7 +239,13 @@ class Agent:
             ok = True
             try:
                 outcome = self.cycle(wait=0 if once else self.wait)
-                ok = outcome.outcome not in (Outcome.APPLY_FAILED, Outcome.REJECTED, Outcome.LEASE_LAPSED)
+                # A failed repair is not the control plane's fault: supervision paces its own retries.
+                ok = outcome.outcome not in (
+                    Outcome.APPLY_FAILED,
+                    Outcome.REJECTED,
+                    Outcome.LEASE_LAPSED,
+                    Outcome.REPAIR_FAILED,
+                )
                 failed_call = outcome.outcome == Outcome.APPLY_FAILED
             except ControlPlaneRejected as exc:
                 # Not an outage: retrying will not help until an operator acts (re-enroll a revoked node, fix
@@ -267,6 +298,10 @@ class Agent:
             assert fetched.envelope is not None  # FetchStatus.NEW always carries one
             outcome = self._handle(fetched.envelope, fetched.etag, epoch_ok=self._epoch_ok)
         self._report()
+        repair = self._supervise()
+        if repair is not None:
+            outcome = repair
+            self._report()  # what the repair changed, in the same cycle
         if self.metrics is not None:
             self.metrics.cycle_done(time.monotonic() - started, outcome)
         return outcome
@@ -357,11 +392,11 @@ class Agent:
             envelope, self.policy, node_id=self.config.node_id, now=self.clock(), applied=self.store.load()
         )
 
-    def _apply(self, envelope: bytes, verified: VerifiedState) -> ApplyResult:
+    def _apply(self, envelope: bytes, verified: VerifiedState, *, reason: str | None = None) -> ApplyResult:
         """Apply once; whatever goes wrong (even asking for the apply) is a failed apply, counted, not a crash."""
         state = verified.state
         secrets = [value for engine in state.engines for value in engine.env.values()]
-        self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch)
+        self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch, reason=reason)
         started_at = self.clock()
         try:
             result = self.applier.apply(
@@ -370,6 +405,7 @@ class Agent:
                 epoch=state.lease_epoch,
                 payload_sha256=verified.payload_sha256,
                 secrets=secrets,
+                reason=reason,
             )
         except Exception as exc:  # noqa: BLE001 - any failure to apply is reported as one, never a crash loop
             result = ApplyResult(
@@ -390,8 +426,14 @@ class Agent:
         if result.ok:
             self.counters.applies += 1
             self._record(state.generation, state.lease_epoch, verified.payload_sha256)
+            self._supervise_state(envelope, verified)
         else:
             self.counters.apply_failures += 1
+            if state.generation != self.supervisor.generation:
+                # A newer generation failed part-way: repairing towards the older one would fight the retries
+                # of the newer. Supervision resumes when a generation is applied.
+                self.supervisor.forget()
+                self._desired = None
         if self.metrics is not None:
             self.metrics.applied(result)
         self.log.info(
@@ -405,6 +447,44 @@ class Agent:
             failures=result.failures,
         )
         return result
+
+    def _supervise_state(self, envelope: bytes, verified: VerifiedState) -> None:
+        self._desired = (envelope, verified)
+        started = [engine.name for engine in verified.state.engines if engine.state == "started"]
+        self.supervisor.expect(verified.state.generation, started)
+
+    def _resume_supervision(self) -> None:
+        """At start-up: supervise the spooled state when it is the one applied (a restart keeps watching)."""
+        try:
+            envelope = self.spool.read_bytes()
+            verified = self._verify(envelope)
+        except (OSError, Rejection, StateStoreError):
+            return  # nothing applied yet, or not this: the next successful apply sets what to supervise
+        if verified.already_applied:
+            self._supervise_state(envelope, verified)
+
+    def _supervise(self) -> CycleOutcome | None:
+        """Repair drift from the applied state by reconciling the same generation again, at most as often as
+        each drifted engine's backoff allows. Never in observe-only mode, never without a live lease."""
+        if self._desired is None or self.config.mode == "observe-only":
+            return None
+        drift = self.supervisor.assess(self._engines)
+        if drift is None:
+            return None
+        envelope, verified = self._desired
+        if not self._epoch_ok or self.lease is None or self.lease.expires_at <= self.clock():
+            self.log.warning("drift-not-repaired-lease-lapsed", generation=drift.generation, engines=drift.describe())
+            return None
+        self.supervisor.repaired(drift)
+        self.counters.repairs += 1
+        self.log.warning("engines-drifted", generation=drift.generation, engines=drift.describe())
+        try:
+            verified = self._verify(envelope)  # time passes: an expired state is not applied again
+        except (Rejection, StateStoreError) as exc:
+            self.log.error("drift-not-repaired", generation=drift.generation, error=str(exc))
+            return CycleOutcome(Outcome.REPAIR_FAILED, drift.generation)
+        result = self._apply(envelope, verified, reason=f"drift: {drift.describe()}")
+        return CycleOutcome(Outcome.REPAIRED if result.ok else Outcome.REPAIR_FAILED, drift.generation, run=result)
 
     def _record(self, generation: int, epoch: int, payload_sha256: str) -> None:
         """The agent's own record of what was applied, with the epoch the apply was decided under.
@@ -499,6 +579,7 @@ class Agent:
             "last_run": _run_summary(self.last_run),
             "counters": asdict(self.counters),
             "engines": self._engines,
+            "supervision": self.supervisor.status(),
             "certificate": self.renewal.status(),
         }
         # Rewritten when something in it changed, or STATUS_REFRESH_SECONDS after the last write so that

@@ -360,3 +360,28 @@ def test_the_agents_user_cannot_touch_roots_record_journal_or_the_artifact_store
         assert "Permission denied" in result.stderr or "No such file" in result.stderr, result.stderr
     assert site.host.exec(["stat", "-c", "%U %a", ROOT_DIR]).stdout.split() == ["root", "711"]
     assert site.host.exec(["stat", "-c", "%U %a", "/var/lib/meridian-node-artifacts"]).stdout.split()[0] == "root"
+
+
+def test_an_engine_stopped_behind_the_agents_back_is_repaired_through_the_root_unit(site: Site) -> None:
+    # Under the split the agent has no Docker: it sees the engine lose readiness through its own probes, and
+    # asks root to reconcile the same generation again.
+    host = site.host
+    # After the attacks above the agent re-applied the state it had been made to forget: let it settle first,
+    # so that what brings the engine back below can only be supervision.
+    _wait(
+        "the agent's record back at the applied generation",
+        lambda: json.loads(host.read_file(f"{AGENT_DIR}/status.json"))["applied_generation"] == site.generation,
+        host,
+    )
+    _wait("the engine serving", site.serving, host)
+    before = site.container()
+    site.docker.containers.get(site.engine).stop(timeout=5)
+
+    _wait("the engine serving again", site.serving, host, timeout=120)
+
+    assert site.container() == (before[0], "running")  # the same container, started again
+    assert site.root_record()["generation"] == site.generation
+    oplog = [json.loads(line) for line in host.read_file(f"{AGENT_DIR}/oplog.jsonl").splitlines()]
+    drift = [e for e in oplog if e.get("reason", "").startswith("drift:")]
+    assert drift and drift[-1]["generation"] == site.generation
+    assert f"{site.engine}: lost readiness" in drift[-1]["reason"]

@@ -1,0 +1,129 @@
+"""The agent keeps what was approved running: engines stopped or removed behind its back come back without a
+new publish, a drained engine stays drained, and an unchanged, healthy host runs no playbook.
+
+Real devserver, real Docker Engine, real ansible-runner; the supervision graces are shortened in the config
+(the defaults are minutes) so that a test waits seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import yaml
+
+from ansible_collections.meridian.node.plugins.module_utils.drain_state import mark_draining
+from ansible_collections.meridian.node.tests.agent_loop.node_env import publish
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
+from ansible_collections.meridian.node.tests.e2e.e2e_env import (
+    E2ENode,
+    applied,
+    container_named,
+    engine_spec,
+    free_engine_port,
+    last_observation,
+    make_e2e_node,
+)
+from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
+from meridian_node_agent.cli import main as cli_main
+from meridian_node_agent.config import load_config
+from meridian_node_agent.cycle import Agent, CycleOutcome, Outcome
+from meridian_node_agent.oplog import OpLog
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+SUPERVISION = {"settle_seconds": 1, "startup_grace_seconds": 60, "backoff_initial_seconds": 2, "backoff_max_seconds": 8}
+
+
+def _supervised(server: DevServer, root: Any, node_id: str) -> E2ENode:
+    node = make_e2e_node(server, root, node_id)
+    document = yaml.safe_load(node.node.config_path.read_text())
+    document["supervision"] = SUPERVISION
+    node.node.config_path.write_text(yaml.safe_dump(document))
+    node.node.config = load_config(node.node.config_path)
+    return node
+
+
+def _cycle_until(agent: Agent, wanted: Outcome, *, timeout: float = 60) -> tuple[CycleOutcome, list[Outcome]]:
+    seen: list[Outcome] = []
+    deadline = time.monotonic() + timeout  # a liveness bound, not a timing assertion
+    while True:
+        outcome = agent.cycle()
+        seen.append(outcome.outcome)
+        if outcome.outcome == wanted:
+            return outcome, seen
+        assert time.monotonic() < deadline, f"no {wanted} in {timeout:g} s; cycles gave {seen}"
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def running_engine(
+    server: DevServer, tmp_path: Any, node_id: str, image: LocalImage, prefix: str
+) -> tuple[E2ENode, Agent, str, int]:
+    node = _supervised(server, tmp_path / "node", node_id)
+    name = f"{prefix}-chat"
+    generation = publish(server, node_id, document={"engines": [engine_spec(name, image, free_engine_port())]})
+    agent = node.agent()
+    applied(agent)
+    return node, agent, name, generation
+
+
+@pytest.mark.parametrize("how", ["docker stop", "docker rm -f"])
+def test_an_engine_stopped_or_removed_behind_the_agents_back_is_brought_back_without_a_publish(
+    running_engine: tuple[E2ENode, Agent, str, int], docker_client: Any, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node, agent, name, generation = running_engine
+    before = container_named(docker_client, name)
+    assert before is not None
+    if how == "docker stop":
+        before.stop(timeout=5)
+    else:
+        before.remove(force=True)
+
+    outcome, seen = _cycle_until(agent, Outcome.REPAIRED)
+
+    assert outcome.generation == generation and outcome.run is not None and outcome.run.ok
+    assert set(seen[:-1]) <= {Outcome.UNCHANGED}  # the settle time passed in unchanged cycles, no publish
+    after = container_named(docker_client, name)
+    assert after is not None and after.status == "running"
+    assert (after.id == before.id) is (how == "docker stop")  # started again, or created again
+    why = "not running (exited)" if how == "docker stop" else "missing"
+    started = [e for e in OpLog(node.state_dir / "oplog.jsonl").read() if e.result == "started"]
+    assert started[-1].generation == generation and started[-1].reason == f"drift: {name}: {why}"
+    observed = last_observation(node.server, node.node_id)
+    assert observed is not None and observed["applied_generation"] == generation
+    assert {e["name"]: e["ready"] for e in observed["engines"]}.get(name) is True
+    # Healthy again: the next cycles run nothing.
+    assert agent.cycle().outcome == Outcome.UNCHANGED
+    assert agent.counters.repairs == 1
+    # 'status --json' shows the repair and the backoff it left (forgotten after 10 min healthy).
+    agent.write_status()
+    assert cli_main(["--config", str(node.node.config_path), "status", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["applied"]["generation"] == generation
+    assert shown["agent"]["counters"]["repairs"] == 1
+    supervised = shown["agent"]["supervision"][name]
+    assert (supervised["repairs"], supervised["problem"]) == (1, None)
+    assert shown["last_operation"]["run_ident"] == outcome.run.ident
+
+
+def test_a_drained_engine_stays_stopped_until_the_next_generation(
+    running_engine: tuple[E2ENode, Agent, str, int], docker_client: Any
+) -> None:
+    node, agent, name, _generation = running_engine
+    mark_draining(str(node.state_dir), name, reason="operator drain")
+    container = container_named(docker_client, name)
+    assert container is not None
+    container.stop(timeout=5)
+
+    deadline = time.monotonic() + 4 * SUPERVISION["settle_seconds"] + 2
+    outcomes = []
+    while time.monotonic() < deadline:
+        outcomes.append(agent.cycle().outcome)
+        time.sleep(0.3)
+
+    assert set(outcomes) == {Outcome.UNCHANGED}
+    assert container_named(docker_client, name).status == "exited"
+    assert agent.counters.repairs == 0

@@ -11,12 +11,15 @@ import os
 import re
 import shlex
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ansible_collections.meridian.node.tests.helpers.engine_harness import REPO, VENV_BIN, run_playbook
 
 PLAYBOOK = REPO / "playbooks" / "ansible_pull.yml"
+TARGET_TRAILER = "Meridian-Pull-Target"
+ROLLBACK_TRAILER = "Meridian-Pull-Rollback-From"
 # What systemd gives a root system service that sets no User=: PATH and the unit's Environment= lines.
 SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GIT_ENV = {
@@ -77,6 +80,7 @@ class PlaybookRepo:
     def __init__(self, root: Path) -> None:
         self.origin = root / "origin.git"
         self.work = root / "work"
+        root.mkdir(parents=True, exist_ok=True)
         git(root, "init", "--quiet", "--bare", "--initial-branch=main", str(self.origin))
         git(root, "clone", "--quiet", str(self.origin), str(self.work))
         git(self.work, "checkout", "--quiet", "-B", "main")
@@ -85,12 +89,35 @@ class PlaybookRepo:
     def url(self) -> str:
         return f"file://{self.origin}"
 
-    def commit(self, revision: str, *, key: Path | None, failing: bool = False) -> str:
-        """Commit local.yml for this revision (signed with key, or unsigned) and push it to main."""
-        (self.work / "local.yml").write_text(LOCAL_YML.format(revision=revision, extra=FAILING_TASK if failing else ""))
+    @property
+    def repo_id(self) -> str:
+        """The wrapper's default identity for a file:// URL (the role's README): the path without .git."""
+        return str(self.origin.with_suffix(""))
+
+    def trailers(self, *more: str, branch: str = "main") -> list[str]:
+        """The target trailer that hosts following this repo's branch require, then more."""
+        return [f"{TARGET_TRAILER}: {self.repo_id} {branch}", *more]
+
+    def commit(
+        self,
+        revision: str,
+        *,
+        key: Path | None,
+        failing: bool = False,
+        trailers: Sequence[str] | None = None,
+        extra_tasks: str = "",
+    ) -> str:
+        """Commit local.yml for this revision (signed with key, or unsigned) and push it to main. Its message
+        ends with trailers (default: the target trailer of this repo's main)."""
+        extra = (FAILING_TASK if failing else "") + extra_tasks
+        (self.work / "local.yml").write_text(LOCAL_YML.format(revision=revision, extra=extra))
         git(self.work, "add", "local.yml")
         signing = ["-c", "gpg.format=ssh", "-c", f"user.signingkey={key}"] if key else []
-        git(self.work, *signing, "commit", "--quiet", *(["-S"] if key else ["--no-gpg-sign"]), "-m", revision)
+        paragraphs = ["-m", revision]
+        lines = self.trailers() if trailers is None else list(trailers)
+        if lines:
+            paragraphs += ["-m", "\n".join(lines)]
+        git(self.work, *signing, "commit", "--quiet", *(["-S"] if key else ["--no-gpg-sign"]), *paragraphs)
         sha = git(self.work, "rev-parse", "HEAD")
         self.push(sha)
         return sha

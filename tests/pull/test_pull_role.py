@@ -117,6 +117,8 @@ def test_second_run_changes_nothing_and_check_mode_writes_nothing(tmp_path: Path
         ({"ansible_pull_signers": [{"principal": "a"}]}, "missing required arguments: key"),
         ({"ansible_pull_repo_url": ""}, "ansible_pull_repo_url is empty"),
         ({"ansible_pull_playbook": "../elsewhere.yml"}, 'ansible_pull_playbook "../elsewhere.yml" must be'),
+        ({"ansible_pull_repo_id": "fleet playbooks"}, 'ansible_pull_repo_id "fleet playbooks" and'),
+        ({"ansible_pull_branch": "release 1"}, 'ansible_pull_branch "release 1" must not contain whitespace'),
     ],
 )
 def test_role_refuses_variables_that_would_trust_or_run_the_wrong_thing(
@@ -129,3 +131,28 @@ def test_role_refuses_variables_that_would_trust_or_run_the_wrong_thing(
     assert done.returncode != 0
     assert named in done.stdout
     assert not paths.root.joinpath("etc").exists(), "the role installed something before refusing"
+
+
+@pytest.mark.parametrize(
+    ("override", "trailer"),
+    [
+        ({}, "Meridian-Pull-Target: git.example.test/fleet/playbooks main"),
+        (
+            {"ansible_pull_repo_id": "fleet/playbooks", "ansible_pull_branch": "stable"},
+            "Meridian-Pull-Target: fleet/playbooks stable",
+        ),
+    ],
+)
+def test_installed_wrapper_shows_the_target_trailer_its_commits_must_carry(
+    tmp_path: Path, signer: list[dict[str, str]], override: dict[str, object], trailer: str
+) -> None:
+    paths = install_paths(tmp_path / "host")
+    done = apply_role(paths, role_vars(paths, "git@git.example.test:fleet/playbooks.git", signer) | override)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (exec_start,) = unit_values(paths.service, "ExecStart")
+
+    shown = subprocess.run(
+        [*exec_start.split(), "--show-target"], capture_output=True, text=True, timeout=60, check=False
+    )
+
+    assert (shown.returncode, shown.stdout) == (0, f"{trailer}\n"), shown.stderr

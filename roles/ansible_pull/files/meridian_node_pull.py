@@ -2,33 +2,49 @@
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """meridian-node-pull: converge this host from a git repo of playbooks, only at a commit signed by a trusted key.
 
-One run: fetch the branch into a local bare mirror, resolve it to one commit id, verify that commit's SSH
-signature against the allowed signers file, extract exactly that commit's tree (from the mirror, by id: no
-second fetch), and run the playbook in it. Anything that fails before the playbook runs leaves the current
-checkout and the last-run record untouched. Stdlib only; the unit runs it with the host's python3 (no shebang:
-it is never executed directly, so it cannot pick up another interpreter from PATH).
+One run: fetch the branch into a local bare mirror, resolve it to one commit id, and accept that commit only if
+its SSH signature verifies against the allowed signers file, its signed message names this host's target (the
+repository and branch, in a Meridian-Pull-Target trailer), and it descends from the last commit applied here
+(or carries a signed Meridian-Pull-Rollback-From trailer naming that commit). Then record it, extract exactly
+that commit's tree (from the mirror, by id: no second fetch) and run the playbook in it. A refused commit leaves
+the current checkout and the last-run record untouched. Stdlib only; the unit runs it with the host's python3
+(no shebang: it is never executed directly, so it cannot pick up another interpreter from PATH). It must run on
+Python 3.9: no match statements, no `X | Y` outside annotations.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIG = "/etc/meridian-node/pull.json"
+# 2 means the host itself needs an operator: a bad configuration or a damaged record.
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_CONFIG = 0, 1, 3, 2
+
+# The trailers a signer puts in the commit message; the commit signature covers them like every other byte.
+TARGET_TRAILER = "Meridian-Pull-Target"
+ROLLBACK_TRAILER = "Meridian-Pull-Rollback-From"
+# Full ids only: a prefix could be matched by a commit someone with push access made to fit it.
+OBJECT_ID = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
+# Keeps the last applied commit's history in the mirror after the branch moves away from it, so the
+# descent checks of later runs still have the objects to look at.
+APPLIED_REF = "refs/meridian-pull/applied"
 
 # git's %G? letters (git-log(1) "PRETTY FORMATS") as reasons an operator can act on.
 SIGNATURE_REASONS = {
@@ -42,18 +58,35 @@ SIGNATURE_REASONS = {
 }
 
 
+class Refusal(enum.Enum):
+    """Which rule refused a commit: the journal line's machine key (refusal=...), for alerting."""
+
+    SIGNATURE = "signature"
+    TARGET = "target"
+    ROLLBACK = "rollback"
+
+
 class Refused(Exception):
     """The fetched commit must not be applied; nothing was changed."""
+
+    def __init__(self, rule: Refusal, reason: str) -> None:
+        super().__init__(reason)
+        self.rule = rule
 
 
 class ConfigError(Exception):
     """The configuration file is missing or wrong."""
 
 
+class StateError(Exception):
+    """The wrapper's own record is damaged; guessing would forget which commits are rollbacks."""
+
+
 @dataclass(frozen=True)
 class Config:
     repo_url: str
     branch: str
+    repo_id: str
     playbook: str
     state_dir: Path
     checkout_dir: Path
@@ -63,6 +96,38 @@ class Config:
     extra_vars: dict[str, Any]
     only_if_changed: bool
     keep_checkouts: int
+
+    @property
+    def target(self) -> str:
+        """What a commit's Meridian-Pull-Target trailer must say for this host to apply it."""
+        return f"{self.repo_id} {self.branch}"
+
+
+@dataclass(frozen=True)
+class Signed:
+    """What one read of the verified commit object gave: who signed it and the trailers of its signed message."""
+
+    principal: str
+    targets: tuple[str, ...]
+    rollback_from: tuple[str, ...]
+
+
+def repo_identity(url: str) -> str:
+    """host/path of a git URL, without scheme, user, port or a trailing .git, so the same repository reached
+    over https or ssh has one identity. Local paths and file:// URLs give the path."""
+    if "://" in url:
+        parts = urllib.parse.urlsplit(url)
+        host, path = (parts.hostname or ""), parts.path
+    elif re.match(r"[^/:]+:", url):
+        # git's scp-like syntax, [user@]host:path: a colon before any slash (git-clone(1) "GIT URLS").
+        login, _colon, path = url.partition(":")
+        host = login.rpartition("@")[2].lower()
+    else:
+        host, path = "", url
+    path = path.rstrip("/")
+    if path.endswith(".git"):
+        path = path[: -len(".git")].rstrip("/")
+    return f"{host}/{path.lstrip('/')}" if host else path
 
 
 def load_config(path: Path) -> Config:
@@ -82,9 +147,18 @@ def load_config(path: Path) -> Config:
     extra_vars = raw.get("extra_vars", {})
     if not isinstance(extra_vars, dict):
         raise ConfigError(f"extra_vars in {path} must be an object, not {type(extra_vars).__name__}")
+    repo_id = raw.get("repo_id") or repo_identity(raw["repo_url"])
+    # The target trailer is "<repo_id> <branch>": whitespace inside either would make it ambiguous.
+    for name, value in (("repo_id", repo_id), ("branch", raw["branch"])):
+        if not isinstance(value, str) or not value or re.search(r"\s", value):
+            raise ConfigError(
+                f"{name} {value!r} in {path} must be a non-empty string without whitespace"
+                + ("; set repo_id (ansible_pull_repo_id) explicitly" if name == "repo_id" else "")
+            )
     return Config(
         repo_url=raw["repo_url"],
         branch=raw["branch"],
+        repo_id=repo_id,
         playbook=raw["playbook"],
         state_dir=Path(raw["state_dir"]),
         checkout_dir=Path(raw["checkout_dir"]),
@@ -104,7 +178,14 @@ def log(message: str) -> None:
 
 def git_env() -> dict[str, str]:
     # The mirror is ours; the system's and the user's git config play no part, and git never prompts.
-    return {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0"}
+    # Replace refs would let a fetched ref rewrite what a commit's parents are, and so what descends from what.
+    return {
+        **os.environ,
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_TERMINAL_PROMPT": "0",
+        "GIT_NO_REPLACE_OBJECTS": "1",
+    }
 
 
 def git(mirror: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -133,22 +214,90 @@ def fetch(cfg: Config) -> tuple[Path, str]:
     return mirror, commit
 
 
-def verify(cfg: Config, mirror: Path, commit: str) -> str:
-    """Return the signer's principal, or raise Refused naming the reason."""
+def verify(cfg: Config, mirror: Path, commit: str) -> Signed:
+    """Return the signer and the signed trailers, or raise Refused naming the reason."""
     if not cfg.allowed_signers.is_file():
-        raise Refused(f"the allowed signers file {cfg.allowed_signers} is missing")
+        raise Refused(Refusal.SIGNATURE, f"the allowed signers file {cfg.allowed_signers} is missing")
     trust = ("-c", "gpg.format=ssh", "-c", f"gpg.ssh.allowedSignersFile={cfg.allowed_signers}")
-    shown = git(mirror, *trust, "log", "-1", "--no-show-signature", "--format=%G?%n%GK%n%GS", commit).stdout
-    status, key, principal = [*shown.splitlines(), "", "", ""][:3]
+    # The signature status and the trailers come from one read of the object, parsed by git itself: the same
+    # parser the signer's `git interpret-trailers` uses. Keys match case-insensitively, as in git.
+    fields = "%x00".join(
+        ["%G?", "%GK", "%GS"]
+        + [f"%(trailers:key={key},valueonly,unfold,separator=%x1f)" for key in (TARGET_TRAILER, ROLLBACK_TRAILER)]
+    )
+    shown = git(mirror, *trust, "log", "-1", "--no-show-signature", f"--format={fields}", commit).stdout
+    status, key, principal, targets, rollback_from = [*shown.rstrip("\n").split("\x00"), "", "", "", "", ""][:5]
     checked = git(mirror, *trust, "verify-commit", commit, check=False)
     # Both must agree: verify-commit's exit status and git's "good and trusted" letter.
     if checked.returncode == 0 and status == "G" and principal:
-        return principal
+        return Signed(
+            principal=principal,
+            targets=tuple(value.strip() for value in targets.split("\x1f") if value.strip()),
+            rollback_from=tuple(value.strip() for value in rollback_from.split("\x1f") if value.strip()),
+        )
     reason = SIGNATURE_REASONS.get(status, f"git reports signature status {status or '?'}")
     detail = f" (key {key})" if key else ""
     # One journal line: git's own words, joined.
     said = " / ".join(line.strip() for line in checked.stderr.splitlines() if line.strip()) or "nothing"
-    raise Refused(f"{reason}{detail}; git verify-commit said: {said}")
+    raise Refused(Refusal.SIGNATURE, f"{reason}{detail}; git verify-commit said: {said}")
+
+
+def check_target(cfg: Config, signed: Signed) -> None:
+    """Refuse a commit whose signed message does not name this repository and branch.
+
+    The same key may sign for several repositories and branches; git signs every commit in the one namespace
+    "git", so only the signed message can say which repository and branch a signature was meant for."""
+    wanted = cfg.target.split()
+    if any(value.split() == wanted for value in signed.targets):
+        return
+    fix = f'the commits this host applies must carry the signed trailer "{TARGET_TRAILER}: {cfg.target}"'
+    if not signed.targets:
+        raise Refused(Refusal.TARGET, f"its signed message names no target repository and branch; {fix}")
+    named = ", ".join(json.dumps(value) for value in signed.targets)
+    raise Refused(Refusal.TARGET, f"it is signed for another repository or branch ({TARGET_TRAILER}: {named}); {fix}")
+
+
+def check_lineage(mirror: Path, previous: str | None, commit: str, signed: Signed) -> str:
+    """Return a journal note if commit is applied by a rule worth logging; raise Refused if it moves this host
+    back, or onto a history that does not continue the one it runs.
+
+    A rollback marker names the commit(s) it replaces; it lets a host move here only from one of those or
+    from an ancestor of one. Naming what it replaces is what makes it single use: once a host has applied a
+    commit after the marked one, that commit descends from the marker, and the marker (written before it)
+    cannot name it, so pushing the marked commit again is refused like any other rollback."""
+    if previous is None:
+        return "no last-run record: a first run, so any signed commit for this target is accepted"
+    if commit == previous or is_ancestor(mirror, previous, commit):
+        return ""
+    malformed = [value for value in signed.rollback_from if not OBJECT_ID.fullmatch(value)]
+    if malformed:
+        raise Refused(
+            Refusal.ROLLBACK,
+            f"it does not descend from the last applied commit {previous}, and its {ROLLBACK_TRAILER} trailer"
+            f" {json.dumps(malformed[0])} is not a full commit id (40 or 64 lowercase hex digits); sign a commit"
+            f' with "{ROLLBACK_TRAILER}: {previous}" to move this host to it',
+        )
+    if not signed.rollback_from:
+        raise Refused(
+            Refusal.ROLLBACK,
+            f"it does not descend from the last applied commit {previous} (a rollback, or rewritten or"
+            f" unrelated history) and carries no signed rollback marker; if the rewrite is deliberate, sign it"
+            f' (or a commit on top of it) with the trailer "{ROLLBACK_TRAILER}: {previous}"',
+        )
+    for replaced in signed.rollback_from:
+        if replaced == previous or is_ancestor(mirror, previous, replaced):
+            return (
+                f"it does not descend from the last applied {previous}; its signed {ROLLBACK_TRAILER}"
+                f" trailer names {replaced}, so the rollback is deliberate (history rewritten)"
+            )
+    unknown = [value for value in signed.rollback_from if not has_commit(mirror, value)]
+    why = f" (this host has never fetched {', '.join(unknown)}, so cannot tell what it replaced)" if unknown else ""
+    raise Refused(
+        Refusal.ROLLBACK,
+        f"it does not descend from the last applied commit {previous}, and its signed {ROLLBACK_TRAILER}"
+        f" trailer names {', '.join(signed.rollback_from)}, which is neither that commit nor a descendant of it"
+        f'{why}; sign a commit with "{ROLLBACK_TRAILER}: {previous}" to move this host to it',
+    )
 
 
 def extract(mirror: Path, commit: str, checkout_dir: Path) -> Path:
@@ -188,19 +337,53 @@ def prune(checkout_dir: Path, keep: Sequence[str]) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def read_last(state_dir: Path) -> dict[str, Any]:
+def read_last(cfg: Config) -> dict[str, Any] | None:
+    """The last-run record, or None when there is none (a first run). A record that exists but cannot be
+    read is an error: treating it as a first run would accept any signed commit, old ones included."""
+    path = cfg.state_dir / "last-run.json"
     try:
-        last = json.loads((state_dir / "last-run.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return last if isinstance(last, dict) else {}
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StateError(f"cannot read {path}: {exc}") from exc
+    try:
+        last = json.loads(text)
+    except ValueError as exc:
+        raise StateError(damaged(cfg, path, f"it is not JSON: {exc}")) from exc
+    if not isinstance(last, dict):
+        raise StateError(damaged(cfg, path, f"it holds a JSON {type(last).__name__}, not an object"))
+    commit = last.get("commit")
+    if not isinstance(commit, str) or not OBJECT_ID.fullmatch(commit):
+        raise StateError(damaged(cfg, path, f"its commit is {json.dumps(commit)}, not a full commit id"))
+    return last
+
+
+def damaged(cfg: Config, path: Path, what: str) -> str:
+    return (
+        f"{path} is damaged ({what}). It records the last applied commit, which every new commit must descend"
+        f" from, so this run stops rather than forget it. Restore it (`git --git-dir={cfg.state_dir}/mirror.git"
+        f' rev-parse {APPLIED_REF}` prints the last applied commit; write {{"commit": "<that id>"}}), or remove'
+        f" it to accept any signed commit for {cfg.target} on the next run, as on a first install"
+    )
 
 
 def write_last(state_dir: Path, record: dict[str, Any]) -> None:
+    # Durable before anything runs: after a crash or power loss the record is the old one or the new one,
+    # never a torn file (which the next run would refuse to guess about).
     path = state_dir / "last-run.json"
     temporary = path.with_name(".last-run.json.new")
-    temporary.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
     temporary.replace(path)
+    directory = os.open(state_dir, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def play_digest(cfg: Config) -> str:
@@ -210,8 +393,12 @@ def play_digest(cfg: Config) -> str:
 
 
 def is_ancestor(mirror: Path, older: str, newer: str) -> bool:
-    # A commit the mirror no longer has (pruned after a rewrite) cannot be an ancestor either.
+    # A commit the mirror does not have (never fetched, or pruned after a rewrite) cannot be an ancestor either.
     return git(mirror, "merge-base", "--is-ancestor", older, newer, check=False).returncode == 0
+
+
+def has_commit(mirror: Path, commit: str) -> bool:
+    return git(mirror, "cat-file", "-e", f"{commit}^{{commit}}", check=False).returncode == 0
 
 
 def run_playbook(cfg: Config, tree: Path, commit: str) -> int:
@@ -233,27 +420,33 @@ def locked(state_dir: Path) -> Iterator[None]:
 
 def converge(cfg: Config) -> int:
     with locked(cfg.state_dir):
+        # Read before fetching: a damaged record stops the run before anything, the mirror included, changes.
+        last = read_last(cfg) or {}
+        previous: str | None = last.get("commit")
         mirror, commit = fetch(cfg)
         where = f"commit {commit} ({cfg.branch} of {cfg.repo_url})"
         try:
-            principal = verify(cfg, mirror, commit)
+            signed = verify(cfg, mirror, commit)
+            check_target(cfg, signed)
+            note = check_lineage(mirror, previous, commit, signed)
         except Refused as exc:
-            log(f"REFUSED {where}: {exc}. Nothing was applied; the current checkout is unchanged.")
-            return EXIT_REFUSED
-        last = read_last(cfg.state_dir)
-        previous = last.get("commit")
-        rewritten = isinstance(previous, str) and previous != commit and not is_ancestor(mirror, previous, commit)
-        if rewritten:
-            # Signers may roll back or rewrite on purpose; a signed commit is applied like any other.
             log(
-                f"note: {commit} does not descend from the last applied {previous} (history rewritten);"
-                " it is signed, so it is applied like any other signed commit"
+                f"REFUSED commit {commit}: {exc}. Nothing was applied; the current checkout is unchanged"
+                f" ({cfg.branch} of {cfg.repo_url}; refusal={exc.rule.value})."
             )
+            return EXIT_REFUSED
+        if note:
+            log(f"note: {commit}: {note}")
         unchanged = previous == commit and last.get("play") == play_digest(cfg)
         if cfg.only_if_changed and unchanged and last.get("result") == "ok":
-            log(f"{where} is verified (signed by {principal}) and already applied; nothing to do")
+            log(f"{where} is verified (signed by {signed.principal}) and already applied; nothing to do")
             return EXIT_OK
-        log(f"{where} is signed by {principal}; applying {cfg.playbook}")
+        log(f"{where} is signed by {signed.principal} for {cfg.target}; applying {cfg.playbook}")
+        record = {"commit": commit, "play": play_digest(cfg), "signer": signed.principal}
+        # Record, then act: a run killed mid-play has still changed the host, so from here on this commit is
+        # the one later commits must descend from. "started" also makes the next run play it again.
+        write_last(cfg.state_dir, {**record, "result": "started", "rc": None, "started": int(time.time())})
+        git(mirror, "update-ref", APPLIED_REF, commit)
         tree = extract(mirror, commit, cfg.checkout_dir)
         point_current(cfg.checkout_dir, tree)
         started = time.time()
@@ -262,16 +455,14 @@ def converge(cfg: Config) -> int:
         write_last(
             cfg.state_dir,
             {
-                "commit": commit,
-                "play": play_digest(cfg),
-                "signer": principal,
+                **record,
                 "result": result,
                 "rc": rc,
                 "finished": int(time.time()),
                 "seconds": round(time.time() - started, 1),
             },
         )
-        prune(cfg.checkout_dir, keep=[commit, previous] if isinstance(previous, str) else [commit])
+        prune(cfg.checkout_dir, keep=[commit, previous] if previous is not None else [commit])
         log(f"{where}: playbook {cfg.playbook} {'succeeded' if rc == 0 else f'failed with exit status {rc}'}")
         return EXIT_OK if rc == 0 else EXIT_FAILED
 
@@ -283,14 +474,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--config", type=Path, default=Path(DEFAULT_CONFIG), help=f"JSON configuration (default {DEFAULT_CONFIG})"
     )
+    parser.add_argument(
+        "--show-target",
+        action="store_true",
+        help=f"print the {TARGET_TRAILER} trailer this host's commits must carry, and exit",
+    )
     args = parser.parse_args(argv)
     try:
-        return converge(load_config(args.config))
-    except ConfigError as exc:
-        log(f"configuration error: {exc}")
+        cfg = load_config(args.config)
+        if args.show_target:
+            print(f"{TARGET_TRAILER}: {cfg.target}")
+            return EXIT_OK
+        return converge(cfg)
+    except (ConfigError, StateError) as exc:
+        log(f"{'configuration' if isinstance(exc, ConfigError) else 'state'} error: {exc}")
         return EXIT_CONFIG
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-        log(f"run failed before anything was applied or recorded: {exc}")
+        log(f"run failed: {exc}. The next run tries again.")
         return EXIT_FAILED
 
 

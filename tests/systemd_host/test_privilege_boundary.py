@@ -204,6 +204,15 @@ def _answered(site: Site, generation: int) -> bool:
     return answer is not None and answer["generation"] == generation
 
 
+def _settled(site: Site) -> bool:
+    """The agent recorded the applied generation itself (status.json may be older) and has no apply pending."""
+    record = site.host.exec(["cat", f"{AGENT_DIR}/applied.json"], check=False)
+    if record.returncode != 0 or json.loads(record.stdout)["generation"] != site.generation:
+        return False
+    lines = site.host.read_file(f"{AGENT_DIR}/oplog.jsonl").splitlines()
+    return bool(lines) and json.loads(lines[-1])["result"] != "started"
+
+
 def _root_generation(host: SystemdHost) -> int:
     result = host.exec(["cat", f"{ROOT_DIR}/applied.json"], check=False)
     return int(json.loads(result.stdout)["generation"]) if result.returncode == 0 else 0
@@ -368,11 +377,7 @@ def test_an_engine_stopped_behind_the_agents_back_is_repaired_through_the_root_u
     host = site.host
     # After the attacks above the agent re-applied the state it had been made to forget: let it settle first,
     # so that what brings the engine back below can only be supervision.
-    _wait(
-        "the agent's record back at the applied generation",
-        lambda: json.loads(host.read_file(f"{AGENT_DIR}/status.json"))["applied_generation"] == site.generation,
-        host,
-    )
+    _wait("the agent's own record back at the applied generation, nothing in flight", lambda: _settled(site), host)
     _wait("the engine serving", site.serving, host)
     before = site.container()
     site.docker.containers.get(site.engine).stop(timeout=5)

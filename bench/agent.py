@@ -1,4 +1,4 @@
-"""The pull agent: CPU per unchanged cycle, publish-to-ready vs ansible-pull, idle RSS (issue 5).
+"""The pull agent: CPU per unchanged cycle, publish-to-ready vs ansible-pull, idle RSS, kill-to-ready.
 
     .venv/bin/python bench/agent.py [--repeat 3] [--cycles 200]
 
@@ -25,7 +25,11 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
      re-sent at its refresh interval. This is what a steady agent does, and the target (<= 5 ms) is
      about it.
    - *back to back*: cycles with no wait and real clocks: heartbeats only once per interval.
-   Each line says how many cycles heartbeated and how many posted an observation.
+   Each line says how many cycles heartbeated and how many posted an observation. The in-service figure
+   is also taken with supervision off (no applied state watched), beside it, as a ratio.
+5. engine killed -> ready again, two ways: ``docker kill`` with nothing else running (Docker's restart
+   policy, if the engine has one), and ``docker stop`` with the in-process agent cycling every 0.5 s
+   (supervision's repair, after ``supervision.settle_seconds``).
 """
 
 import argparse
@@ -360,9 +364,15 @@ def in_process_agent(setup: Setup, clock: Callable[[], float] | None) -> tuple[A
     return agent, counting, docker_engine
 
 
-def unchanged_cycles(setup: Setup, cycles: int, *, in_service: bool, profile: bool = False) -> CycleFigures:
+def unchanged_cycles(
+    setup: Setup, cycles: int, *, in_service: bool, supervised: bool = True, profile: bool = False
+) -> CycleFigures:
     clock = StepClock() if in_service else None
     agent, counting, docker_engine = in_process_agent(setup, clock)
+    if supervised:
+        agent.resume_supervision()  # what Agent.run does at start: watch the applied state's engines
+        if agent.supervisor.generation is None:
+            fail("the applied state was not taken up for supervision")
     try:
         first = agent.cycle(wait=0)
         if first.outcome != Outcome.UNCHANGED:
@@ -397,6 +407,47 @@ def unchanged_cycles(setup: Setup, cycles: int, *, in_service: bool, profile: bo
         docker_engine.close()
 
 
+def kill_to_ready(setup: Setup, client: Any, *, by: str) -> tuple[float, str]:
+    """Seconds from the engine's death until it answers ready again, and how it came back.
+
+    ``by="docker"``: ``docker kill``, nothing else runs: Docker's restart policy brings it back, or nothing
+    does (then the figure is the wait limit and the note says so). ``by="agent"``: ``docker stop`` (which
+    every restart policy respects), and the in-process agent cycles every 0.5 s until supervision repaired it.
+    """
+    container = client.containers.get(setup.engine)
+    policy = (container.attrs.get("HostConfig", {}).get("RestartPolicy") or {}).get("Name") or "no"
+    agent = counting = docker_engine = None
+    if by == "agent":
+        agent, counting, docker_engine = in_process_agent(setup, None)
+        agent.resume_supervision()
+        agent.cycle(wait=0)
+    try:
+        start = time.perf_counter()
+        if by == "docker":
+            container.kill()
+        else:
+            container.stop(timeout=10)
+        while http_get(BIND, setup.port, "/health", timeout=0.5).status == 200:
+            time.sleep(0.02)  # dead for sure before the clock for "ready again" runs
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            if agent is not None:
+                agent.cycle(wait=0)
+            if http_get(BIND, setup.port, "/health", timeout=0.5).status == 200:
+                how = f"restart policy {policy}" if by == "docker" else f"agent repair (restart policy {policy})"
+                return time.perf_counter() - start, how
+            time.sleep(0.5 if agent is not None else 0.05)
+        if by == "docker":
+            client.containers.get(setup.engine).start()
+            wait_ready(setup.port)
+        return time.perf_counter() - start, f"not back after 120 s (restart policy {policy})"
+    finally:
+        if counting is not None:
+            counting.real.close()
+        if docker_engine is not None:
+            docker_engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
@@ -419,7 +470,11 @@ def main() -> None:
                 agent_ready, publish_s, rss, hwm = agent_publish_to_ready(setup, client, args.repeat)
                 playbook_s, tasks = reconcile_tasks(setup.root / "state")
                 service = unchanged_cycles(setup, args.cycles, in_service=True, profile=args.profile)
+                unsupervised = unchanged_cycles(setup, args.cycles, in_service=True, supervised=False)
                 back_to_back = unchanged_cycles(setup, args.cycles, in_service=False)
+                docker_back, docker_how = kill_to_ready(setup, client, by="docker")
+                agent_back, agent_how = kill_to_ready(setup, client, by="agent")
+                settle = load_config(setup.config_path).supervision.settle_seconds
                 pull_ready = ansible_pull_to_ready(setup, client, args.repeat)
         finally:
             for container in client.containers.list(all=True, filters={"name": engine}):
@@ -433,6 +488,10 @@ def main() -> None:
         f"engines on the host {service.engines}  (target <= 5 ms)"
     )
     print(
+        f"  as in service, supervision off                 {unsupervised.cpu_ms:6.2f} ms   "
+        f"(ratio supervised / not {service.cpu_ms / unsupervised.cpu_ms:.2f})"
+    )
+    print(
         f"  back to back (no wait, real clocks)             {back_to_back.cpu_ms:6.2f} ms   "
         f"heartbeats {back_to_back.heartbeats}/{back_to_back.cycles}, observation posts {back_to_back.posts}"
     )
@@ -444,6 +503,9 @@ def main() -> None:
         print(f"    {seconds:5.2f} s  {task}")
     print(f"  ansible-pull (git commit + pull) {pull_ready:5.2f} s")
     print(f"  ratio agent / ansible-pull      {agent_ready / pull_ready:6.2f}")
+    print("engine killed -> ready again:")
+    print(f"  docker kill, nothing else      {docker_back:6.2f} s   ({docker_how})")
+    print(f"  docker stop, the agent repairs {agent_back:6.2f} s   ({agent_how}; {settle:g} s of it is settling)")
     print(f"idle meridian-node run: VmRSS {rss / 1024:.1f} MiB (target <= 80), VmHWM {hwm / 1024:.1f} MiB")
     sys.stdout.flush()
 

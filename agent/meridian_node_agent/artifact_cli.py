@@ -61,7 +61,9 @@ def _store(args: argparse.Namespace) -> tuple[Store, Policy]:
         policy = load_policy(args.policy)
     except PolicyError as exc:
         raise UsageError(str(exc)) from None
-    return (Store(str(args.store)) if args.store else Store.for_policy(policy.store)), policy
+    if args.store:
+        return Store(str(args.store), local_sources=policy.store.local_sources), policy
+    return Store.for_policy(policy.store), policy
 
 
 def _checked(store: Store) -> None:

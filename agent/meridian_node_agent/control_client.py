@@ -7,6 +7,19 @@ Two error families, so the caller can tell "try again later" from "the control p
   backs off and retries; engines keep serving.
 - ``ControlPlaneRejected``: the control plane answered with a 4xx and a reason (``status``, ``reason``,
   ``detail`` from its ``{"reason", "detail"}`` body). Retrying the same request will not help.
+  ``CertificateExpired`` is one: reason ``certificate-expired``, raised when the node's own client
+  certificate has run out (below).
+
+An expired client certificate is a refusal, not an outage. The server's TLS layer refuses it, and what
+reaches the client is then a failed handshake or a connection closed before any answer (asyncio servers
+drop the connection without sending the TLS alert), which on its own reads like "control plane down".
+The client knows its certificate's end (``notAfter``, read when the TLS context is built), so it says
+what is wrong instead: before each call, a certificate that has ended by this host's clock raises
+``CertificateExpired`` without connecting (the agent keeps backing off and does not knock on the server
+with a certificate it knows is refused); a transfer failure while it has ended, a TLS alert
+``certificate_expired`` from the server (whose clock may run ahead) and a 403 ``certificate-expired``
+answer raise it too. The cure is the operator's: enroll the node again. The client rebuilds its TLS
+context when the files change, so a running agent picks up the new certificate by itself.
 
 The desired-state envelope is returned as the exact bytes received: verifying it is the trust core's
 job, and it must see what the server sent, not a re-serialisation.
@@ -26,14 +39,16 @@ import json
 import select
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
+from cryptography import x509
 from pydantic import BaseModel
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
@@ -45,11 +60,14 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     ServingProjection,
     ValidationError,
     describe_validation_error,
+    format_rfc3339,
 )
 from ansible_collections.meridian.node.plugins.module_utils.http_lite import HttpLiteError, exchange
 
 __all__ = [
+    "CERTIFICATE_EXPIRED",
     "DEFAULT_MAX_RESPONSE_BYTES",
+    "CertificateExpired",
     "ControlClient",
     "ControlPlaneError",
     "ControlPlaneRejected",
@@ -59,6 +77,10 @@ __all__ = [
 ]
 
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+# The refusal reason of an expired client certificate (docs/PROTOCOL.md, "Errors").
+CERTIFICATE_EXPIRED = "certificate-expired"
+# What OpenSSL calls the TLS alert a server sends for an expired client certificate.
+_EXPIRED_ALERT = "ALERT_CERTIFICATE_EXPIRED"
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -79,6 +101,20 @@ class ControlPlaneRejected(ControlPlaneError):
         self.status = status
         self.reason = reason
         self.detail = detail
+
+
+class CertificateExpired(ControlPlaneRejected):
+    """The node's client certificate has expired: no call can succeed until the node is enrolled again.
+
+    ``status`` is 403 and ``reason`` ``certificate-expired``, what the control plane answers such a
+    certificate when it gets to answer at all; ``not_after`` is the certificate's end. Raised by the
+    client itself when the TLS layer refused the certificate or when it knows the certificate has ended
+    (see the module docstring): the detail says which.
+    """
+
+    def __init__(self, detail: str, not_after: datetime | None) -> None:
+        super().__init__(403, CERTIFICATE_EXPIRED, detail)
+        self.not_after = not_after
 
 
 class FetchStatus(StrEnum):
@@ -109,6 +145,7 @@ class ControlClient:
 
     ``cert``/``key`` are the node's client certificate and key; without them only ``enroll`` works.
     ``timeout`` bounds connecting and each read; a long-poll adds its ``wait`` to the read bound.
+    ``clock`` is what "now" is when the certificate's end is compared with it (this host's UTC clock).
     """
 
     def __init__(
@@ -120,6 +157,7 @@ class ControlClient:
         timeout: float = 10.0,
         *,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        clock: Callable[[], datetime] | None = None,
     ) -> None:
         if not base_url.startswith("https://"):
             raise ValueError(f"control plane URL {base_url!r} must start with https:// (mutual TLS is required)")
@@ -140,8 +178,11 @@ class ControlClient:
         # Only these files are trusted: nothing from the environment (REQUESTS_CA_BUNDLE and the like).
         self._files = tuple(Path(f) for f in (ca_bundle, cert, key) if f is not None)
         self._has_cert = cert is not None
+        self._clock = clock or (lambda: datetime.now(UTC))
         self._context: ssl.SSLContext | None = None
         self._signature: tuple[tuple[int, int, int], ...] | None = None
+        # The client certificate's serial and end, read with the files the context was built from.
+        self._certificate: tuple[int, datetime] | None = None
         self._sock: ssl.SSLSocket | None = None
 
     def close(self) -> None:
@@ -257,11 +298,12 @@ class ControlClient:
             if not received.reusable:
                 # A server that said "close", or an answer delimited by closing: nothing more on this socket.
                 self.close()
-        except ControlPlaneUnavailable:
+        except ControlPlaneError:
             self.close()
             raise
         except ssl.SSLError as exc:
             self.close()
+            self._raise_if_expired(exc)
             raise ControlPlaneUnavailable(
                 f"TLS with {self.base_url} failed ({_first_line(exc)}); check the CA bundle and the client "
                 "certificate (a revoked or foreign certificate is refused at the handshake or with a 403)"
@@ -272,6 +314,7 @@ class ControlClient:
         except HttpLiteError as exc:
             # An answer cut short, garbled or over the limit leaves the socket in an unknown place: drop it.
             self.close()
+            self._raise_if_expired(exc)
             if "larger than" in str(exc):
                 raise ControlPlaneUnavailable(
                     f"{url}: response exceeds the {self.max_response_bytes}-byte limit"
@@ -279,18 +322,27 @@ class ControlClient:
             raise ControlPlaneUnavailable(f"{method} {url}: {_first_line(exc)}") from exc
         except OSError as exc:
             self.close()
+            self._raise_if_expired(exc)
             raise ControlPlaneUnavailable(f"{method} {url}: {_first_line(exc)}") from exc
         answer = _Answer(received.status, received.headers, received.body)
         if answer.status in expect:
             return answer
         if 400 <= answer.status < 500:
             reason, detail = _error_body(answer)
+            if reason == CERTIFICATE_EXPIRED:
+                self.close()
+                raise CertificateExpired(detail, self._certificate[1] if self._certificate else None)
             raise ControlPlaneRejected(answer.status, reason, detail)
         raise ControlPlaneUnavailable(f"{method} {url}: unexpected HTTP {answer.status} ({_snippet(answer.body)})")
 
     def _open(self, read_timeout: float) -> ssl.SSLSocket:
-        """The kept-alive TLS socket, (re)opened when needed, with ``read_timeout`` for this call's reads."""
+        """The kept-alive TLS socket, (re)opened when needed, with ``read_timeout`` for this call's reads.
+
+        Refuses (``CertificateExpired``) before touching the network when the client certificate has ended.
+        """
         context = self._ssl_context()
+        if self._certificate is not None and self._clock() > self._certificate[1]:
+            raise self._expired("the control plane refuses it, so nothing was sent")
         if self._sock is not None and _closed_by_peer(self._sock):
             # The server ends idle keep-alive connections (uvicorn after 5 s): open a fresh one rather
             # than send into a socket that is already gone.
@@ -318,16 +370,46 @@ class ControlClient:
             return self._context
         try:
             context = ssl.create_default_context(cafile=str(self._files[0]))
+            certificate = None
             if self._has_cert:
                 context.load_cert_chain(str(self._files[1]), str(self._files[2]))
+                leaf = x509.load_pem_x509_certificate(self._files[1].read_bytes())
+                certificate = (leaf.serial_number, leaf.not_valid_after_utc)
         except (OSError, ValueError) as exc:
             raise ControlPlaneUnavailable(
                 f"cannot load the TLS files {', '.join(map(str, self._files))} ({_first_line(exc)}); the CA "
                 "bundle must be PEM certificates and the key must match the certificate (re-enroll if not)"
             ) from exc
         self.close()
-        self._context, self._signature = context, signature
+        self._context, self._signature, self._certificate = context, signature, certificate
         return context
+
+    def _raise_if_expired(self, failure: BaseException) -> None:
+        """After a transfer failure: ``CertificateExpired`` when the client certificate explains it."""
+        if self._certificate is None:
+            return
+        if self._clock() > self._certificate[1]:
+            raise self._expired(f"the control plane refused it ({_first_line(failure)})") from failure
+        if isinstance(failure, ssl.SSLError) and _EXPIRED_ALERT in f"{failure.reason} {failure}".upper():
+            raise CertificateExpired(
+                f"the control plane refused the client certificate {self._files[1]} (serial "
+                f"{self._certificate[0]:x}) as expired at the TLS handshake, but by this host's clock "
+                f"({format_rfc3339(self._clock())}) it is valid until {format_rfc3339(self._certificate[1])}: "
+                "one of the two clocks is wrong; fix it, or enroll the node again with a new token",
+                self._certificate[1],
+            ) from failure
+
+    def _expired(self, what: str) -> CertificateExpired:
+        assert self._certificate is not None
+        serial, not_after = self._certificate
+        self.close()
+        return CertificateExpired(
+            f"the node's client certificate {self._files[1]} (serial {serial:x}) expired at "
+            f"{format_rfc3339(not_after)} (this host's clock says {format_rfc3339(self._clock())}); {what}. "
+            "It can no longer be renewed either: enroll the node again with a new token "
+            "('meridian-node enroll --token ...'); a running agent picks up the new certificate by itself",
+            not_after,
+        )
 
     def _parse(self, answer: _Answer, model: type[Model], what: str) -> Model:
         try:

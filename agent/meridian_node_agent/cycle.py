@@ -71,7 +71,7 @@ _REFUSAL_HINTS = {
     "certificate-revoked": "this node's certificate was revoked: enroll again with a new token",
     "certificate-expired": "the node's certificate expired before it was renewed: enroll again with a new token",
     "wrong-node": "the certificate names another node than config node_id: fix node_id or re-enroll",
-    "certificate-untrusted": "the certificate is not the control plane's (expired or another CA): re-enroll",
+    "certificate-untrusted": "the certificate is not the control plane's (another CA): re-enroll",
     "certificate-unknown": "the control plane never issued this certificate: re-enroll",
     "unknown-node": "the control plane does not know this node: check node_id and control_plane.url",
 }
@@ -231,7 +231,7 @@ class Agent:
     def run(self, *, once: bool = False, max_cycles: int | None = None) -> int:
         """Cycle until stopped (or once). Returns 0 when the last cycle succeeded, 1 otherwise."""
         self.recover()
-        self._resume_supervision()
+        self.resume_supervision()
         failures = 0
         attempts = 0
         while True:
@@ -453,7 +453,7 @@ class Agent:
         started = [engine.name for engine in verified.state.engines if engine.state == "started"]
         self.supervisor.expect(verified.state.generation, started)
 
-    def _resume_supervision(self) -> None:
+    def resume_supervision(self) -> None:
         """At start-up: supervise the spooled state when it is the one applied (a restart keeps watching)."""
         try:
             envelope = self.spool.read_bytes()

@@ -45,6 +45,15 @@ Choices worth knowing:
   redirect errors are configuration errors and are not retried. URLs in messages lose their query
   string and credentials (``?...``): a signed URL should not end up in logs.
 - A transfer that fails before a single byte arrived leaves no empty ``.partial`` behind.
+- A location is an http(s) URL or a local path; ``file://`` URLs (no host, or ``localhost``) are local
+  paths. Where a location came from decides whether a local one may be read: the caller's ``source`` is
+  its own instruction and is read as given, but a local path that the signed manifest names (its ``url``
+  or ``base_url``) is read only inside a directory the host's policy lists under ``store.local_sources``
+  (``check_manifest_location``). The manifest is signed by the artifact key, yet whoever holds that key
+  is not the host: without the check, a manifest could point root at any file or device on it (a FIFO
+  that never ends, a size oracle on files it cannot read otherwise). The path is compared after
+  ``os.path.realpath``, so neither ``..`` nor a symlink inside an allowed directory leads out of it, and
+  the resolved path is what is then read. Other URL schemes are refused, naming the location.
 """
 
 from __future__ import annotations
@@ -57,12 +66,13 @@ import os
 import queue
 import random
 import re
+import stat
 import string
 import threading
 import time
 import urllib.error
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -73,10 +83,12 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "ArtifactError",
     "ArtifactIntegrityError",
+    "ArtifactSourceError",
     "ArtifactTransferError",
     "DiskFullError",
     "FetchConfig",
     "FetchResult",
+    "check_manifest_location",
     "fetch_file",
     "hash_file",
     "new_sha256",
@@ -118,6 +130,11 @@ class ArtifactTransferError(ArtifactError):
 
 class DiskFullError(ArtifactError):
     """The disk holding the staging file filled up; the staging file was removed."""
+
+
+class ArtifactSourceError(ArtifactError):
+    """A location that may not be read: a local path the signed manifest names outside the policy's
+    ``store.local_sources``, or a location that is neither http(s) nor a local path. Nothing was read."""
 
 
 def new_sha256() -> Any:
@@ -179,22 +196,19 @@ class FetchResult:
 
 
 def resolve_location(source: str | None, path: str, *, file_url: str | None, base_url: str | None) -> str:
-    """Where to read one manifest file: an http(s) URL or a local file path.
+    """Where to read one manifest file: an http(s) URL or a local file path (``file://`` URLs become paths).
 
     The operator's ``source`` (a mirror or an air-gap inbox) wins over the manifest's own URLs: the
     content is pinned by sha256, so where the bytes come from does not affect trust. Without a source,
-    a per-file ``url`` wins over ``base_url`` + path.
+    a per-file ``url`` wins over ``base_url`` + path. A local path from the manifest still has to pass
+    ``check_manifest_location`` before it is read. No I/O here.
     """
     if source:
-        if _is_http(source):
-            return source.rstrip("/") + "/" + urllib.parse.quote(path)
-        if source.startswith("file://"):
-            source = urllib.parse.urlparse(source).path
-        return os.path.join(source, *path.split("/"))
+        return _under(source, path, "the source")
     if file_url:
-        return file_url
+        return _file_url_path(file_url, path, "the manifest's url") if file_url.startswith("file:") else file_url
     if base_url:
-        return base_url.rstrip("/") + "/" + urllib.parse.quote(path)
+        return _under(base_url, path, "the manifest's base_url")
     raise ArtifactTransferError(
         path,
         f"no location for {path!r}: the manifest has neither a url for it nor a base_url, and no source was "
@@ -202,6 +216,60 @@ def resolve_location(source: str | None, path: str, *, file_url: str | None, bas
         attempts=0,
         partial_bytes=0,
     )
+
+
+def check_manifest_location(location: str, path: str, local_sources: Sequence[str]) -> str:
+    """The location to read for manifest file ``path`` when ``location`` came from the signed manifest itself.
+
+    An http(s) URL is returned as it is. A local path is returned resolved (``os.path.realpath``) when
+    it lies inside one of ``local_sources`` (each resolved the same way): the host's policy, not the
+    manifest's signer, decides which local files a manifest may name. Anything else raises
+    ``ArtifactSourceError`` naming the location; an empty ``local_sources`` allows no local path at all.
+    """
+    if _is_http(location):
+        return location
+    if not os.path.isabs(location):
+        raise ArtifactSourceError(
+            path,
+            f"the signed manifest's location for {path!r} is {location!r}, which is neither an http(s) URL nor "
+            "an absolute local path; nothing was read. Fix the manifest, or give a source (an http(s) mirror or "
+            "a directory) for this artifact",
+        )
+    resolved = os.path.realpath(location)
+    for directory in local_sources:
+        root = os.path.realpath(directory)
+        if resolved != root and os.path.commonpath([root, resolved]) == root:
+            return resolved
+    shown = location if resolved == location else f"{location} (resolved: {resolved})"
+    allowed = ", ".join(local_sources) if local_sources else "none"
+    raise ArtifactSourceError(
+        path,
+        f"the signed manifest names the local path {shown} for {path!r}, outside the directories the policy's "
+        f"store.local_sources allows manifests to name (allowed: {allowed}); nothing was read. Add the "
+        "directory to store.local_sources in the policy if this host should read it, or give a source (an "
+        "http(s) mirror or a directory) for this artifact",
+    )
+
+
+def _under(base: str, path: str, what: str) -> str:
+    """Manifest ``path`` below ``base``: an http(s) base URL, a local directory or a ``file://`` URL of one."""
+    if _is_http(base):
+        return base.rstrip("/") + "/" + urllib.parse.quote(path)
+    if base.startswith("file:"):
+        base = _file_url_path(base, path, what)
+    return os.path.join(base, *path.split("/"))
+
+
+def _file_url_path(url: str, path: str, what: str) -> str:
+    """The local path a ``file:`` URL names; one for another host cannot be read here."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+        raise ArtifactSourceError(
+            path,
+            f"{what} for {path!r} is {url!r}: a file: URL must name a local path (file:///dir/file), without "
+            "another host, a query or a fragment",
+        )
+    return urllib.parse.unquote(parts.path)
 
 
 def hash_file(path: str, chunk_size: int = DEFAULT_CHUNK_SIZE, limit: int | None = None) -> tuple[str, int]:
@@ -474,7 +542,8 @@ class _Job:
 
     def _copy_local(self, handle: BinaryIO, hasher: Any, have: int) -> tuple[int, Any]:
         try:
-            source = open(self.location, "rb", buffering=0)  # noqa: SIM115 - closed below
+            # O_NONBLOCK: a FIFO planted where a model file should be would otherwise block the run forever.
+            fd = os.open(self.location, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
         except FileNotFoundError as exc:
             raise ArtifactTransferError(
                 self.path,
@@ -482,6 +551,15 @@ class _Job:
                 attempts=1,
                 partial_bytes=have,
             ) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ArtifactTransferError(
+                self.path,
+                f"{self.location} is not a regular file (a FIFO, device or directory); put the file itself there",
+                attempts=1,
+                partial_bytes=have,
+            )
+        source = os.fdopen(fd, "rb", buffering=0)
         with source:
             if have:
                 source.seek(have)

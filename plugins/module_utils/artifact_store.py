@@ -60,6 +60,10 @@ Choices worth knowing:
   are in the plan (``drop_partials``) and the diff, so check mode shows them and deletes nothing.
 - Redirects are followed with a bound, never from https to http, and a resume's Range goes to the
   server that answers (see ``artifact_fetch``).
+- A local path that the signed manifest names (its ``url`` or ``base_url``, when no ``source`` is given)
+  is read only inside the policy's ``store.local_sources`` (``Store.local_sources``; empty by default,
+  so none), checked after ``realpath`` before anything changes, in check mode too
+  (``check_locations``). A ``source`` the caller gives is its own instruction and is read as given.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch impor
     DiskFullError,
     FetchConfig,
     FetchResult,
+    check_manifest_location,
     fetch_file,
     hash_file,
     resolve_location,
@@ -178,11 +183,15 @@ class Store:
     ``relocate_to`` is set (by ``for_policy``) only for a store left at the old default path inside the
     agent's directory: that one directory is then warned about rather than refused, and the warning says
     how to move the store there.
+
+    ``local_sources`` are the directories (the policy's ``store.local_sources``) inside which a signed
+    manifest may name local files; empty, it may name none.
     """
 
     root: str
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
     relocate_to: str | None = None
+    local_sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.root = os.path.abspath(os.fspath(self.root))
@@ -190,7 +199,7 @@ class Store:
     @classmethod
     def for_policy(cls, policy: StorePolicy) -> Store:
         """The store a policy's ``store`` section names (``policy.store``)."""
-        return cls(policy.path, relocate_to=policy.relocate_to)
+        return cls(policy.path, relocate_to=policy.relocate_to, local_sources=policy.local_sources)
 
     # paths
     @property
@@ -534,8 +543,20 @@ class Store:
                 raise ArtifactStoreError(f"the artifact store {self.root} is read-only here ({exc}){hint}") from exc
             raise
 
+    def check_locations(self, plan: ArtifactPlan) -> dict[str, str]:
+        """sha256 -> where to read it, for every file ``plan`` fetches; ``ArtifactSourceError`` for one that
+        may not be read (a local path from the manifest outside ``local_sources``). Reads no file content."""
+        return {step.sha256: self._readable(plan, step.location, step.path) for step in plan.fetch}
+
+    def _readable(self, plan: ArtifactPlan, location: str, path: str) -> str:
+        if plan.source:
+            return location  # the caller's own source: read as given
+        return check_manifest_location(location, path, self.local_sources)
+
     def _apply(self, plan: ArtifactPlan, config: FetchConfig) -> ApplyResult:
         now = self.clock()
+        # Before anything changes: a refused location must not cost an eviction.
+        locations = self.check_locations(plan)
         for directory in (
             self.root,
             os.path.dirname(self.blobs_dir),
@@ -600,7 +621,7 @@ class Store:
             repaired.append(sha)
             size_expected, path, url = first_path[sha]
             location = resolve_location(plan.source, path, file_url=url, base_url=manifest.base_url)
-            to_fetch.append(FetchStep(sha, size_expected, path, location, 0))
+            to_fetch.append(FetchStep(sha, size_expected, path, self._readable(plan, location, path), 0))
         if rehashed:
             self._write_index(versions, blobs)
 
@@ -614,7 +635,7 @@ class Store:
             blobs.pop(item.sha256, None)
             repaired.append(item.sha256)
             location = resolve_location(plan.source, path, file_url=url, base_url=manifest.base_url)
-            to_fetch.append(FetchStep(item.sha256, size_expected, path, location, 0))
+            to_fetch.append(FetchStep(item.sha256, size_expected, path, self._readable(plan, location, path), 0))
         if plan.reingest:
             self._write_index(versions, blobs)
 
@@ -622,7 +643,12 @@ class Store:
         for step in to_fetch:
             staging = self.staging_path(step.sha256)
             result = fetch_file(
-                step.location, path=step.path, size=step.size, sha256=step.sha256, staging_path=staging, config=config
+                locations.get(step.sha256, step.location),
+                path=step.path,
+                size=step.size,
+                sha256=step.sha256,
+                staging_path=staging,
+                config=config,
             )
             blob = self.blob_path(step.sha256)
             os.chmod(staging, _BLOB_MODE)
@@ -838,7 +864,9 @@ def ensure_artifact(
     if check_mode:
         # The index is replaced atomically, so an unlocked read sees a consistent (if soon stale) store.
         state = store.observe(manifest.name, manifest.version)
-        return Outcome(plan_artifact(manifest, state, **options), None)
+        plan = plan_artifact(manifest, state, **options)
+        store.check_locations(plan)  # check mode fails where the real run would refuse a location
+        return Outcome(plan, None)
     with store.lock(lock_timeout):
         state = store.observe(manifest.name, manifest.version)
         plan = plan_artifact(manifest, state, **options)

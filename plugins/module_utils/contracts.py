@@ -4,15 +4,39 @@ These models are the one source of the wire formats: the JSON Schemas under ``co
 from them (``make schemas``) and a test fails when the checked-in schemas drift. Every model forbids
 unknown fields, because a signed payload with a field we do not understand must be rejected, not
 silently half-applied.
+
+Every model is strict (``strict=True``): a JSON value must already have the field's type. ``"3"``, ``3.0``,
+``true`` and ``" 3 "`` are not the integer 3, ``"8000"`` is not a port, and a time is an RFC 3339 string
+(``UtcTimestamp``), never a number. A signed document is read by the host, by reviewers, audit tools and
+the control plane; a coercion one of them makes and another does not would let two honest readers
+disagree about what was approved. ``read_json`` is the one JSON reader for signed bytes: it refuses an
+object with the same key twice (readers differ on which one wins). Host-side YAML (policy, agent
+config) is read elsewhere and keeps its documented friendly forms.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import math
+import re
 import traceback
-from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Annotated, Any, Literal, TypeVar
 
-from ansible_collections.meridian.node.plugins.module_utils.engine_spec import DRIVERS, IMAGE_REFERENCE, NAME_PATTERN
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import (
+    DRIVERS,
+    IMAGE_REFERENCE,
+    MAX_LABELS,
+    MAX_VOLUMES,
+    NAME_PATTERN,
+    SHM_SIZE_MAX_MIB,
+    ULIMIT_MAX,
+    label_problem,
+    paths_overlap,
+    ulimit_problem,
+    volume_problem,
+)
 from ansible_collections.meridian.node.plugins.module_utils.plain_checks import short_repr
 
 try:
@@ -20,10 +44,12 @@ try:
         AfterValidator,
         AwareDatetime,
         BaseModel,
+        BeforeValidator,
         ConfigDict,
         Field,
         PlainSerializer,
         ValidationError,
+        WithJsonSchema,
         model_validator,
     )
 except ImportError:
@@ -38,6 +64,9 @@ except ImportError:
         ValidationError,
         model_validator,
     )
+
+    # Markers only, like the rest of the stub: nothing validates without pydantic.
+    BeforeValidator = WithJsonSchema = AfterValidator  # type: ignore[misc,assignment]
 else:
     PYDANTIC_IMPORT_ERROR = None
 
@@ -48,9 +77,12 @@ Driver = Literal["vllm", "tgi", "sglang", "ollama", "llamacpp", "lmdeploy", "ope
 
 __all__ = [
     "API_VERSION",
+    "CANONICAL_BASE64",
     "DRIVERS",
     "INT64_MAX",
+    "MAX_SIGNATURES",
     "PYDANTIC_IMPORT_ERROR",
+    "RFC3339_UTC_PATTERN",
     "ArtifactManifest",
     "ArtifactRef",
     "Bundle",
@@ -62,6 +94,7 @@ __all__ = [
     "EnrollmentResponse",
     "Envelope",
     "GpuFacts",
+    "JsonError",
     "Lease",
     "ManifestFile",
     "Observation",
@@ -70,6 +103,9 @@ __all__ = [
     "ValidationError",
     "describe_validation_error",
     "format_rfc3339",
+    "parse_document",
+    "parse_rfc3339",
+    "read_json",
     "require_pydantic",
 ]
 
@@ -96,12 +132,60 @@ def _require_utc(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
 
+# The one spelling of a time on the wire: RFC 3339 ``date-time`` with an upper-case ``T``, seconds, at
+# most six fractional digits (Python's precision: a seventh digit would be dropped by us and kept by
+# another reader) and an offset. pydantic's own parser also takes a space for ``T``, lower case, no
+# seconds, a bare Unix number and a number inside a string; none of those is accepted here.
+_RFC3339 = re.compile(
+    r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]{1,6}))?"
+    r"(Z|([+-])([0-9]{2}):([0-9]{2}))"
+)
+# The same in the JSON Schema, with the offset narrowed to UTC as the validator narrows it.
+RFC3339_UTC_PATTERN = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?(Z|[+-]00:00)$"
+_TIMESTAMP_FORM = "an RFC 3339 timestamp in UTC such as 2025-06-01T12:00:00Z"
+
+
+def parse_rfc3339(value: str) -> datetime:
+    """An aware datetime from the one timestamp form contracts accept; ``ValueError`` saying why not."""
+    match = _RFC3339.fullmatch(value)
+    if match is None:
+        raise ValueError(
+            f"must be {_TIMESTAMP_FORM} (upper-case T and Z, with seconds, at most 6 fractional digits) "
+            f"(got {short_repr(value)})"
+        )
+    year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
+    fraction, zone, sign, offset_hours, offset_minutes = match.groups()[6:]
+    tz = UTC
+    if zone != "Z":
+        if int(offset_hours) > 23 or int(offset_minutes) > 59:
+            raise ValueError(f"must be {_TIMESTAMP_FORM}: offset {zone!r} is out of range (got {short_repr(value)})")
+        offset = timedelta(hours=int(offset_hours), minutes=int(offset_minutes))
+        tz = timezone(-offset if sign == "-" else offset)
+    microsecond = int(fraction.ljust(6, "0")) if fraction else 0
+    try:
+        return datetime(year, month, day, hour, minute, second, microsecond, tzinfo=tz)
+    except ValueError as exc:
+        raise ValueError(f"must be {_TIMESTAMP_FORM}: {exc} (got {short_repr(value)})") from None
+
+
+def _timestamp_input(value: Any) -> Any:
+    # A datetime is what Python callers building a document pass (``model_validate`` of a dict); JSON
+    # can only carry the string.
+    if isinstance(value, datetime):
+        return value
+    if isinstance(value, str):
+        return parse_rfc3339(value)
+    raise ValueError(f"must be {_TIMESTAMP_FORM} (got {short_repr(value)}): a time is a string, never a number")
+
+
 # An RFC 3339 timestamp in UTC. Offsets other than zero are refused rather than converted: a control
 # plane that sends local times has a bug worth hearing about.
 UtcTimestamp = Annotated[
     AwareDatetime,
+    BeforeValidator(_timestamp_input),
     AfterValidator(_require_utc),
     PlainSerializer(format_rfc3339, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "format": "date-time", "pattern": RFC3339_UTC_PATTERN}),
 ]
 
 NodeId = Annotated[
@@ -173,23 +257,139 @@ def _location(loc: Any) -> str:
     return text or "(document)"
 
 
+# --- reading signed bytes -------------------------------------------------------------------------------
+
+
+class JsonError(ValueError):
+    """Bytes that are not one JSON document with one meaning: not UTF-8, not RFC 8259 JSON (``NaN``,
+    ``Infinity``, a number no 64-bit float holds, a lone UTF-16 surrogate), or an object naming a key twice."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise JsonError(
+                f"key {key!r} appears twice in one object (first {short_repr(document[key])}, then "
+                f"{short_repr(value)}): readers disagree on which one counts, so a signed document names "
+                "each key once - fix the program that wrote it"
+            )
+        document[key] = value
+    return document
+
+
+def _no_constant(name: str) -> Any:
+    raise JsonError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise JsonError(f"number {short_repr(text, 40)} is beyond what a 64-bit float holds")
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def read_json(data: bytes) -> Any:
+    """The one JSON reader for signed bytes (envelopes and the bodies they carry): stdlib ``json`` with
+    duplicate keys refused at every depth, plus what RFC 8259 leaves out refused; ``JsonError`` says what.
+
+    Values are exactly ``json.loads``'s where it accepts; what it accepts and this refuses is listed in
+    ``JsonError``. ``tests/contracts/test_wire_strictness.py`` holds it to that, and to pydantic's parser.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise JsonError(f"not UTF-8 text: {exc}") from None
+    try:
+        document = json.loads(
+            text, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float
+        )
+    except JsonError:
+        raise
+    except RecursionError:
+        raise JsonError("not JSON: nested too deeply") from None
+    except ValueError as exc:  # json.JSONDecodeError, or an integer beyond int()'s digit limit
+        raise JsonError(f"not JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(text):
+        # A \ud800 escape without its pair decodes to a string no UTF-8 reader can hold: pydantic refuses
+        # it, others replace it with U+FFFD. Pairs are fine (they are one character).
+        try:
+            json.dumps(document, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise JsonError(f"not JSON text: an escaped UTF-16 surrogate without its pair ({exc.reason})") from None
+    return document
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def parse_document(model: type[_Model], data: bytes) -> _Model:
+    """``model`` from JSON bytes read by ``read_json``: ``JsonError`` or pydantic's ``ValidationError``.
+
+    What the verifier uses for every envelope and signed body, so the tree checked for duplicate keys
+    is the tree validated (no second parser to disagree with the first).
+    """
+    require_pydantic()
+    return model.model_validate(read_json(data))
+
+
+# --- the models ------------------------------------------------------------------------------------------
+
+
 class _Strict(BaseModel):
     # defer_build: a module that imports the contracts but validates one kind (or none) should not pay
     # for building every schema at import; each model builds on first use.
-    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False, defer_build=True)
+    # strict: no coercion, in JSON and in Python (see the module docstring).
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False, defer_build=True, strict=True)
+
+
+# Base64 as ``base64.b64encode`` writes it (RFC 4648 section 4): the standard alphabet, '=' padding, no
+# whitespace, and the unused low bits of the last character zero. Exactly one string encodes a byte
+# string, so one body has one envelope payload.
+# The validator checks by definition (decode, encode again, compare); the schema says it as a pattern.
+CANONICAL_BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/][AQgw]==|[A-Za-z0-9+/]{2}[AEIMQUYcgkosw048]=)?$"
+
+
+def _canonical_base64(value: str) -> str:
+    try:
+        canonical = base64.b64encode(base64.b64decode(value, validate=True)).decode("ascii") == value
+    except ValueError:  # binascii.Error, or a character outside ASCII
+        canonical = False
+    if not canonical:
+        raise ValueError(
+            "must be canonical base64, as base64.b64encode writes it: the standard alphabet, '=' padding, "
+            f"no whitespace or line breaks, the unused trailing bits zero (got {short_repr(value)})"
+        )
+    return value
+
+
+_BASE64_SCHEMA = {"type": "string", "contentEncoding": "base64", "pattern": CANONICAL_BASE64}
+Base64 = Annotated[str, AfterValidator(_canonical_base64), WithJsonSchema(_BASE64_SCHEMA)]
+
+# The most signatures an envelope may carry, whatever the policy; the verifier's own limit is smaller
+# (four per trusted key of the role), and both are checked before any signature is verified.
+MAX_SIGNATURES = 64
 
 
 class Signature(_Strict):
     keyid: KeyId
-    sig: Annotated[str, Field(min_length=1, description="base64 Ed25519 signature over PAE(type, body)")]
+    sig: Annotated[
+        str,
+        Field(min_length=1, description="base64 Ed25519 signature over PAE(type, body)"),
+        AfterValidator(_canonical_base64),
+        WithJsonSchema({**_BASE64_SCHEMA, "minLength": 1}),
+    ]
 
 
 class Envelope(_Strict):
     """A DSSE envelope (https://github.com/secure-systems-lab/dsse). The payload is base64 of the body."""
 
     payloadType: Annotated[str, Field(min_length=1)]
-    payload: str
-    signatures: Annotated[list[Signature], Field(min_length=1)]
+    payload: Annotated[Base64, Field(description="canonical base64 of the body")]
+    signatures: Annotated[list[Signature], Field(min_length=1, max_length=MAX_SIGNATURES)]
 
 
 def _relative_store_path(value: str) -> str:
@@ -275,6 +475,25 @@ ImageReference = Annotated[str, AfterValidator(_image_reference)]
 
 
 class EngineSpec(_Strict):
+    # The host-setting rules live in engine_spec, which the engine modules' pydantic-free check shares.
+
+    class Volume(_Strict):
+        """A host path mounted read-only into the engine; there is no writable form."""
+
+        source: str = Field(description="absolute host path; the host policy's allowed_volume_sources must cover it")
+        target: str = Field(description="absolute path inside the container, outside /meridian, /proc, /sys, /dev")
+
+        @model_validator(mode="after")
+        def _safe(self) -> EngineSpec.Volume:
+            problem = volume_problem(self.source, self.target)
+            if problem is not None:
+                raise ValueError(problem)
+            return self
+
+    class Ulimit(_Strict):
+        soft: Annotated[int, Field(ge=-1, le=ULIMIT_MAX, description="-1 is unlimited")]
+        hard: Annotated[int, Field(ge=-1, le=ULIMIT_MAX, description="-1 is unlimited")]
+
     name: Name
     driver: Driver
     image: ImageReference
@@ -287,6 +506,45 @@ class EngineSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     state: Literal["started", "stopped", "absent"] = "started"
     replace_strategy: Literal["drain-then-replace", "stop-then-start"] = "drain-then-replace"
+    restart_policy: Literal["no", "on-failure", "unless-stopped"] = Field(
+        default="unless-stopped", description="Docker's restart policy; unless-stopped keeps a drain's stop"
+    )
+    shm_size_mib: Annotated[int, Field(ge=1, le=SHM_SIZE_MAX_MIB)] | None = Field(
+        default=None, description="size of /dev/shm; null is the driver's default"
+    )
+    ipc_mode: Literal["private", "host"] = Field(
+        default="private", description="host runs only where the host policy sets engines.allow_host_ipc"
+    )
+    ulimits: dict[
+        Literal["core", "memlock", "nofile", "nproc", "stack"],
+        Annotated[int, Field(ge=-1, le=ULIMIT_MAX)] | EngineSpec.Ulimit,
+    ] = Field(default_factory=dict, description="one number sets soft and hard; -1 is unlimited")
+    volumes: Annotated[list[EngineSpec.Volume], Field(max_length=MAX_VOLUMES)] = Field(default_factory=list)
+    labels: Annotated[dict[str, str], Field(max_length=MAX_LABELS)] = Field(
+        default_factory=dict, description="the engine container's own labels; meridian.node's prefix is refused"
+    )
+
+    @model_validator(mode="after")
+    def _host_settings(self) -> EngineSpec:
+        if self.ipc_mode == "host" and self.shm_size_mib is not None:
+            raise ValueError(
+                "shm_size_mib has no effect with ipc_mode host (the engine uses the host's /dev/shm); drop one of them"
+            )
+        for name, limit in self.ulimits.items():
+            soft, hard = (limit, limit) if isinstance(limit, int) else (limit.soft, limit.hard)
+            problem = ulimit_problem(name, soft, hard)
+            if problem is not None:
+                raise ValueError(problem)
+        targets = [volume.target for volume in self.volumes]
+        for index, target in enumerate(targets):
+            for other in targets[index + 1 :]:
+                if paths_overlap(target, other):
+                    raise ValueError(f"volume targets {target!r} and {other!r} overlap: one mount would hide the other")
+        for key, value in self.labels.items():
+            problem = label_problem(key, value)
+            if problem is not None:
+                raise ValueError(problem)
+        return self
 
 
 class DesiredState(_Strict):

@@ -37,6 +37,7 @@ from typing import Any
 from ansible_collections.meridian.node.plugins.module_utils.docker_api import DockerApi, DockerApiError
 
 __all__ = [
+    "IPC_MODES",
     "LABEL_CONFIG_HASH",
     "LABEL_DRIVER",
     "LABEL_INSTANCE",
@@ -68,6 +69,7 @@ LABEL_DRIVER = "meridian.node/driver"
 LABEL_CONFIG_HASH = "meridian.node/config-hash"
 RESERVED_LABELS = (LABEL_OWNED, LABEL_INSTANCE, LABEL_DRIVER, LABEL_CONFIG_HASH)
 RESTART_POLICIES = ("no", "on-failure", "unless-stopped", "always")
+IPC_MODES = ("private", "shareable", "host")
 # The device-request hook Docker uses for driver "nvidia" when no "nvidia" runtime is configured.
 _NVIDIA_HOOK = "nvidia-container-runtime-hook"
 
@@ -129,7 +131,12 @@ class PortBinding:
 
 @dataclass(frozen=True)
 class ContainerSettings:
-    """Everything a container is created from. Plain data: drivers build it, the config hash covers it."""
+    """Everything a container is created from. Plain data: drivers build it, the config hash covers it.
+
+    ``ulimits`` are ``(name, soft, hard)``, -1 unlimited. ``ipc_mode`` is always sent (the daemon's own default
+    may be ``shareable``); ``shm_size_mib`` None is Docker's 64 MiB and must be None with ``ipc_mode`` host,
+    where Docker would silently ignore it.
+    """
 
     name: str
     instance: str
@@ -147,6 +154,8 @@ class ContainerSettings:
     stop_timeout: int = 30
     restart_policy: str = "no"
     shm_size_mib: int | None = None
+    ipc_mode: str = "private"
+    ulimits: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         reserved = sorted(set(self.labels) & set(RESERVED_LABELS))
@@ -156,6 +165,19 @@ class ContainerSettings:
             raise ValueError(f"restart_policy {self.restart_policy!r} is not one of {', '.join(RESTART_POLICIES)}")
         if self.stop_timeout < 0:
             raise ValueError(f"stop_timeout must be >= 0 seconds, got {self.stop_timeout}")
+        if self.ipc_mode not in IPC_MODES:
+            raise ValueError(f"ipc_mode {self.ipc_mode!r} is not one of {', '.join(IPC_MODES)}")
+        if self.shm_size_mib is not None and (self.shm_size_mib < 1 or self.ipc_mode == "host"):
+            raise ValueError(
+                f"shm_size_mib {self.shm_size_mib} needs a private or shareable ipc_mode and at least 1 MiB "
+                f"(ipc_mode is {self.ipc_mode!r})"
+            )
+        names = [name for name, _soft, _hard in self.ulimits]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ulimits {sorted(names)} name a limit more than once; give each limit once")
+        for name, soft, hard in self.ulimits:
+            if min(soft, hard) < -1 or (hard != -1 and (soft == -1 or soft > hard)):
+                raise ValueError(f"ulimit {name}: soft {soft} / hard {hard} is not a limit (-1 is unlimited)")
         for mount in self.mounts:
             if not mount.source.startswith("/") or not mount.target.startswith("/"):
                 raise ValueError(f"mount {mount.source!r} -> {mount.target!r}: both paths must be absolute")
@@ -184,6 +206,9 @@ class ContainerSettings:
             "stop_timeout": self.stop_timeout,
             "restart_policy": self.restart_policy,
             "shm_size_mib": self.shm_size_mib,
+            # Only when set, so that a container created before these settings existed keeps its hash.
+            **({} if self.ipc_mode == "private" else {"ipc_mode": self.ipc_mode}),
+            **({"ulimits": [list(limit) for limit in self.ulimits]} if self.ulimits else {}),
         }
 
     def config_hash(self) -> str:
@@ -538,6 +563,7 @@ def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str
     runs is what was resolved and checked."""
     host_config: dict[str, Any] = {
         "Init": settings.init,
+        "IpcMode": settings.ipc_mode,
         "Mounts": [
             {"Type": "bind", "Source": m.source, "Target": m.target, "ReadOnly": m.read_only} for m in settings.mounts
         ],
@@ -573,6 +599,8 @@ def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str
         host_config["RestartPolicy"] = {"Name": settings.restart_policy}
     if settings.shm_size_mib is not None:
         host_config["ShmSize"] = settings.shm_size_mib * 1024 * 1024
+    if settings.ulimits:
+        host_config["Ulimits"] = [{"Name": name, "Soft": soft, "Hard": hard} for name, soft, hard in settings.ulimits]
     return body
 
 

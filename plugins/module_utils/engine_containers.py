@@ -16,11 +16,9 @@ from ansible_collections.meridian.node.plugins.module_utils.docker_engine import
     PortBinding,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import (
-    ContainerSettings as LaunchSettings,
-)
-from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import (
     Driver,
     InFlight,
+    LaunchSettings,
     ProbeVerdict,
     in_flight,
 )
@@ -47,6 +45,10 @@ def container_settings(*, name: str, driver: str, launch: LaunchSettings, bind_a
         gpus=launch.gpu_device_ids,
         stop_signal=launch.stop_signal,
         stop_timeout=launch.stop_timeout_s,
+        restart_policy=launch.restart_policy,
+        shm_size_mib=launch.shm_size_mib,
+        ipc_mode=launch.ipc_mode,
+        ulimits=launch.ulimits,
     )
 
 

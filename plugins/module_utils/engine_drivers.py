@@ -21,6 +21,15 @@ Choices worth knowing:
   the container does not publish.
 - Metrics that need a flag (llama.cpp ``--metrics``, SGLang ``--enable-metrics``) are switched on by the
   driver: drain depends on them.
+- Engines that split a model across GPUs share tensors between their processes through /dev/shm; where an
+  engine's docs call for more than Docker's 64 MiB the driver defaults ``shm_size_mib``, always in the
+  container's own IPC namespace: the docs' alternative, ``--ipc=host``, is the host policy's to allow. The
+  spec's size wins; ``ipc_mode: host`` drops it (the host's /dev/shm is used). ``ulimits`` come from the spec
+  only: the memlock=-1 that SGLang's compose file and NVIDIA's containers suggest is for RDMA, which engines
+  published on one host's bridge network do not use, and a Docker Engine without CAP_SYS_RESOURCE (rootless,
+  or confined) cannot start a container that asks for it.
+- The spec's volumes are mounted read-only after the model, from the paths the host resolved and checked
+  (``engine_volumes``); the driver never decides what may be mounted.
 """
 
 from __future__ import annotations
@@ -38,11 +47,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DRIVERS",
     "MODEL_MOUNT_PATH",
-    "ContainerSettings",
     "Driver",
     "DriverError",
     "EngineFacts",
     "InFlight",
+    "LaunchSettings",
     "LlamaCppDriver",
     "LmDeployDriver",
     "MetricSample",
@@ -111,11 +120,13 @@ class Mount:
 
 
 @dataclass(frozen=True)
-class ContainerSettings:
-    """What the Docker adapter needs to create the engine's container (labels and name excluded).
+class LaunchSettings:
+    """How the engine's container runs, without Docker's names (labels, container name and bind address are
+    the caller's: ``engine_containers.container_settings`` turns this into ``docker_engine.ContainerSettings``).
 
     ``entrypoint`` None keeps the image's own; ``command`` is then passed to it as arguments.
-    ``gpu_device_ids`` become one NVIDIA device request; empty means no GPU at all.
+    ``gpu_device_ids`` become one NVIDIA device request; empty means no GPU at all. ``ulimits`` are
+    ``(name, soft, hard)`` by name, -1 unlimited; ``shm_size_mib`` None is Docker's 64 MiB.
     """
 
     image: str
@@ -128,6 +139,10 @@ class ContainerSettings:
     gpu_device_ids: tuple[str, ...]
     stop_signal: str
     stop_timeout_s: int
+    restart_policy: str = "unless-stopped"
+    ipc_mode: str = "private"
+    shm_size_mib: int | None = None
+    ulimits: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,6 +204,8 @@ class Driver:
     # (flag, aliases) that splits a model over several whole GPUs; None where the engine has none
     tensor_parallel_flags: ClassVar[tuple[str, ...] | None] = None
     reserved_env: ClassVar[tuple[str, ...]] = ("NVIDIA_VISIBLE_DEVICES",)
+    # The /dev/shm (MiB) the engine's docs call for; the spec's own size wins (docs/ENGINE_DRIVERS.md)
+    default_shm_size_mib: ClassVar[int | None] = None
 
     def container_settings(
         self,
@@ -196,12 +213,13 @@ class Driver:
         *,
         model_dir: str | None = None,
         model_files: Sequence[str] = (),
-    ) -> ContainerSettings:
+    ) -> LaunchSettings:
         """The container for ``spec``.
 
         ``model_dir`` is the host directory of the promoted artifact named by ``spec.model.artifact``
         (the caller resolves it in the store); ``model_files`` its files, relative, as the manifest
-        lists them, for engines that load one file rather than a directory.
+        lists them, for engines that load one file rather than a directory. ``spec.volumes`` are mounted as
+        they are: the caller has resolved and checked them on the host (``engine_volumes.resolve_volumes``).
         """
         self._check_spec(spec, model_dir)
         model = self._model_reference(spec, model_files)
@@ -210,7 +228,8 @@ class Driver:
         mounts: tuple[Mount, ...] = ()
         if spec.model.artifact is not None and model_dir is not None:
             mounts = (Mount(source=model_dir, target=MODEL_MOUNT_PATH, read_only=True),)
-        return ContainerSettings(
+        mounts += tuple(Mount(source=volume.source, target=volume.target, read_only=True) for volume in spec.volumes)
+        return LaunchSettings(
             image=spec.image,
             entrypoint=self._entrypoint(),
             command=tuple(command),
@@ -221,6 +240,10 @@ class Driver:
             gpu_device_ids=tuple(spec.gpus),
             stop_signal=self.facts.stop_signal,
             stop_timeout_s=self.facts.stop_timeout_s,
+            restart_policy=spec.restart_policy,
+            ipc_mode=spec.ipc_mode,
+            shm_size_mib=self._shm_size_mib(spec),
+            ulimits=self._ulimits(spec),
         )
 
     def interpret_probe(self, status: int | None, body: str = "") -> ProbeVerdict:
@@ -291,6 +314,20 @@ class Driver:
             return []
         return [self.tensor_parallel_flags[0], str(len(spec.gpus))]
 
+    def _shm_size_mib(self, spec: EngineSpec) -> int | None:
+        if spec.shm_size_mib is not None:
+            return spec.shm_size_mib
+        # With the host's IPC namespace the engine uses the host's /dev/shm, and Docker ignores a size.
+        return None if spec.ipc_mode == "host" else self.default_shm_size_mib
+
+    @staticmethod
+    def _ulimits(spec: EngineSpec) -> tuple[tuple[str, int, int], ...]:
+        limits = {
+            name: (value, value) if isinstance(value, int) else (value.soft, value.hard)
+            for name, value in spec.ulimits.items()
+        }
+        return tuple((name, soft, hard) for name, (soft, hard) in sorted(limits.items()))
+
     def _environment(self, spec: EngineSpec) -> dict[str, str]:
         environment = self._engine_environment(spec)
         environment.update(spec.env)
@@ -319,6 +356,9 @@ class VllmDriver(Driver):
     )
     owned_flags = ("--host", "--port", "--model", "--served-model-name")
     tensor_parallel_flags = ("--tensor-parallel-size", "-tp")
+    # "--ipc=host or --shm-size": PyTorch shares tensor-parallel data through /dev/shm; 10 GiB as in vLLM's
+    # examples/online_serving/run_cluster.sh (--shm-size 10.24g).
+    default_shm_size_mib = 10240
 
     def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
         # The vllm/vllm-openai image's entrypoint is `vllm serve`, which takes the model positionally.
@@ -361,6 +401,8 @@ class TgiDriver(Driver):
     )
     owned_flags = ("--hostname", "--port", "-p", "--model-id")
     tensor_parallel_flags = ("--num-shard", "--sharded")
+    # The README's "A note on Shared Memory": NCCL may fall back to host memory between shards; --shm-size 1g.
+    default_shm_size_mib = 1024
 
     def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
         # TGI serves one model under its model id; it has no separate served-name flag.
@@ -400,6 +442,8 @@ class SGLangDriver(Driver):
     )
     owned_flags = ("--host", "--port", "--model-path", "--served-model-name")
     tensor_parallel_flags = ("--tp-size", "--tp", "--tensor-parallel-size")
+    # The install docs run the image with --shm-size 32g (and --ipc=host, which the host policy gates).
+    default_shm_size_mib = 32768
 
     def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
         command = [
@@ -544,6 +588,9 @@ class LmDeployDriver(Driver):
     )
     owned_flags = ("--server-name", "--server-port", "--model-name")
     tensor_parallel_flags = ("--tp",)
+    # The docs run the image with --ipc=host, which the host policy gates; a private 10 GiB /dev/shm (our
+    # size, vLLM's) instead.
+    default_shm_size_mib = 10240
 
     def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
         # The openmmlab/lmdeploy image has no entrypoint: the command is the whole launcher.

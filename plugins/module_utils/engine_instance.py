@@ -5,19 +5,22 @@ the safety argument, so it is spelt out here:
 
 1. the spec is validated as the ``EngineSpec`` contract;
 2. policy: the image's repository is allowed and the image is digest-pinned, the driver is allowed, the
-   port is inside the policy's range;
-3. the driver turns the spec into launch settings (a promoted artifact is resolved in the store here);
-4. Docker is observed: the container with the engine's name, if any (a foreign one fails, untouched);
-5. ``engine_plan.plan_engine`` decides the actions;
-6. for plans that create a container: the image is local and safe, the requested GPUs / MIG instances
+   port is inside the policy's range, host IPC is allowed if asked for, every volume's host path is under
+   one of the policy's allowed volume sources;
+3. the volumes are resolved on the host and checked again (``engine_volumes``: symlinks, this host's own
+   directories, sockets);
+4. the driver turns the spec into launch settings (a promoted artifact is resolved in the store here);
+5. Docker is observed: the container with the engine's name, if any (a foreign one fails, untouched);
+6. ``engine_plan.plan_engine`` decides the actions;
+7. for plans that create a container: the image is local and safe, the requested GPUs / MIG instances
    exist, free VRAM covers ``min_vram_mib`` after the other owned engines' reservations, the port is free
    on the bind address, the NVIDIA runtime is there when GPUs are asked for;
-7. check mode stops here, reporting the actions and the diff;
-8. the actions run: drain (durable mark, then wait for the engine's in-flight gauges to reach 0), stop,
+8. check mode stops here, reporting the actions and the diff;
+9. the actions run: drain (durable mark, then wait for the engine's in-flight gauges to reach 0), stop,
    remove, create, start, wait until ready (on timeout the new container is stopped, never left
    half-running).
 
-Nothing is created, stopped or removed before step 8, so every refusal leaves the host as it was.
+Nothing is created, stopped or removed before step 9, so every refusal leaves the host as it was.
 
 VRAM reservations: each container we create carries ``meridian.node/min-vram-mib`` and its GPUs (in the
 ``meridian.node/spec`` label). A device's room for a new engine is ``min(free, total - reserved)``, where
@@ -61,6 +64,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_containers im
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import (
     Driver,
     DriverError,
+    LaunchSettings,
     ProbeVerdict,
     get_driver,
 )
@@ -74,6 +78,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_plan import (
     plan_engine,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engine_spec import EngineSpec, FieldError, parse_engine_spec
+from ansible_collections.meridian.node.plugins.module_utils.engine_volumes import VolumeRefusedError, resolve_volumes
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, PolicyError, load_policy
 
 __all__ = [
@@ -88,6 +93,7 @@ __all__ = [
     "build_spec",
     "check_policy",
     "converge",
+    "engine_settings",
     "label_spec",
     "placement_problem",
     "public_spec",
@@ -136,7 +142,24 @@ class Options:
 
 # --- the spec --------------------------------------------------------------------------------------------
 
-_SPEC_KEYS = ("name", "driver", "image", "model", "served_model_name", "gpus", "min_vram_mib", "port", "args", "env")
+_SPEC_KEYS = (
+    "name",
+    "driver",
+    "image",
+    "model",
+    "served_model_name",
+    "gpus",
+    "min_vram_mib",
+    "port",
+    "args",
+    "env",
+    "restart_policy",
+    "shm_size_mib",
+    "ipc_mode",
+    "ulimits",
+    "volumes",
+    "labels",
+)
 
 
 def build_spec(params: Mapping[str, Any], replace_strategy: ReplaceStrategy = "drain-then-replace") -> EngineSpec:
@@ -175,15 +198,28 @@ def public_spec(spec: EngineSpec) -> dict[str, Any]:
         "port": spec.port,
         "args": list(spec.args),
         "env_keys": sorted(spec.env),
+        "restart_policy": spec.restart_policy,
+        "shm_size_mib": spec.shm_size_mib,
+        "ipc_mode": spec.ipc_mode,
+        # One form for one limit: `stack: 8` and `stack: {soft: 8, hard: 8}` are the same container.
+        "ulimits": {
+            name: {"soft": limit, "hard": limit} if isinstance(limit, int) else {"soft": limit.soft, "hard": limit.hard}
+            for name, limit in sorted(spec.ulimits.items())
+        },
+        "volumes": [{"source": volume.source, "target": volume.target} for volume in spec.volumes],
+        "labels": dict(spec.labels),
     }
 
 
 def check_policy(policy: Policy, spec: EngineSpec) -> None:
-    """Image, driver and port against the host's policy; the first refusal raises, naming the check."""
+    """Image, driver, port, IPC mode and volume paths against the host's policy; the first refusal raises,
+    naming the check. Pure: the volumes' paths as the spec gives them (``engine_volumes`` resolves them)."""
     for check, problem in (
         ("policy-image", policy.image_allowed(spec.image)),
         ("policy-driver", policy.driver_allowed(spec.driver)),
         ("policy-port", policy.port_allowed(spec.port)),
+        ("policy-ipc", policy.engines.host_ipc_problem(spec.ipc_mode)),
+        *(("policy-volume", policy.engines.volume_source_problem(volume.source)) for volume in spec.volumes),
     ):
         if problem is not None:
             raise EngineInstanceError(f"engine {spec.name!r} refused by policy: {problem}", check=check)
@@ -469,29 +505,29 @@ def _prepare(
     except PolicyError as exc:
         raise EngineInstanceError(str(exc), check="policy") from exc
     check_policy(policy, spec)
+    store_path = options.store_path or policy.store.path
+    try:
+        volumes = resolve_volumes(spec.volumes, policy.engines, host_dirs=(store_path, options.state_dir))
+    except VolumeRefusedError as exc:
+        raise EngineInstanceError(f"engine {spec.name!r}: {exc}", check=exc.check) from exc
     try:
         driver = get_driver(spec.driver, health_path=options.health_path)
         model_dir = files = None
         if spec.model.artifact is not None:
             try:
-                model_dir = artifact_dir(options.store_path or policy.store.path, spec.model.artifact)
+                model_dir = artifact_dir(store_path, spec.model.artifact)
             except EngineInstanceError as exc:
                 if not check_mode:
                     raise
                 return _pending_artifact_run(name, spec, options, engine, str(exc))
             files = _model_files(model_dir)
-        launch = driver.container_settings(spec, model_dir=model_dir, model_files=files or ())
+        # The volumes as resolved on the host: what is mounted (and hashed) is what was checked.
+        mounted = dataclasses.replace(spec, volumes=volumes)
+        launch = driver.container_settings(mounted, model_dir=model_dir, model_files=files or ())
     except DriverError as exc:
         raise EngineInstanceError(str(exc), check="driver") from exc
     bind = policy.engines.bind_address
-    base = container_settings(name=spec.name, driver=spec.driver, launch=launch, bind_address=bind)
-    labels = {
-        LABEL_SPEC: json.dumps(public_spec(spec), sort_keys=True, separators=(",", ":")),
-        LABEL_MIN_VRAM: str(spec.min_vram_mib),
-    }
-    if options.owner:
-        labels[LABEL_OWNER] = options.owner
-    settings = _with_labels(base, labels)
+    settings = engine_settings(spec, launch, bind_address=bind, owner=options.owner)
     config_hash = settings.config_hash()
 
     observed, current = _observe(engine, name)
@@ -514,8 +550,20 @@ def _pending_artifact_run(name: str, spec: EngineSpec, options: Options, engine:
     return _Run(name, options, engine, plan, "", current, pending=f"{why}; placement was not checked")
 
 
-def _with_labels(settings: ContainerSettings, labels: Mapping[str, str]) -> ContainerSettings:
-    return dataclasses.replace(settings, labels={**settings.labels, **labels})
+def engine_settings(
+    spec: EngineSpec, launch: LaunchSettings, *, bind_address: str, owner: str | None = None
+) -> ContainerSettings:
+    """The container engine ``spec`` is created from, labels included: what the config hash covers. Pure."""
+    base = container_settings(name=spec.name, driver=spec.driver, launch=launch, bind_address=bind_address)
+    # The spec's own labels cannot collide with ours: engine_spec refuses meridian.node's prefix.
+    labels = {
+        **spec.labels,
+        LABEL_SPEC: json.dumps(public_spec(spec), sort_keys=True, separators=(",", ":")),
+        LABEL_MIN_VRAM: str(spec.min_vram_mib),
+    }
+    if owner:
+        labels[LABEL_OWNER] = owner
+    return dataclasses.replace(base, labels={**base.labels, **labels})
 
 
 def _observe(engine: DockerEngine, name: str) -> tuple[Observed | None, ContainerInfo | None]:
@@ -683,10 +731,12 @@ def _wait_ready(run: _Run, sleep: Callable[[float], None], clock: Callable[[], f
             break
         sleep(_POLL_S)
     if state == "running":
-        run.engine.stop(container, timeout=driver_of(container).facts.stop_timeout_s)
         why = f"did not become ready within {run.options.ready_timeout_s:g}s"
     else:
         why = f"exited ({state}) before it became ready"
+    # A restart policy brings a crashed engine back ("restarting"): stopped, it stays down, as a drain's does.
+    if state in ("running", "restarting", "paused"):
+        run.engine.stop(container, timeout=driver_of(container).facts.stop_timeout_s)
     # Read after stopping: the tail then also says how the engine took the stop.
     logs = run.engine.logs_tail(container, _LOG_LINES)
     run.current = run.engine.container(container.id)

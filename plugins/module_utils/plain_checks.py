@@ -41,6 +41,11 @@ class FieldError(ValueError):
 
 
 def short_repr(value: Any, limit: int = 80) -> str:
+    if type(value) in (list, tuple, dict) and len(value) > limit:
+        # Its repr cannot fit (each item takes a character or more); render only the items that can show,
+        # which gives the same text without building the repr of a huge (perhaps hostile) document.
+        value = dict(list(value.items())[:limit]) if isinstance(value, dict) else value[:limit]
+        return repr(value)[: limit - 3] + "..."
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

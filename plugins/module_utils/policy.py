@@ -20,9 +20,17 @@ Choices worth knowing:
   that does, apart from key files. A policy that names ``store.path`` is taken as it is.
 - ``store.max_bytes`` takes an integer or a size string: ``K``/``M``/``G``/``T`` (optionally followed
   by ``B``) are powers of 1000, ``Ki``/``Mi``/``Gi``/``Ti`` (optionally ``B``) powers of 1024.
+- ``store.local_sources`` lists the absolute directories inside which a signed artifact manifest may name
+  local files (its per-file ``url`` or its ``base_url``); empty (the default), a manifest may name none
+  and must use http(s). The store compares after ``realpath`` (see ``artifact_fetch``). A ``source``
+  given to ``verified_artifact`` or ``artifact pull`` is not limited by it.
 - ``images.allowed_repositories`` entries match the repository part of a reference exactly
   (``ghcr.io/org/vllm``), or every repository below a prefix when they end in ``/*``. No registry
   name normalisation: ``vllm/vllm-openai`` and ``docker.io/vllm/vllm-openai`` are different entries.
+- ``trust.control.max_lifetime`` (optional, e.g. ``7d``; units ``s``, ``m``, ``h``, ``d``, ``w``) caps how
+  long a desired state may be valid: a state whose ``expires_at`` is further than that from its
+  ``issued_at`` is refused (``schema``). Without it any lifetime is accepted. Only ``control`` takes it:
+  manifests and bundles do not expire.
 - YAML mappings with a duplicated key are refused: two ``trust:`` blocks would otherwise keep the last.
 - ``load_policy(path, keys=False)`` validates the whole file but reads no key: the engine modules check
   images, drivers and ports and verify no signature, and loading keys means importing ``cryptography``,
@@ -36,10 +44,16 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ansible_collections.meridian.node.plugins.module_utils.engine_spec import DRIVERS, IMAGE_REFERENCE
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import (
+    DRIVERS,
+    IMAGE_REFERENCE,
+    RESERVED_HOST_PATHS,
+    path_within,
+)
 from ansible_collections.meridian.node.plugins.module_utils.plain_checks import (
     FieldError,
     check_bool,
@@ -67,7 +81,9 @@ __all__ = [
     "Role",
     "StorePolicy",
     "default_store_path",
+    "format_duration",
     "load_policy",
+    "parse_duration",
     "parse_policy",
     "parse_size",
 ]
@@ -125,6 +141,46 @@ def parse_size(value: int | str) -> int:
     return size
 
 
+# --- durations ---------------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"([0-9]+)([smhdw])")
+_DURATION_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# timedelta's own ceiling is 999999999 days; a lifetime near it is "forever", which is what leaving the
+# field out says.
+_MAX_DURATION = timedelta(days=100 * 366)
+
+
+def parse_duration(value: Any) -> timedelta:
+    """A positive duration from ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"`` or ``"2w"``; ``ValueError`` saying why not."""
+    match = _DURATION.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(
+            f"must be a duration: a whole number and one unit of s, m, h, d or w, such as 7d or 12h "
+            f"(got {short_repr(value)})"
+        )
+    seconds = int(match.group(1)) * _DURATION_SECONDS[match.group(2)]
+    if seconds <= 0 or seconds > _MAX_DURATION.total_seconds():
+        raise ValueError(f"must be more than 0 and at most 100 years (got {value!r})")
+    return timedelta(seconds=seconds)
+
+
+def format_duration(value: timedelta) -> str:
+    """``7d``, ``1d 12h``, ``2h 30m 5.5s``: a duration in the units ``parse_duration`` reads."""
+    parts = []
+    days, rest = value.days, value - timedelta(days=value.days)
+    if days:
+        parts.append(f"{days}d")
+    hours, rest_seconds = divmod(rest.total_seconds(), 3600)
+    minutes, seconds = divmod(rest_seconds, 60)
+    if hours:
+        parts.append(f"{int(hours)}h")
+    if minutes:
+        parts.append(f"{int(minutes)}m")
+    if seconds or not parts:
+        parts.append(f"{seconds:g}s")
+    return " ".join(parts)
+
+
 # --- the document, as the file spells it -------------------------------------------------------------
 # Checked with plain_checks rather than pydantic: every engine task loads the policy, and pydantic's
 # import alone would be a third of that task's start-up.
@@ -136,13 +192,23 @@ _SECTIONS = ("images", "engines", "store", "agent")
 class _RoleSpec:
     threshold: int
     public_keys: tuple[str, ...]
+    max_lifetime: timedelta | None = None
 
 
-def _role_spec(data: Any, where: str) -> _RoleSpec:
-    document = check_mapping(data, where, required=("public_keys",), optional=("threshold",))
+def _role_spec(data: Any, where: str, role: Role) -> _RoleSpec:
+    # Only control signs documents that expire (desired state), so only control takes max_lifetime.
+    optional = ("threshold", "max_lifetime") if role == "control" else ("threshold",)
+    document = check_mapping(data, where, required=("public_keys",), optional=optional)
+    max_lifetime = None
+    if document.get("max_lifetime") is not None:
+        try:
+            max_lifetime = parse_duration(document["max_lifetime"])
+        except ValueError as exc:
+            raise FieldError(join(where, "max_lifetime"), str(exc)) from None
     return _RoleSpec(
         threshold=check_int(document.get("threshold", 1), join(where, "threshold"), ge=1),
         public_keys=check_str_list(document["public_keys"], join(where, "public_keys"), min_items=1),
+        max_lifetime=max_lifetime,
     )
 
 
@@ -150,7 +216,7 @@ def _trust(data: Any) -> dict[str, _RoleSpec]:
     document = check_mapping(data, "trust", required=("control",), optional=ROLES[1:])
     # control must be a role; the others may be left out or null (their documents are then refused).
     return {
-        role: _role_spec(document[role], f"trust.{role}")
+        role: _role_spec(document[role], f"trust.{role}", role)
         for role in ROLES
         if role == "control" or document.get(role) is not None
     }
@@ -172,7 +238,11 @@ def _images(data: Any) -> ImagesPolicy:
 
 
 def _engines(data: Any) -> EnginesPolicy:
-    document = check_mapping(data, "engines", optional=("allowed_drivers", "bind_address", "port_range"))
+    document = check_mapping(
+        data,
+        "engines",
+        optional=("allowed_drivers", "bind_address", "port_range", "allowed_volume_sources", "allow_host_ipc"),
+    )
     drivers = check_str_list(document.get("allowed_drivers", list(DRIVERS)), "engines.allowed_drivers")
     bind = check_str(document.get("bind_address", "127.0.0.1"), "engines.bind_address")
     try:
@@ -183,11 +253,33 @@ def _engines(data: Any) -> EnginesPolicy:
     low, high = (check_int(port, join("engines.port_range", index)) for index, port in enumerate(ports))
     if not 1 <= low <= high <= 65535:
         raise FieldError("engines.port_range", f"must be [low, high] with 1 <= low <= high <= 65535 (got {ports})")
-    return EnginesPolicy(_known(drivers, "engines.allowed_drivers", DRIVERS, "driver"), bind, (low, high))
+    return EnginesPolicy(
+        _known(drivers, "engines.allowed_drivers", DRIVERS, "driver"),
+        bind,
+        (low, high),
+        allowed_volume_sources=_volume_sources(document.get("allowed_volume_sources", [])),
+        allow_host_ipc=check_bool(document.get("allow_host_ipc", False), "engines.allow_host_ipc"),
+    )
+
+
+def _volume_sources(data: Any) -> tuple[str, ...]:
+    where = "engines.allowed_volume_sources"
+    sources = check_str_list(data, where)
+    for index, source in enumerate(sources):
+        at = join(where, index)
+        if not source.startswith("/") or source.startswith("//") or os.path.normpath(source) != source:
+            raise FieldError(at, f"must be an absolute path without '.', '..', '//' or a trailing '/' (got {source!r})")
+        if source == "/":
+            raise FieldError(at, "'/' would let engines mount any directory; name the directories they may read")
+        for reserved in RESERVED_HOST_PATHS:
+            if path_within(source, reserved):
+                problem = f"{source!r} is inside {reserved}, which no engine may mount; name a data directory"
+                raise FieldError(at, problem)
+    return sources
 
 
 def _store(data: Any) -> StorePolicy:
-    document = check_mapping(data, "store", optional=("path", "max_bytes"))
+    document = check_mapping(data, "store", optional=("path", "max_bytes", "local_sources"))
     source: StorePathSource = "policy"
     if "path" in document:
         path = check_str(document["path"], "store.path")
@@ -196,13 +288,19 @@ def _store(data: Any) -> StorePolicy:
     if not os.path.isabs(path):
         raise FieldError("store.path", f"must be an absolute path (got {path!r})")
     max_bytes = document.get("max_bytes", 500 * 1000**3)
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int | str):
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, str)):
         raise FieldError("store.max_bytes", f"must be a byte count or a size like 500G (got {short_repr(max_bytes)})")
     try:
         size = parse_size(max_bytes)
     except ValueError as exc:
         raise FieldError("store.max_bytes", str(exc)) from None
-    return StorePolicy(path, size, source)
+    local_sources = check_str_list(document.get("local_sources", []), "store.local_sources")
+    for index, directory in enumerate(local_sources):
+        if not os.path.isabs(directory):
+            raise FieldError(
+                join("store.local_sources", index), f"must be an absolute directory path (got {directory!r})"
+            )
+    return StorePolicy(path, size, source, local_sources)
 
 
 def default_store_path(new: str | None = None, old: str | None = None) -> tuple[str, StorePathSource]:
@@ -238,9 +336,35 @@ class ImagesPolicy:
 
 @dataclass(frozen=True)
 class EnginesPolicy:
+    """What engines may run. ``allowed_volume_sources``: host directories an engine may mount (read-only) at or
+    below; empty, the default, allows no extra volume at all. ``allow_host_ipc``: whether an engine may share the
+    host's IPC namespace (``ipc_mode: host``), and so its SysV and POSIX shared memory with the host and every
+    other such engine; the default keeps engines in their own namespace with a private /dev/shm."""
+
     allowed_drivers: tuple[str, ...]
     bind_address: str
     port_range: tuple[int, int]
+    allowed_volume_sources: tuple[str, ...] = ()
+    allow_host_ipc: bool = False
+
+    def volume_source_problem(self, path: str) -> str | None:
+        """None when normal absolute host ``path`` is at or below an allowed volume source, else why not."""
+        if any(path_within(path, source) for source in self.allowed_volume_sources):
+            return None
+        allowed = ", ".join(self.allowed_volume_sources) or "none: engines.allowed_volume_sources is empty"
+        return (
+            f"volume source {path!r} is not at or below a directory engines.allowed_volume_sources lists "
+            f"(allowed: {allowed}); add the directory there if engines may read it"
+        )
+
+    def host_ipc_problem(self, ipc_mode: str) -> str | None:
+        if ipc_mode != "host" or self.allow_host_ipc:
+            return None
+        return (
+            "ipc_mode host shares the host's IPC namespace and shared memory with the engine, and "
+            "engines.allow_host_ipc is false; use the private default (with shm_size_mib if the engine needs a "
+            "larger /dev/shm), or set engines.allow_host_ipc: true"
+        )
 
 
 @dataclass(frozen=True)
@@ -252,6 +376,8 @@ class StorePolicy:
     path: str
     max_bytes: int
     path_source: StorePathSource = "policy"
+    # Directories a signed manifest may name local files in (``store.local_sources``); none by default.
+    local_sources: tuple[str, ...] = ()
 
     @property
     def relocate_to(self) -> str | None:
@@ -268,6 +394,7 @@ class AgentPolicy:
 class _RoleTrust:
     threshold: int
     keys: Mapping[str, Ed25519PublicKey]
+    max_lifetime: timedelta | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +417,11 @@ class Policy:
         """How many distinct trusted keys must sign; 1 for an unconfigured role (which has no keys)."""
         trust = self._role(role)
         return trust.threshold if trust else 1
+
+    def max_lifetime(self, role: Role) -> timedelta | None:
+        """The longest a document of ``role`` may be valid (``trust.<role>.max_lifetime``); None: no cap."""
+        trust = self._role(role)
+        return trust.max_lifetime if trust else None
 
     def _role(self, role: Role) -> _RoleTrust | None:
         _check_role(role)
@@ -406,7 +538,7 @@ def _load_role(spec: _RoleSpec, where: str, base_dir: Path) -> _RoleTrust:
         raise PolicyError(
             f"{where}.threshold: must be <= the number of distinct public keys ({len(keys)}) (got {spec.threshold})"
         )
-    return _RoleTrust(spec.threshold, keys)
+    return _RoleTrust(spec.threshold, keys, spec.max_lifetime)
 
 
 # --- messages --------------------------------------------------------------------------------------------

@@ -2,8 +2,15 @@
 
 It does no I/O and never reads the clock: the caller passes the envelope bytes, the loaded policy, the
 time and the host's applied state, so the same inputs always give the same answer and tests can replay
-any attack exactly. Verification order matters and is fixed: envelope shape, payload type, signatures,
-schema, then the semantic checks. Nothing in a payload is looked at before enough trusted keys signed it.
+any attack exactly. Verification order matters and is fixed: envelope JSON, signature count, envelope
+shape, payload type, signatures, schema, then the semantic checks. Nothing in a payload is looked at
+before enough trusted keys signed it.
+
+Each input has one reading: envelopes and bodies are read by ``contracts.read_json`` (duplicate keys
+refused) into the strict models (no coercion, RFC 3339 times, canonical base64 only), so what the host
+verified is what every other reader of the same bytes sees. The cost of refusing is bounded before any
+cryptography: an envelope carries at most ``signature_limit`` signatures, and each trusted key is tried
+once however often it is named.
 
 Misuse by the caller (a naive datetime, a threshold below 1) raises ``RuntimeError``, not a ``Rejection``:
 that is a bug here, not bad data from outside.
@@ -12,7 +19,6 @@ that is a bug here, not bad data from outside.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils.contracts import describe_validation_error
 from ansible_collections.meridian.node.plugins.module_utils.dsse import PAYLOAD_TYPES, pae, require_cryptography
-from ansible_collections.meridian.node.plugins.module_utils.policy import Role
+from ansible_collections.meridian.node.plugins.module_utils.policy import Role, format_duration
 
 try:
     from cryptography.exceptions import InvalidSignature
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_CLOCK_SKEW",
+    "SIGNATURES_PER_KEY",
     "AppliedState",
     "Rejection",
     "RejectionCode",
@@ -47,6 +54,7 @@ __all__ = [
     "VerifiedEnvelope",
     "VerifiedManifest",
     "VerifiedState",
+    "signature_limit",
     "verify_artifact_manifest",
     "verify_bundle",
     "verify_desired_state",
@@ -55,6 +63,10 @@ __all__ = [
 
 # How far ahead of our clock a document's issue time may be before we call it not yet valid.
 MAX_CLOCK_SKEW = timedelta(minutes=5)
+
+# Signatures an envelope may carry per trusted key of the role (room for other hosts' keys beside ours),
+# capped at ``contracts.MAX_SIGNATURES`` whatever the policy.
+SIGNATURES_PER_KEY = 4
 
 
 class RejectionCode(StrEnum):
@@ -116,6 +128,13 @@ class VerifiedBundle:
     desired: VerifiedState
 
 
+def signature_limit(trusted_keys: int, threshold: int) -> int:
+    """How many signatures an envelope for a role with ``trusted_keys`` keys may carry before it is refused
+    unread: ``SIGNATURES_PER_KEY`` per key (at least one key's worth), at most ``contracts.MAX_SIGNATURES``,
+    and never fewer than ``threshold``."""
+    return max(threshold, min(contracts.MAX_SIGNATURES, SIGNATURES_PER_KEY * max(trusted_keys, 1)))
+
+
 def verify_envelope(
     data: bytes,
     *,
@@ -127,22 +146,35 @@ def verify_envelope(
     """Check a DSSE envelope's shape, type and signatures; return the body it vouches for.
 
     A signature counts when its keyid names a key in ``keys`` and it verifies against that key over
-    ``PAE(payloadType, body)``. Each trusted key counts once however often it signs. Signatures with
-    unknown keyids are ignored, as is a signature that is not valid base64 (it cannot verify). ``role``
-    only words the message.
+    ``PAE(payloadType, body)``. Each trusted key is tried once: the first signature naming it is verified,
+    later ones naming it again are ignored, valid or not. Signatures with unknown keyids are ignored. An
+    envelope with more than ``signature_limit(len(keys), threshold)`` signatures is ``malformed`` before
+    any is verified. ``role`` only words the messages.
     """
     require_cryptography()
     contracts.require_pydantic()
     if threshold < 1:
         raise RuntimeError(f"verify_envelope: threshold must be >= 1 (got {threshold}); 0 would accept anything")
     try:
-        envelope = contracts.Envelope.model_validate_json(data)
+        document = contracts.read_json(data)
+    except contracts.JsonError as exc:
+        raise Rejection(RejectionCode.MALFORMED, f"not a DSSE envelope: {exc}") from exc
+    # Counted on the parsed JSON, before the model looks at each signature: a flood costs one parse.
+    signatures = document.get("signatures") if isinstance(document, dict) else None
+    limit = signature_limit(len(keys), threshold)
+    if isinstance(signatures, list) and len(signatures) > limit:
+        raise Rejection(
+            RejectionCode.MALFORMED,
+            f"the envelope carries {len(signatures)} signatures, more than the {limit} allowed for {role} "
+            f"documents ({SIGNATURES_PER_KEY} per key the policy trusts for the role, {contracts.MAX_SIGNATURES} "
+            "at most): refused before verifying any - sign with the role's keys only",
+        )
+    try:
+        envelope = contracts.Envelope.model_validate(document)
     except contracts.ValidationError as exc:
         raise Rejection(RejectionCode.MALFORMED, f"not a DSSE envelope: {describe_validation_error(exc)}") from exc
-    try:
-        body = base64.b64decode(envelope.payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise Rejection(RejectionCode.MALFORMED, f"the envelope's payload is not valid base64: {exc}") from exc
+    # The model checked the encoding is canonical, so this decoding cannot fail and is the only one.
+    body = base64.b64decode(envelope.payload, validate=True)
     if envelope.payloadType != payload_type:
         raise Rejection(
             RejectionCode.WRONG_PAYLOAD_TYPE,
@@ -151,17 +183,20 @@ def verify_envelope(
 
     message = pae(envelope.payloadType, body)
     signers: list[str] = []
-    unknown = invalid = 0
+    tried: set[str] = set()
+    unknown = invalid = repeated = 0
     for signature in envelope.signatures:
         key = keys.get(signature.keyid)
         if key is None:
             unknown += 1
             continue
-        if signature.keyid in signers:
+        if signature.keyid in tried:
+            repeated += 1
             continue
+        tried.add(signature.keyid)
         try:
             key.verify(base64.b64decode(signature.sig, validate=True), message)
-        except (InvalidSignature, binascii.Error, ValueError):
+        except (InvalidSignature, ValueError):
             invalid += 1
             continue
         signers.append(signature.keyid)
@@ -170,7 +205,7 @@ def verify_envelope(
             RejectionCode.THRESHOLD_NOT_MET,
             f"{threshold} distinct {role} key(s) must sign this document, {len(signers)} did "
             f"({len(envelope.signatures)} signature(s): {unknown} by keys the policy does not trust for "
-            f"this role, {invalid} not valid for the key they name)",
+            f"this role, {invalid} not valid for the key they name, {repeated} naming a key already tried)",
         )
     return VerifiedEnvelope(body=body, signers=tuple(signers))
 
@@ -180,7 +215,8 @@ def verify_desired_state(
 ) -> VerifiedState:
     """Verify a desired-state envelope for this node against the host's applied state.
 
-    Rejections after the signature check, in order: ``schema``, ``wrong-node``, ``expired``,
+    Rejections after the signature check, in order: ``schema`` (including a lifetime, ``expires_at -
+    issued_at``, beyond the policy's ``trust.control.max_lifetime``), ``wrong-node``, ``expired``,
     ``not-yet-valid``, ``replayed`` (lower generation, or the applied generation with different
     content), ``stale-epoch``. Only a state passing all of them can be ``already_applied`` (same
     generation, same bytes): a re-delivery, which the caller turns into a no-op.
@@ -188,6 +224,7 @@ def verify_desired_state(
     _require_aware(now)
     envelope = _verify_role(data, policy, "desired-state", "control")
     state = _parse(contracts.DesiredState, envelope.body, "desired state")
+    _check_lifetime(state, policy)
     digest = hashlib.sha256(envelope.body).hexdigest()
 
     if state.node_id != node_id:
@@ -272,13 +309,27 @@ _Document = TypeVar("_Document", contracts.DesiredState, contracts.ArtifactManif
 
 
 def _parse(model: type[_Document], body: bytes, what: str) -> _Document:
-    contracts.require_pydantic()
     try:
-        return model.model_validate_json(body)
+        return contracts.parse_document(model, body)
+    except contracts.JsonError as exc:
+        raise Rejection(RejectionCode.SCHEMA, f"signed {what} is not a JSON document: {exc}") from exc
     except contracts.ValidationError as exc:
         raise Rejection(
             RejectionCode.SCHEMA, f"signed {what} does not match the schema: {describe_validation_error(exc)}"
         ) from exc
+
+
+def _check_lifetime(state: contracts.DesiredState, policy: Policy) -> None:
+    limit = policy.max_lifetime("control")
+    lifetime = state.expires_at - state.issued_at
+    if limit is not None and lifetime > limit:
+        raise Rejection(
+            RejectionCode.SCHEMA,
+            f"desired state generation {state.generation} is valid for {format_duration(lifetime)} (issued_at "
+            f"{contracts.format_rfc3339(state.issued_at)}, expires_at {contracts.format_rfc3339(state.expires_at)}), "
+            f"longer than trust.control.max_lifetime {format_duration(limit)} in policy {policy.source}: the "
+            "control plane must issue states that expire sooner (and re-sign them), or the policy allow longer",
+        )
 
 
 def _check_not_future(issued: datetime, now: datetime, what: str) -> None:

@@ -21,12 +21,18 @@ description:
     check with the numbers.
   - Only containers with meridian.node's ownership labels are touched. A container with the engine's name
     but without them makes the module fail and is left alone.
-  - A re-run with the same spec changes nothing. A changed spec replaces the container; with
+  - A re-run with the same spec changes nothing. A changed spec (any option that shapes the container, the
+    restart policy, shared memory, limits, volumes and labels included) replaces the container; with
     O(replace_strategy=drain-then-replace) the old engine is first marked draining (durably, under
     O(state_dir)) and given until its running and waiting requests reach zero.
   - With O(wait_ready=true) the module waits until the engine's readiness probe passes. An engine that is
     not ready within O(ready_timeout) is stopped (never left half-running) and the module fails with the
     last probe result and the container's last log lines.
+  - Docker restarts an engine by itself under its O(restart_policy) (by default V(unless-stopped) - after a
+    crash and when the host boots - but never one that was stopped on purpose, by a drain or O(state=stopped)).
+  - Extra O(volumes) are always mounted read-only, and only from host directories the policy's
+    C(engines.allowed_volume_sources) lists; O(ipc_mode=host) runs only where the policy sets
+    C(engines.allow_host_ipc). Both rules hold for every caller, a playbook as much as a signed desired state.
 requirements:
   - PyYAML on the managed host (to read the policy), and a Docker Engine (API 1.41 or newer) reached through
     its socket or E(DOCKER_HOST); no other Python package is needed.
@@ -101,6 +107,66 @@ options:
     description:
       - Environment variables for the engine. Values are treated as secrets - never logged, never put into
         a label or the diff (only the names are).
+    type: dict
+    default: {}
+  restart_policy:
+    description:
+      - When Docker starts the engine's container again by itself, without this module or the agent.
+      - V(unless-stopped) - after the engine exits or crashes, and when dockerd (the host) restarts; not after
+        a drain, O(state=stopped) or a failed readiness wait stopped it.
+      - V(on-failure) - only after the engine exits with an error.
+      - V(no) - never (quote it in YAML, C("no"), or it reads as a boolean).
+      - Part of the container's settings - changing it replaces the container.
+    type: str
+    choices: ["no", on-failure, unless-stopped]
+    default: unless-stopped
+  shm_size_mib:
+    description:
+      - The size of the container's C(/dev/shm), in MiB. Engines that split a model across GPUs share
+        tensors there; the default is the driver's (see docs/ENGINE_DRIVERS.md), else Docker's 64 MiB.
+      - Not with O(ipc_mode=host), where the host's C(/dev/shm) is used.
+    type: int
+  ipc_mode:
+    description:
+      - V(private) - the engine has its own IPC namespace and C(/dev/shm).
+      - V(host) - the engine shares the host's IPC namespace and shared memory, and so every other such
+        engine's. Refused unless the policy sets C(engines.allow_host_ipc=true).
+    type: str
+    choices: [private, host]
+    default: private
+  ulimits:
+    description:
+      - Resource limits by name (C(core), C(memlock), C(nofile), C(nproc), C(stack)), each one number for the
+        soft and the hard limit or C({soft, hard}); V(-1) is unlimited. NVIDIA's containers recommend
+        C(memlock=-1) and C(stack=67108864). They are merged over the driver's defaults.
+    type: dict
+    default: {}
+  volumes:
+    description:
+      - Host paths mounted read-only into the engine (there is no writable form).
+      - The host path must be absolute, at or below one of the policy's C(engines.allowed_volume_sources),
+        and must not overlap host configuration, C(/proc), C(/sys), C(/dev), C(/run), container runtimes'
+        state or meridian.node's own directories, also after its symlinks are resolved. Sockets and device
+        nodes are refused.
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      source:
+        description:
+          - The host path (a directory or a regular file).
+        type: str
+        required: true
+      target:
+        description:
+          - Where it appears inside the container; not under C(/meridian), C(/proc), C(/sys) or C(/dev).
+        type: str
+        required: true
+  labels:
+    description:
+      - Labels of the engine's own on its container, such as C(com.example.team). Keys starting with
+        C(meridian.node) and Docker's reserved C(com.docker.), C(io.docker.) and C(org.dockerproject.) are refused.
+      - Part of the container's settings - changing them replaces the container.
     type: dict
     default: {}
   health_path:
@@ -190,6 +256,24 @@ EXAMPLES = r"""
     port: 8001
     env:
       HF_TOKEN: "{{ vault_hf_token }}"
+
+- name: Serve SGLang on four GPUs with a larger /dev/shm, a read-only tokenizer directory and a team label
+  meridian.node.engine_instance:
+    name: qwen-72b
+    driver: sglang
+    image: registry.example.com/lmsysorg/sglang@sha256:4f5c0a6a0e0e7f1d2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192
+    model:
+      artifact: qwen-2-72b-instruct
+    gpus: ["0", "1", "2", "3"]
+    port: 8002
+    shm_size_mib: 65536  # the sglang driver's default is 32768
+    ulimits:
+      nofile: 1048576
+    volumes:
+      - source: /srv/models/tokenizers  # under the policy's engines.allowed_volume_sources
+        target: /data/tokenizers
+    labels:
+      com.example.team: search
 
 - name: Stop an engine, keeping its container
   meridian.node.engine_instance:
@@ -300,6 +384,21 @@ def main() -> None:
             "port": {"type": "int"},
             "args": {"type": "list", "elements": "str", "default": []},
             "env": {"type": "dict", "default": {}, "no_log": True},
+            "restart_policy": {
+                "type": "str",
+                "default": "unless-stopped",
+                "choices": ["no", "on-failure", "unless-stopped"],
+            },
+            "shm_size_mib": {"type": "int"},
+            "ipc_mode": {"type": "str", "default": "private", "choices": ["private", "host"]},
+            "ulimits": {"type": "dict", "default": {}},
+            "volumes": {
+                "type": "list",
+                "elements": "dict",
+                "default": [],
+                "options": {"source": {"type": "str", "required": True}, "target": {"type": "str", "required": True}},
+            },
+            "labels": {"type": "dict", "default": {}},
             "health_path": {"type": "str"},
             "replace_strategy": {
                 "type": "str",

@@ -46,7 +46,11 @@ options:
     description:
       - Where to fetch files from - an http(s) base URL (files are at C(<source>/<path>)) or a local
         directory (files are at C(<source>/<path>)).
-      - When omitted, the manifest's per-file C(url) or its C(base_url) is used.
+      - When omitted, the manifest's per-file C(url) or its C(base_url) is used. A local path there
+        (a plain path or a C(file://) URL) is read only inside a directory listed under the policy's
+        C(store.local_sources), compared after resolving symlinks; anything else is refused, naming the
+        path. By default the list is empty and a manifest may name no local file.
+      - A O(source) given here is the caller's own instruction and is not limited by C(store.local_sources).
     type: str
   state:
     description:

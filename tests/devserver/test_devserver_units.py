@@ -134,8 +134,31 @@ def test_certificate_of_another_ca_is_refused_by_the_application_too(control: Co
 
 def test_expired_certificate_is_refused(control: ControlPlane, tmp_path: Path) -> None:
     identity, _ = _enroll(control, tmp_path, "gpu-a")
-    with pytest.raises(PeerCertificateError, match="not now"):
+    with pytest.raises(PeerCertificateError, match=r"expired at .*enroll it again"):
         control.ca.check_peer(_der(identity), datetime.now(UTC) + timedelta(days=400))
+    with pytest.raises(PeerCertificateError, match="not yet now"):
+        control.ca.check_peer(_der(identity), datetime.now(UTC) - timedelta(days=1))
+
+
+def test_expired_certificate_reaching_the_application_is_403_certificate_expired(
+    control: ControlPlane, tmp_path: Path
+) -> None:
+    # The TLS layer refuses it first on a new connection; a kept-alive connection opened while it was
+    # still valid reaches the application, which must say "expired", not "untrusted".
+    identity, _ = _enroll(control, tmp_path, "gpu-a")
+    later = datetime.now(UTC) + timedelta(days=400)
+    a_year_on = ControlPlane(
+        store=control.store,
+        ca=control.ca,
+        control_key=control.control_key,
+        paths=control.paths,
+        settings=control.settings,
+        clock=lambda: later,
+    )
+    with pytest.raises(ProtocolError) as refused:
+        a_year_on.authenticate(_der(identity), "gpu-a")
+    assert (refused.value.status, refused.value.reason) == (403, "certificate-expired")
+    assert "enroll it again" in refused.value.detail
 
 
 def test_certificate_issued_by_the_ca_but_never_recorded_is_refused(control: ControlPlane, tmp_path: Path) -> None:
@@ -261,7 +284,9 @@ def test_protocol_doc_covers_every_endpoint_and_links_real_schemas(control: Cont
 
 def test_public_api_of_the_protocol_client_is_pinned() -> None:
     assert set(client_module.__all__) == {
+        "CERTIFICATE_EXPIRED",
         "DEFAULT_MAX_RESPONSE_BYTES",
+        "CertificateExpired",
         "ControlClient",
         "ControlPlaneError",
         "ControlPlaneRejected",
@@ -278,4 +303,5 @@ def test_public_api_of_the_protocol_client_is_pinned() -> None:
         "PendingKey",
     }
     assert issubclass(client_module.ControlPlaneRejected, client_module.ControlPlaneError)
+    assert issubclass(client_module.CertificateExpired, client_module.ControlPlaneRejected)
     assert issubclass(client_module.ControlPlaneUnavailable, client_module.ControlPlaneError)

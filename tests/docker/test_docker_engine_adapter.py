@@ -189,11 +189,42 @@ def test_settings_hash_changes_with_every_field_that_matters() -> None:
         settings_for(image, "e1", mounts=(BindMount("/srv/m", "/model"),)),
         settings_for(image, "e1", stop_timeout=11),
         settings_for(image, "e1", image="r/x@sha256:" + "2" * 64),
+        settings_for(image, "e1", restart_policy="unless-stopped"),
+        settings_for(image, "e1", shm_size_mib=1024),
+        settings_for(image, "e1", ipc_mode="host"),
+        settings_for(image, "e1", ulimits=(("stack", 67108864, 67108864),)),
+        settings_for(image, "e1", ulimits=(("stack", 8388608, 67108864),)),
+        settings_for(image, "e1", mounts=(BindMount("/srv/m", "/model", read_only=False),)),
+        settings_for(image, "e1", labels={"com.example.team": "search"}),
     ]
     hashes = {variant.config_hash() for variant in variants}
     assert base.config_hash() == settings_for(image, "e1").config_hash()
     assert base.config_hash() not in hashes
     assert len(hashes) == len(variants)
+
+
+def test_settings_from_before_ipc_and_ulimits_existed_keep_their_hash() -> None:
+    # Only a set ipc_mode or ulimits enters the hash: an upgrade does not relabel (and so replace) engines that
+    # use neither.
+    canonical = settings_for(LocalImage(tag="r/x:t", id="sha256:" + "1" * 64), "e1").canonical()
+    assert "ipc_mode" not in canonical and "ulimits" not in canonical
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"ipc_mode": "host", "shm_size_mib": 1024}, "needs a private or shareable ipc_mode"),
+        ({"shm_size_mib": 0}, "at least 1 MiB"),
+        ({"ipc_mode": "container:other"}, "is not one of private, shareable, host"),
+        ({"ulimits": (("stack", 1, 1), ("stack", 2, 2))}, "more than once"),
+        ({"ulimits": (("stack", 9, 8),)}, "is not a limit"),
+        ({"ulimits": (("stack", -1, 8),)}, "is not a limit"),
+        ({"restart_policy": "sometimes"}, "is not one of"),
+    ],
+)
+def test_settings_docker_would_reject_or_silently_ignore_are_refused(overrides: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        settings_for(LocalImage(tag="r/x:t", id="sha256:" + "1" * 64), "e1", **overrides)
 
 
 def test_settings_that_try_to_set_ownership_labels_are_refused() -> None:
@@ -265,6 +296,37 @@ def test_owned_engine_lives_and_dies_cleanly(
 
     engine.remove(stopped)
     assert engine.find(settings.name) is None
+
+
+@pytest.mark.docker
+def test_host_settings_are_what_the_engine_gets(
+    engine: DockerEngine, docker_client: Any, http_image: LocalImage, prefix: str, tmp_path: Path
+) -> None:
+    (tmp_path / "tok").mkdir()
+    settings = settings_for(
+        http_image,
+        f"{prefix}-host",
+        mounts=(BindMount(str(tmp_path / "tok"), "/data/tok"),),
+        labels={"com.example.team": "search"},
+        restart_policy="unless-stopped",
+        shm_size_mib=128,
+        ulimits=(("nofile", 4096, 8192), ("stack", 67108864, 67108864)),
+    )
+    created = engine.create(settings)
+    attrs = docker_client.api.inspect_container(created.id)
+    host_config = attrs["HostConfig"]
+
+    assert host_config["RestartPolicy"]["Name"] == "unless-stopped"
+    assert (host_config["IpcMode"], host_config["ShmSize"]) == ("private", 128 * 1024 * 1024)
+    assert host_config["Ulimits"] == [
+        {"Name": "nofile", "Soft": 4096, "Hard": 8192},
+        {"Name": "stack", "Soft": 67108864, "Hard": 67108864},
+    ]
+    assert host_config["Mounts"] == [
+        {"Type": "bind", "Source": str(tmp_path / "tok"), "Target": "/data/tok", "ReadOnly": True}
+    ]
+    assert attrs["Config"]["Labels"]["com.example.team"] == "search"
+    assert created.config_hash == settings.config_hash()
 
 
 @pytest.mark.docker
@@ -440,6 +502,7 @@ def test_public_api_is_exactly_what_the_engine_modules_use() -> None:
 
     assert sorted(docker_engine.__all__) == sorted(
         [
+            "IPC_MODES",
             "LABEL_CONFIG_HASH",
             "LABEL_DRIVER",
             "LABEL_INSTANCE",

@@ -12,6 +12,7 @@ import json
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker_engine import
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import LABEL_MIN_VRAM, LABEL_SPEC
 from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     BIND,
+    PORTS,
     SERVER,
     Host,
     free_port,
@@ -30,6 +32,7 @@ from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     watch_mark,
 )
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
 
 # Only used as an env value: no_log masks every occurrence of it in the output, so it must be unusual.
 SECRET = "tok-5e3c7a9f-not-for-labels"
@@ -423,3 +426,151 @@ def test_drain_timeout_fails_and_leaves_the_old_engine_running_and_serving(
     assert result["done"] == []
     assert [status for status, _at in outcomes] == [200, 200]
     assert not (host.state_dir / "draining" / f"{name}.json").exists(), "a still-serving engine stayed marked"
+
+
+# --- host settings: restart policy, /dev/shm, IPC, ulimits, read-only volumes, labels ------------------------
+
+MIB = 1024 * 1024
+
+
+def widen_policy(host: Host, **engines: Any) -> None:
+    """Give ``host`` the harness's policy plus ``engines`` settings (allowed volume sources, host IPC)."""
+    host.policy = write_policy(
+        host.root / f"policy-{secrets.token_hex(3)}",
+        control=[make_key()],
+        extra={
+            "images": {"allowed_repositories": ["meridian-node/standin"]},
+            "engines": {
+                "allowed_drivers": list(Host.DRIVERS),
+                "bind_address": BIND,
+                "port_range": list(PORTS),
+                **engines,
+            },
+            "store": {"path": str(host.store)},
+        },
+    )
+
+
+def wait_for(container: Any, what: str, done: Any, deadline_s: float = 60.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        container.reload()
+        if done(container):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"container {container.name}: {what} did not happen within {deadline_s:g}s ({container.status})")
+
+
+def in_container(container: Any, code: str) -> str:
+    exit_code, output = container.exec_run(["python3", "-c", code])
+    return f"{exit_code}:{output.decode().strip()}"
+
+
+def test_host_settings_reach_the_container_and_docker_restarts_a_crashed_engine_by_itself(
+    host: Host, images: dict[str, LocalImage], prefix: str, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    (data / "tok").mkdir(parents=True)
+    (data / "tok" / "vocab.txt").write_text("hello")
+    widen_policy(host, allowed_volume_sources=[str(data)])
+    name = f"{prefix}-host"
+    spec = host.params(
+        name=name,
+        driver="sglang",
+        image=images["sglang"].pinned,
+        model={"artifact": "tiny"},
+        port=free_port(),
+        # memlock -1 as NVIDIA recommends needs CAP_SYS_RESOURCE, which this test host's dockerd lacks
+        ulimits={"stack": 67108864, "nofile": {"soft": 4096, "hard": 8192}},
+        volumes=[{"source": str(data / "tok"), "target": "/data/tok"}],
+        labels={"com.example.team": "search"},
+    )
+    results = host.play(four_steps(spec))
+
+    assert_four_steps(results, ["create", "start", "wait-ready"])
+    after = results["check"]["diff"]["after"]["spec"]
+    assert (after["restart_policy"], after["ipc_mode"], after["labels"]) == (
+        "unless-stopped",
+        "private",
+        {"com.example.team": "search"},
+    )
+    container = host.container(name)
+    config = container.attrs["HostConfig"]
+    assert config["RestartPolicy"]["Name"] == "unless-stopped"
+    assert (config["IpcMode"], config["ShmSize"]) == ("private", 32768 * MIB), "the sglang driver's /dev/shm"
+    assert config["Ulimits"] == [
+        {"Name": "nofile", "Soft": 4096, "Hard": 8192},
+        {"Name": "stack", "Soft": 67108864, "Hard": 67108864},
+    ]
+    assert {"Type": "bind", "Source": str(data / "tok"), "Target": "/data/tok", "ReadOnly": True} in config["Mounts"]
+    assert container.labels["com.example.team"] == "search"
+    # What the engine sees: the limits, the /dev/shm size, a volume it can read and cannot write.
+    limits = "import resource as r; print(r.getrlimit(r.RLIMIT_NOFILE), r.getrlimit(r.RLIMIT_STACK))"
+    assert in_container(container, limits) == "0:(4096, 8192) (67108864, 67108864)"
+    shm = "import os; s = os.statvfs('/dev/shm'); print(s.f_blocks * s.f_frsize)"
+    assert in_container(container, shm) == f"0:{32768 * MIB}"
+    assert in_container(container, "print(open('/data/tok/vocab.txt').read())") == "0:hello"
+    assert in_container(container, "open('/data/tok/x', 'w')").startswith("1:")
+    assert not (data / "tok" / "x").exists()
+
+    # The engine crashes: Docker starts it again by itself, and the next converge finds nothing to do.
+    container.exec_run(["sh", "-c", "kill -9 -1"])
+    wait_for(container, "a restart", lambda c: c.attrs["RestartCount"] >= 1 and c.status == "running")
+    again = host.play([("apply", spec, False)])["apply"]
+    assert again["changed"] is False and again["container"]["id"] == container.id, again
+
+    # A changed restart policy replaces the engine, drained first; the same spec again changes nothing.
+    results = host.play(four_steps({**spec, "restart_policy": "on-failure"}))
+    assert_four_steps(results, ["drain", "stop", "remove", "create", "start", "wait-ready"])
+    replaced = host.container(name)
+    assert replaced.id != container.id
+    assert replaced.attrs["HostConfig"]["RestartPolicy"]["Name"] == "on-failure"
+
+    # Stopped on purpose (as a drain stops it), it stays stopped: the restart policy respects it.
+    stopped = host.play([("stop", {**spec, "restart_policy": "on-failure", "state": "stopped"}, False)])["stop"]
+    assert stopped["done"] == ["stop"], stopped
+    time.sleep(3)
+    replaced.reload()
+    assert replaced.status == "exited" and replaced.attrs["RestartCount"] == 0
+
+
+def test_host_ipc_runs_only_where_the_policy_allows_it(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    name = f"{prefix}-ipc"
+    spec = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=free_port())
+    refused = host.play([("check", {**spec, "ipc_mode": "host"}, True), ("apply", {**spec, "ipc_mode": "host"}, False)])
+    for label in ("check", "apply"):
+        assert refused[label]["failed"] is True and refused[label]["check"] == "policy-ipc", refused[label]
+        assert "engines.allow_host_ipc is false" in refused[label]["msg"]
+    assert host.container(name) is None
+
+    widen_policy(host, allow_host_ipc=True)
+    results = host.play(four_steps({**spec, "policy": str(host.policy), "ipc_mode": "host"}))
+    assert_four_steps(results, ["create", "start", "wait-ready"])
+    assert host.container(name).attrs["HostConfig"]["IpcMode"] == "host"
+
+
+def test_volumes_outside_the_policy_or_leading_out_of_it_create_nothing(
+    host: Host, images: dict[str, LocalImage], prefix: str, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "innocent").symlink_to("/etc")
+    name = f"{prefix}-vol"
+    spec = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=free_port())
+    cases = {
+        "no sources allowed": ({"source": str(data), "target": "/d"}, "policy-volume", "sources is empty"),
+        "the docker socket": ({"source": "/var/run/docker.sock", "target": "/s"}, "spec", "overlaps /var/run"),
+        "a symlink to /etc": ({"source": str(data / "innocent"), "target": "/e"}, "volume", "resolves to '/etc'"),
+    }
+    for case, (volume, check, words) in cases.items():
+        if check == "volume":
+            widen_policy(host, allowed_volume_sources=[str(data)])
+        asked = {**spec, "policy": str(host.policy), "volumes": [volume]}
+        results = host.play([("check", asked, True), ("apply", asked, False)])
+        for label in ("check", "apply"):
+            assert results[label]["failed"] is True, (case, results[label])
+            assert results[label]["check"] == check, (case, results[label]["msg"])
+            assert words in results[label]["msg"], case
+    assert host.container(name) is None

@@ -76,11 +76,13 @@ def write_policy(
     artifact_threshold: int = 1,
     air_gap_authority: Sequence[SigningKey] = (),
     air_gap_authority_threshold: int = 1,
+    control_max_lifetime: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``policy.yaml`` plus one PEM file per key (listed by relative path) into ``directory``.
 
-    Roles given no keys are left out of the policy. ``extra`` adds or replaces top-level sections
+    Roles given no keys are left out of the policy. ``control_max_lifetime`` sets
+    ``trust.control.max_lifetime`` (``"7d"``). ``extra`` adds or replaces top-level sections
     (``images``, ``engines``, ...). Returns the policy file's path.
     """
     keys_dir = directory / "keys"
@@ -99,6 +101,8 @@ def write_policy(
             (keys_dir / name).write_bytes(key.public_pem)
             paths.append(f"keys/{name}")
         trust[role] = {"threshold": threshold, "public_keys": paths}
+    if control_max_lifetime is not None:
+        trust["control"]["max_lifetime"] = control_max_lifetime
     document: dict[str, Any] = {"trust": trust, **(extra or {})}
     path = directory / "policy.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))

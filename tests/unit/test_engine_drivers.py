@@ -70,11 +70,11 @@ def test_public_api_is_pinned() -> None:
     assert set(engine_drivers.__all__) == {
         "DRIVERS",
         "MODEL_MOUNT_PATH",
-        "ContainerSettings",
         "Driver",
         "DriverError",
         "EngineFacts",
         "InFlight",
+        "LaunchSettings",
         "LlamaCppDriver",
         "LmDeployDriver",
         "MetricSample",
@@ -356,6 +356,54 @@ def test_tensor_parallel_is_not_added_for_one_gpu_mig_devices_or_when_args_set_i
     chosen = settings(driver, gpus=[GPU_A, GPU_B], args=[f"{flag[0]}=1"]).command
     assert chosen.count(f"{flag[0]}=1") == 1
     assert flag[0] not in chosen
+
+
+# -- host settings: restart policy, /dev/shm, IPC, ulimits, volumes --------------------------------------
+
+# driver, /dev/shm MiB when the spec sets none (sources: docs/ENGINE_DRIVERS.md)
+SHM_DEFAULTS: list[tuple[str, int | None]] = [("vllm", 10240), ("sglang", 32768), ("tgi", 1024), ("lmdeploy", 10240)]
+SHM_DEFAULTS += [(driver, None) for driver in ("llamacpp", "ollama", "openai")]
+
+
+@pytest.mark.parametrize(("driver", "shm"), SHM_DEFAULTS)
+def test_drivers_give_the_shared_memory_their_engines_docs_call_for(driver: str, shm: int | None) -> None:
+    result = settings(driver)
+    assert result.shm_size_mib == shm
+    # No driver raises a limit: a Docker Engine without CAP_SYS_RESOURCE could not start the engine.
+    assert (result.restart_policy, result.ipc_mode, result.ulimits) == ("unless-stopped", "private", ())
+
+
+@pytest.mark.parametrize("driver", sorted(contracts.DRIVERS))
+def test_the_specs_host_settings_win_over_the_drivers(driver: str) -> None:
+    limits_asked = {"stack": 8388608, "nofile": {"soft": 1, "hard": 2}}
+    result = settings(driver, restart_policy="on-failure", shm_size_mib=2048, ulimits=limits_asked)
+    assert (result.restart_policy, result.shm_size_mib) == ("on-failure", 2048)
+    limits = {name: (soft, hard) for name, soft, hard in result.ulimits}
+    assert limits["stack"] == (8388608, 8388608) and limits["nofile"] == (1, 2)
+    assert [name for name, _soft, _hard in result.ulimits] == sorted(limits), "sorted by name: a stable hash"
+
+
+def test_nvidias_recommended_limits_pass_through_as_soft_and_hard() -> None:
+    result = settings("sglang", ulimits={"stack": 67108864, "memlock": -1})
+    assert result.ulimits == (("memlock", -1, -1), ("stack", 67108864, 67108864))
+
+
+@pytest.mark.parametrize("driver", ["vllm", "sglang", "tgi", "lmdeploy"])
+def test_host_ipc_uses_the_hosts_dev_shm_so_no_size_is_set(driver: str) -> None:
+    result = settings(driver, ipc_mode="host")
+    assert (result.ipc_mode, result.shm_size_mib) == ("host", None)
+
+
+@pytest.mark.parametrize("driver", sorted(contracts.DRIVERS))
+def test_volumes_are_mounted_read_only_after_the_model(driver: str) -> None:
+    result = settings(
+        driver, volumes=[{"source": "/srv/tok", "target": "/data/tok"}, {"source": "/srv/t.jinja", "target": "/t"}]
+    )
+    assert result.mounts == (
+        Mount(source=MODEL_DIR, target=MODEL_MOUNT_PATH, read_only=True),
+        Mount(source="/srv/tok", target="/data/tok", read_only=True),
+        Mount(source="/srv/t.jinja", target="/t", read_only=True),
+    )
 
 
 # -- refusals ---------------------------------------------------------------------------------------------

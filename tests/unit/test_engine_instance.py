@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,8 +24,10 @@ from ansible_collections.meridian.node.plugins.module_utils.drain_state import (
     mark_draining,
     read_mark,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
     LABEL_MIN_VRAM,
+    LABEL_OWNER,
     LABEL_SPEC,
     EngineInstanceError,
     Options,
@@ -33,11 +36,14 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_instance impo
     build_spec,
     check_policy,
     converge,
+    engine_settings,
     placement_problem,
     public_spec,
     reservations_from,
 )
-from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
+from ansible_collections.meridian.node.plugins.module_utils.engine_spec import Volume
+from ansible_collections.meridian.node.plugins.module_utils.engine_volumes import VolumeRefusedError, resolve_volumes
+from ansible_collections.meridian.node.plugins.module_utils.policy import EnginesPolicy, PolicyError, load_policy
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
 
 DIGEST = "sha256:" + "ab" * 32
@@ -276,6 +282,13 @@ POLICY = [
     ("driver not allowed", {"driver": "ollama"}, "policy-driver", "'ollama' is not allowed"),
     ("port below the range", {"port": 8099}, "policy-port", "port 8099 is outside"),
     ("port above the range", {"port": 8200}, "policy-port", "8100-8199"),
+    ("host IPC the policy does not allow", {"ipc_mode": "host"}, "policy-ipc", "engines.allow_host_ipc is false"),
+    (
+        "a volume where the policy allows none",
+        {"volumes": [{"source": "/srv/models", "target": "/m"}]},
+        "policy-volume",
+        "none: engines.allowed_volume_sources is empty",
+    ),
 ]
 
 
@@ -386,3 +399,187 @@ def test_policy_refusal_comes_before_docker_is_asked_anything(tmp_path: Path, po
         converge(spec_params(port=9000), options, check_mode=True, engine=DockerEngine(cast(DockerApi, _NoDocker())))
 
     assert caught.value.check == "policy-port"
+
+
+def test_volume_refusal_comes_before_docker_is_asked_anything(tmp_path: Path, policy: Any) -> None:
+    options = Options(policy_path=policy.source, state_dir=str(tmp_path))
+    params = spec_params(volumes=[{"source": "/srv/models", "target": "/m"}])
+
+    with pytest.raises(EngineInstanceError) as caught:
+        converge(params, options, check_mode=True, engine=DockerEngine(cast(DockerApi, _NoDocker())))
+
+    assert caught.value.check == "policy-volume"
+    assert "'/srv/models'" in str(caught.value)
+
+
+# --- the host settings: what the container carries -------------------------------------------------------
+
+
+def test_host_settings_reach_the_public_spec_with_one_form_per_limit() -> None:
+    spec = build_spec(
+        spec_params(
+            restart_policy="on-failure",
+            shm_size_mib=2048,
+            ulimits={"stack": 8388608, "nofile": {"soft": 1024, "hard": 4096}},
+            volumes=[{"source": "/srv/tok", "target": "/tok"}],
+            labels={"com.example.team": "search"},
+        )
+    )
+    public = public_spec(spec)
+
+    assert public["restart_policy"] == "on-failure"
+    assert (public["shm_size_mib"], public["ipc_mode"]) == (2048, "private")
+    assert public["ulimits"] == {"nofile": {"soft": 1024, "hard": 4096}, "stack": {"soft": 8388608, "hard": 8388608}}
+    assert public["volumes"] == [{"source": "/srv/tok", "target": "/tok"}]
+    assert public["labels"] == {"com.example.team": "search"}
+
+
+def test_spec_labels_sit_beside_ours_on_the_container() -> None:
+    spec = build_spec(spec_params(labels={"com.example.team": "search"}))
+    launch = get_driver("vllm").container_settings(spec)
+    settings = engine_settings(spec, launch, bind_address="127.0.0.1", owner="agent:n1")
+
+    assert settings.labels["com.example.team"] == "search"
+    assert settings.labels[LABEL_OWNER] == "agent:n1"
+    assert json.loads(settings.labels[LABEL_SPEC])["labels"] == {"com.example.team": "search"}
+    assert (settings.restart_policy, settings.ipc_mode, settings.shm_size_mib) == ("unless-stopped", "private", 10240)
+
+
+@pytest.mark.parametrize("label", ["meridian.node/owner", "meridian.node/config-hash", "meridian.node/owned"])
+def test_a_spec_label_cannot_pass_for_one_of_ours(label: str) -> None:
+    with pytest.raises(EngineInstanceError) as caught:
+        build_spec(spec_params(labels={label: "x"}))
+    assert caught.value.check == "spec"
+    assert "is reserved" in str(caught.value)
+
+
+# --- the policy's engine section: volumes and host IPC --------------------------------------------------
+
+
+def engines_policy(tmp_path: Path, **engines: Any) -> Any:
+    return load_policy(write_policy(tmp_path / "policy", control=[make_key()], extra={"engines": engines}), keys=False)
+
+
+def test_policy_lets_volumes_and_host_ipc_only_when_it_says_so(tmp_path: Path) -> None:
+    default = engines_policy(tmp_path / "default")
+    assert (default.engines.allowed_volume_sources, default.engines.allow_host_ipc) == ((), False)
+
+    widened = engines_policy(tmp_path / "wide", allowed_volume_sources=["/srv/models"], allow_host_ipc=True)
+    assert widened.engines.volume_source_problem("/srv/models/tok") is None
+    assert widened.engines.volume_source_problem("/srv/models") is None
+    assert "not at or below" in str(widened.engines.volume_source_problem("/srv/models2"))
+    assert widened.engines.host_ipc_problem("host") is None
+
+
+@pytest.mark.parametrize(
+    ("sources", "words"),
+    [
+        (["/"], "name the directories they may read"),
+        (["/etc/models"], "is inside /etc"),
+        (["/run/user/0"], "is inside /run"),
+        (["/var/lib/meridian-node/models"], "is inside /var/lib/meridian-node"),
+        (["srv/models"], "must be an absolute path"),
+        (["/srv/models/"], "must be an absolute path"),
+        (["/srv/../etc"], "must be an absolute path"),
+        ("/srv/models", "valid list"),
+    ],
+)
+def test_policy_refuses_volume_sources_no_engine_may_have(tmp_path: Path, sources: Any, words: str) -> None:
+    with pytest.raises(PolicyError) as caught:
+        engines_policy(tmp_path, allowed_volume_sources=sources)
+    assert "engines.allowed_volume_sources" in str(caught.value)
+    assert words in str(caught.value)
+
+
+def test_policy_host_ipc_switch_is_a_boolean(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"engines\.allow_host_ipc: input should be a valid boolean"):
+        engines_policy(tmp_path, allow_host_ipc="yes")
+
+
+# --- volumes resolved on the host --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    (root / "tok").mkdir(parents=True)
+    (root / "template.jinja").write_text("{{ messages }}")
+    return root
+
+
+def allowing(*sources: Path) -> EnginesPolicy:
+    return EnginesPolicy(("vllm",), "127.0.0.1", (8000, 8999), allowed_volume_sources=tuple(map(str, sources)))
+
+
+def refusal(volume: Volume, policy: EnginesPolicy, **kwargs: Any) -> VolumeRefusedError:
+    with pytest.raises(VolumeRefusedError) as caught:
+        resolve_volumes([volume], policy, **kwargs)
+    return caught.value
+
+
+def test_allowed_directories_and_files_are_mounted_as_they_are(data: Path) -> None:
+    volumes = [Volume(str(data / "tok"), "/tok"), Volume(str(data / "template.jinja"), "/t.jinja")]
+    assert resolve_volumes(volumes, allowing(data)) == tuple(volumes)
+
+
+def test_a_symlink_inside_the_allowed_directory_is_mounted_where_it_leads(data: Path) -> None:
+    (data / "latest").symlink_to(data / "tok")
+    resolved = resolve_volumes([Volume(str(data / "latest"), "/tok")], allowing(data))
+    assert resolved == (Volume(str(data / "tok"), "/tok"),)
+
+
+def test_an_allowed_directory_that_is_a_symlink_allows_where_it_leads(tmp_path: Path, data: Path) -> None:
+    (tmp_path / "models").symlink_to(data)
+    resolved = resolve_volumes([Volume(str(tmp_path / "models" / "tok"), "/tok")], allowing(tmp_path / "models"))
+    assert resolved == (Volume(str(data / "tok"), "/tok"),)
+
+
+def test_a_symlink_planted_in_an_allowed_directory_cannot_reach_host_configuration(data: Path) -> None:
+    (data / "innocent").symlink_to("/etc")
+    refused = refusal(Volume(str(data / "innocent"), "/cfg"), allowing(data))
+    assert refused.check == "volume"
+    assert "resolves to '/etc'" in str(refused) and "overlaps /etc" in str(refused)
+
+
+def test_a_symlink_cannot_lead_out_of_the_allowed_directories(tmp_path: Path, data: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (data / "out").symlink_to(elsewhere)
+    refused = refusal(Volume(str(data / "out"), "/o"), allowing(data))
+    assert refused.check == "volume"
+    assert f"resolves to {str(elsewhere)!r}" in str(refused) and "not at or below" in str(refused)
+
+
+def test_a_path_the_policy_does_not_list_is_refused_by_policy(tmp_path: Path, data: Path) -> None:
+    refused = refusal(Volume(str(tmp_path), "/t"), allowing(data))
+    assert refused.check == "policy-volume"
+    assert str(data) in str(refused)
+
+
+def test_a_missing_source_is_refused_before_docker_would_create_it(data: Path) -> None:
+    refused = refusal(Volume(str(data / "nope"), "/n"), allowing(data))
+    assert refused.check == "volume"
+    assert "cannot be read on this host" in str(refused)
+
+
+def test_a_socket_is_refused_even_read_only(data: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(data / "engine.sock"))
+        refused = refusal(Volume(str(data / "engine.sock"), "/s"), allowing(data))
+    assert refused.check == "volume"
+    assert "is a socket" in str(refused) and "connect" in str(refused)
+
+
+def test_a_fifo_is_refused(data: Path) -> None:
+    os.mkfifo(data / "pipe")
+    assert "is a FIFO" in str(refusal(Volume(str(data / "pipe"), "/p"), allowing(data)))
+
+
+@pytest.mark.parametrize("which", ["store", "state"])
+def test_this_hosts_own_directories_are_refused_inside_an_allowed_one(data: Path, which: str) -> None:
+    own = data / which
+    own.mkdir()
+    # Given in another spelling: the host's directories are compared resolved.
+    refused = refusal(Volume(str(data), "/all"), allowing(data), host_dirs=[str(own) + "/", ""])
+    assert refused.check == "volume"
+    assert f"overlaps {own}" in str(refused)

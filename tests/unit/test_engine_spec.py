@@ -62,6 +62,28 @@ GOOD = [
     pytest.param(spec(port=65535), id="highest-port"),
     pytest.param(spec(name="a"), id="one-letter-name"),
     pytest.param(spec(name="a" * 63), id="longest-name"),
+    pytest.param(
+        spec(
+            restart_policy="on-failure",
+            shm_size_mib=65536,
+            ulimits={"memlock": -1, "stack": 67108864, "nofile": {"soft": 65536, "hard": 1048576}},
+            volumes=[{"source": "/srv/models/tok", "target": "/data/tok"}, {"source": "/srv/x.jinja", "target": "/x"}],
+            labels={"com.example.team": "search", "team": "a" * 1024},
+        ),
+        id="every-host-setting",
+    ),
+    pytest.param(spec(restart_policy="no"), id="restart-never"),
+    pytest.param(spec(ipc_mode="host"), id="host-ipc-is-policys-call"),
+    pytest.param(spec(ulimits={"core": 0, "nproc": -1}), id="ulimit-zero-and-unlimited"),
+    pytest.param(spec(ulimits={"stack": {"soft": 8388608, "hard": -1}}), id="ulimit-soft-under-unlimited"),
+    pytest.param(spec(volumes=[{"source": "/var/lib/models", "target": "/models"}]), id="volume-beside-reserved"),
+    pytest.param(spec(volumes=[{"source": "/etcetera", "target": "/data"}]), id="volume-prefix-is-not-a-parent"),
+    pytest.param(
+        spec(volumes=[{"source": "/srv/a", "target": "/data"}, {"source": "/srv/b", "target": "/data2"}]),
+        id="volume-targets-side-by-side",
+    ),
+    pytest.param(spec(volumes=[{"source": f"/srv/m{i}", "target": f"/m{i}"} for i in range(16)]), id="most-volumes"),
+    pytest.param(spec(labels={f"com.example.l{i}": "v" for i in range(32)}), id="most-labels"),
 ]
 
 BAD = [
@@ -90,8 +112,77 @@ BAD = [
     pytest.param(spec(env=["A=1"]), "env", id="env-not-a-mapping"),
     pytest.param(spec(state="running"), "state", id="unknown-state"),
     pytest.param(spec(replace_strategy="yolo"), "replace_strategy", id="unknown-strategy"),
-    pytest.param(spec(volumes=["/:/host"]), "volumes", id="unknown-field"),
+    pytest.param(spec(privileged=True), "privileged", id="unknown-field"),
     pytest.param(spec(served_model_name=3), "served_model_name", id="served-name-not-a-string"),
+    # restart policy, IPC and /dev/shm
+    pytest.param(spec(restart_policy="always"), "restart_policy", id="restart-always-undoes-a-drain"),
+    pytest.param(spec(restart_policy=False), "restart_policy", id="restart-no-unquoted"),
+    pytest.param(spec(ipc_mode="shareable"), "ipc_mode", id="ipc-shareable"),
+    pytest.param(spec(ipc_mode="container:other"), "ipc_mode", id="ipc-joins-another-container"),
+    pytest.param(spec(ipc_mode="host", shm_size_mib=1024), "shm_size_mib", id="shm-ignored-with-host-ipc"),
+    pytest.param(spec(shm_size_mib=0), "shm_size_mib", id="shm-zero"),
+    pytest.param(spec(shm_size_mib=16 * 1024 * 1024 + 1), "shm_size_mib", id="shm-beyond-int64-bytes"),
+    # ulimits
+    pytest.param(spec(ulimits={"rtprio": 99}), "ulimits.rtprio", id="ulimit-raises-scheduling-priority"),
+    pytest.param(spec(ulimits={"nofile": -1}), "ulimits.nofile", id="ulimit-nofile-unlimited"),
+    pytest.param(spec(ulimits={"memlock": -2}), "ulimits.memlock", id="ulimit-below-unlimited"),
+    pytest.param(spec(ulimits={"stack": {"soft": 9, "hard": 8}}), "ulimits.stack", id="ulimit-soft-above-hard"),
+    pytest.param(spec(ulimits={"stack": {"soft": -1, "hard": 8}}), "ulimits.stack", id="ulimit-soft-unlimited-only"),
+    pytest.param(spec(ulimits={"stack": {"soft": 8}}), "ulimits.stack.hard", id="ulimit-without-hard"),
+    pytest.param(spec(ulimits={"stack": "64m"}), "ulimits.stack", id="ulimit-as-a-size-string"),
+    pytest.param(spec(ulimits=["memlock=-1"]), "ulimits", id="ulimits-not-a-mapping"),
+    # volumes: what a signed but mistaken state could use to take the host
+    pytest.param(spec(volumes=[{"source": "/etc", "target": "/e"}]), "volumes[0]", id="volume-host-etc"),
+    pytest.param(
+        spec(volumes=[{"source": "/var/run/docker.sock", "target": "/s"}]), "volumes[0]", id="volume-docker-socket"
+    ),
+    pytest.param(spec(volumes=[{"source": "/run", "target": "/r"}]), "volumes[0]", id="volume-every-socket"),
+    pytest.param(spec(volumes=[{"source": "/", "target": "/host"}]), "volumes[0]", id="volume-whole-host"),
+    pytest.param(spec(volumes=[{"source": "/var", "target": "/v"}]), "volumes[0]", id="volume-above-reserved"),
+    pytest.param(
+        spec(volumes=[{"source": "/var/lib/meridian-node-apply/draining", "target": "/d"}]),
+        "volumes[0]",
+        id="volume-apply-state",
+    ),
+    pytest.param(
+        spec(volumes=[{"source": "/var/lib/meridian-node", "target": "/d"}]), "volumes[0]", id="volume-agent-dir"
+    ),
+    pytest.param(spec(volumes=[{"source": "/var/lib/docker", "target": "/d"}]), "volumes[0]", id="volume-docker-state"),
+    pytest.param(spec(volumes=[{"source": "/srv/../etc", "target": "/d"}]), "volumes[0]", id="volume-dot-dot"),
+    pytest.param(spec(volumes=[{"source": "srv/models", "target": "/d"}]), "volumes[0]", id="volume-relative"),
+    pytest.param(spec(volumes=[{"source": "//etc", "target": "/d"}]), "volumes[0]", id="volume-double-slash"),
+    pytest.param(spec(volumes=[{"source": "/srv/m/", "target": "/d"}]), "volumes[0]", id="volume-trailing-slash"),
+    pytest.param(spec(volumes=[{"source": "/srv/m", "target": "d"}]), "volumes[0]", id="volume-relative-target"),
+    pytest.param(spec(volumes=[{"source": "/srv/m", "target": "/"}]), "volumes[0]", id="volume-over-the-root"),
+    pytest.param(
+        spec(volumes=[{"source": "/srv/m", "target": "/meridian/model"}]), "volumes[0]", id="volume-over-the-model"
+    ),
+    pytest.param(spec(volumes=[{"source": "/srv/m", "target": "/proc/x"}]), "volumes[0]", id="volume-into-proc"),
+    pytest.param(
+        spec(volumes=[{"source": "/srv/a", "target": "/d"}, {"source": "/srv/b", "target": "/d/b"}]),
+        "volumes",
+        id="volume-targets-overlap",
+    ),
+    pytest.param(
+        spec(volumes=[{"source": "/srv/m", "target": "/d", "read_only": False}]),
+        "volumes[0].read_only",
+        id="volume-writable",
+    ),
+    pytest.param(spec(volumes=[{"source": "/srv/m"}]), "volumes[0].target", id="volume-without-target"),
+    pytest.param(spec(volumes=["/srv/m:/d"]), "volumes[0]", id="volume-as-docker-cli-string"),
+    pytest.param(
+        spec(volumes=[{"source": f"/srv/m{i}", "target": f"/m{i}"} for i in range(17)]), "volumes", id="volumes-17"
+    ),
+    # labels
+    pytest.param(spec(labels={"meridian.node/owner": "agent:x"}), "labels.meridian.node/owner", id="label-ours"),
+    pytest.param(spec(labels={"meridian.node.x": "1"}), "labels.meridian.node.x", id="label-our-prefix"),
+    pytest.param(
+        spec(labels={"com.docker.compose.project": "x"}), "labels.com.docker.compose.project", id="label-docker"
+    ),
+    pytest.param(spec(labels={"Team Name": "x"}), "labels.Team Name", id="label-key-malformed"),
+    pytest.param(spec(labels={"team": 1}), "labels.team", id="label-value-not-a-string"),
+    pytest.param(spec(labels={"team": "a" * 1025}), "labels.team", id="label-value-too-long"),
+    pytest.param(spec(labels={f"com.example.l{i}": "v" for i in range(33)}), "labels", id="labels-33"),
 ]
 
 
@@ -100,7 +191,7 @@ def test_good_specs_parse_to_what_the_contract_parses(document: dict[str, Any]) 
     ours = parse_engine_spec(document)
     theirs = contracts.EngineSpec.model_validate(document).model_dump()
     mine = dataclasses.asdict(ours)
-    assert {**mine, "gpus": list(mine["gpus"]), "args": list(mine["args"])} == theirs
+    assert {**mine, "gpus": list(mine["gpus"]), "args": list(mine["args"]), "volumes": list(mine["volumes"])} == theirs
 
 
 @pytest.mark.parametrize(("document", "field"), BAD)

@@ -1,5 +1,6 @@
 """The policy file: what it accepts, and that every mistake is reported with its field and value."""
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,39 @@ def test_an_explicit_store_path_is_taken_as_is_even_at_the_old_default(
     (old / "artifacts").mkdir(parents=True)
     store = load_policy(write(policy_dir, with_control(f"store: {{path: {old}}}"))).store
     assert (store.path, store.path_source, store.relocate_to) == (str(old), "policy", None)
+
+
+def test_manifests_may_name_no_local_directory_unless_store_local_sources_lists_it(policy_dir: Path) -> None:
+    assert load_policy(write(policy_dir, with_control())).store.local_sources == ()
+    listed = with_control("store: {local_sources: [/var/lib/meridian-node/inbox, /srv/models]}")
+    assert load_policy(write(policy_dir, listed)).store.local_sources == ("/var/lib/meridian-node/inbox", "/srv/models")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            "store: {local_sources: [inbox]}",
+            "store.local_sources[0]: must be an absolute directory path (got 'inbox')",
+            id="relative",
+        ),
+        pytest.param(
+            "store: {local_sources: /srv/models}",
+            "store.local_sources: input should be a valid list",
+            id="not-a-list",
+        ),
+        pytest.param(
+            "store: {local_sources: [/srv/models, 3]}",
+            "store.local_sources[1]: input should be a valid string",
+            id="not-a-string",
+        ),
+        pytest.param("store: {local_source: [/srv]}", "store.local_source: unknown field", id="misspelt"),
+    ],
+)
+def test_malformed_store_local_sources_are_refused_naming_the_entry(
+    policy_dir: Path, text: str, expected: str
+) -> None:
+    assert expected in error_for(policy_dir, with_control(text))
 
 
 def test_unconfigured_role_trusts_nobody(policy_dir: Path) -> None:
@@ -449,3 +483,61 @@ def test_yaml_error_names_the_line(policy_dir: Path) -> None:
 def test_parse_policy_names_its_source_in_errors(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match=r"^policy inline-test: trust: a required field is missing$"):
         parse_policy("{}", tmp_path, source="inline-test")
+
+
+# --- trust.control.max_lifetime ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected", "spelled"),
+    [
+        ("90s", timedelta(seconds=90), "1m 30s"),
+        ("30m", timedelta(minutes=30), "30m"),
+        ("12h", timedelta(hours=12), "12h"),
+        ("7d", timedelta(days=7), "7d"),
+        ("2w", timedelta(days=14), "14d"),
+    ],
+)
+def test_control_max_lifetime_takes_a_duration(policy_dir: Path, value: str, expected: timedelta, spelled: str) -> None:
+    text = with_control(control=f"{{max_lifetime: {value}, public_keys: [keys/control-0.pem]}}")
+    assert load_policy(write(policy_dir, text)).max_lifetime("control") == expected
+    assert policy.format_duration(expected) == spelled
+
+
+def test_max_lifetime_is_unset_by_default_and_for_unconfigured_roles(policy_dir: Path) -> None:
+    loaded = load_policy(write(policy_dir, with_control()))
+    assert loaded.max_lifetime("control") is None
+    assert loaded.max_lifetime("artifact") is None
+
+
+DURATION_FORM = "must be a duration: a whole number and one unit of s, m, h, d or w, such as 7d or 12h"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param("'7'", f"{DURATION_FORM} (got '7')", id="no-unit"),
+        pytest.param("7 days", f"{DURATION_FORM} (got '7 days')", id="words"),
+        pytest.param("1.5d", f"{DURATION_FORM} (got '1.5d')", id="fraction"),
+        pytest.param("-1d", f"{DURATION_FORM} (got '-1d')", id="negative"),
+        pytest.param("1d12h", f"{DURATION_FORM} (got '1d12h')", id="two-units"),
+        pytest.param("7D", f"{DURATION_FORM} (got '7D')", id="upper-case"),
+        pytest.param("604800", f"{DURATION_FORM} (got 604800)", id="bare-number"),
+        pytest.param("true", f"{DURATION_FORM} (got True)", id="boolean"),
+        pytest.param("0d", "must be more than 0 and at most 100 years (got '0d')", id="zero"),
+        pytest.param("40000d", "must be more than 0 and at most 100 years (got '40000d')", id="forever"),
+    ],
+)
+def test_nonsense_max_lifetime_is_refused_naming_the_value(policy_dir: Path, value: str, expected: str) -> None:
+    text = with_control(control=f"{{max_lifetime: {value}, public_keys: [keys/control-0.pem]}}")
+    assert error_for(policy_dir, text).endswith(f": trust.control.max_lifetime: {expected}")
+
+
+def test_max_lifetime_belongs_to_control_only(policy_dir: Path) -> None:
+    text = with_control("  artifact: {max_lifetime: 7d, public_keys: [keys/artifact-0.pem]}\n")
+    assert "trust.artifact.max_lifetime: unknown field (got '7d')" in error_for(policy_dir, text)
+
+
+def test_policy_without_keys_still_checks_max_lifetime(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"trust\.control\.max_lifetime: must be a duration"):
+        parse_policy("trust: {control: {public_keys: [k.pem], max_lifetime: soon}}", tmp_path, keys=False)

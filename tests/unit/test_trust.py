@@ -6,10 +6,12 @@ import json
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import cast
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ansible_collections.meridian.node.plugins.module_utils import dsse
+from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse, trust
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.trust import (
@@ -205,11 +207,12 @@ def test_invalid_signature_by_a_trusted_key_does_not_count(two_of_two: Policy) -
     rejected(RejectionCode.THRESHOLD_NOT_MET, lambda: verify(data, two_of_two))
 
 
-def test_signature_that_is_not_base64_counts_as_invalid(policy: Policy) -> None:
+def test_signature_that_is_not_base64_is_malformed(policy: Policy) -> None:
     document = envelope("desired-state", desired_state(), [CONTROL])
     document["signatures"][0]["sig"] = "@@@"
     data = json.dumps(document).encode()
-    rejected(RejectionCode.THRESHOLD_NOT_MET, lambda: verify(data, policy))
+    error = rejected(RejectionCode.MALFORMED, lambda: verify(data, policy))
+    assert "signatures[0].sig: must be canonical base64" in error.message
 
 
 def test_unsigned_payload_is_never_parsed(policy: Policy) -> None:
@@ -392,6 +395,320 @@ def test_bundle_replaying_an_old_state_is_refused(policy: Policy) -> None:
 def test_bundle_created_in_the_future_is_not_yet_valid(policy: Policy) -> None:
     data = make_bundle([CONTROL], [AUTHORITY], created_at=format_rfc3339(NOW + timedelta(hours=1)))
     rejected(RejectionCode.NOT_YET_VALID, lambda: verify_b(data, policy))
+
+
+# --- one meaning per signed body -------------------------------------------------------------------------
+# A signed state is read by the host and by reviewers, audit tools and the control plane. Each attack below
+# is a document two honest readers could read differently; each is refused, signed by a trusted key.
+
+
+UNIX_NOW = int(NOW.timestamp())
+
+# Values lax pydantic read as something else (generation 30, 1, 3, 3; a Unix time; a time without seconds
+# or with a digit Python drops): each reader of the signed bytes could see another state.
+COERCIBLE = [
+    ("generation", "3_0"),
+    ("generation", True),
+    ("generation", 3.0),
+    ("generation", " 3 "),
+    ("generation", "3"),
+    ("lease_epoch", "1"),
+    ("issued_at", UNIX_NOW - 60),
+    ("issued_at", str(UNIX_NOW - 60)),
+    ("issued_at", "2025-06-01 11:59:00Z"),
+    ("expires_at", "2025-06-01T13:00Z"),
+    ("expires_at", "2025-06-01T13:00:00.0000001Z"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), COERCIBLE, ids=[f"{field}={value!r}" for field, value in COERCIBLE])
+def test_state_signed_with_a_coercible_value_is_a_schema_error(policy: Policy, field: str, value: object) -> None:
+    data = signed("desired-state", desired_state(**{field: value}), [CONTROL])
+    error = rejected(RejectionCode.SCHEMA, lambda: verify(data, policy))
+    assert error.message.startswith(f"signed desired state does not match the schema: {field}: "), error.message
+    assert repr(value) in error.message
+
+
+def test_engine_port_signed_as_a_string_is_a_schema_error(policy: Policy) -> None:
+    engine = {"name": "chat", "driver": "vllm", "image": "r/i", "model": {"name": "m"}, "port": "8000"}
+    data = signed("desired-state", desired_state(engines=[engine]), [CONTROL])
+    error = rejected(RejectionCode.SCHEMA, lambda: verify(data, policy))
+    assert "engines[0].port: input should be a valid integer (got '8000')" in error.message
+
+
+def _with_duplicate(payload: dict[str, object], key: str, value: object, *, first: bool = False) -> bytes:
+    """The JSON of ``payload`` with ``key`` given a second time (before the others when ``first``)."""
+    extra = f"{json.dumps(key)}: {json.dumps(value)}"
+    text = json.dumps(payload)
+    return ("{" + extra + ", " + text[1:] if first else text[:-1] + ", " + extra + "}").encode()
+
+
+def test_state_naming_its_generation_twice_is_a_schema_error(policy: Policy) -> None:
+    # A first-wins reader (a reviewer's tool) sees generation 2; a last-wins one (pydantic) 1000.
+    body = _with_duplicate(desired_state(generation=2), "generation", 1000)
+    error = rejected(RejectionCode.SCHEMA, lambda: verify(signed("desired-state", body, [CONTROL]), policy))
+    assert "key 'generation' appears twice in one object (first 2, then 1000)" in error.message
+
+
+def test_engine_naming_its_image_twice_is_a_schema_error(policy: Policy) -> None:
+    engine = (
+        '{"name": "chat", "driver": "vllm", "image": "r/good", "model": {"name": "m"}, "port": 8000, "image": "r/evil"}'
+    )
+    body = json.dumps(desired_state(engines=["ENGINE"])).replace('"ENGINE"', engine).encode()
+    error = rejected(RejectionCode.SCHEMA, lambda: verify(signed("desired-state", body, [CONTROL]), policy))
+    assert "key 'image' appears twice in one object (first 'r/good', then 'r/evil')" in error.message
+
+
+def test_manifest_naming_a_file_digest_twice_is_a_schema_error(policy: Policy) -> None:
+    text = json.dumps(artifact_manifest())
+    body = text.replace('"sha256": ', '"sha256": "' + "cd" * 32 + '", "sha256": ').encode()
+    data = signed("artifact-manifest", body, [ARTIFACT])
+    error = rejected(RejectionCode.SCHEMA, lambda: verify_artifact_manifest(data, policy))
+    assert "key 'sha256' appears twice" in error.message
+
+
+def test_bundle_carrying_two_desired_states_is_a_schema_error(policy: Policy) -> None:
+    old = envelope("desired-state", desired_state(generation=2), [CONTROL])
+    new = envelope("desired-state", desired_state(generation=3), [CONTROL])
+    body = _with_duplicate(bundle(new), "desired_state", old)
+    data = signed("bundle", body, [AUTHORITY])
+    error = rejected(RejectionCode.SCHEMA, lambda: verify_b(data, policy))
+    assert "key 'desired_state' appears twice" in error.message
+
+
+@pytest.mark.parametrize(
+    "smuggle",
+    [
+        # A forged payload first: readers that keep the first key see it, the verifier the signed last one.
+        pytest.param(
+            lambda document: _with_duplicate(
+                document, "payload", base64.b64encode(encode(desired_state(generation=99))).decode(), first=True
+            ),
+            id="second-payload",
+        ),
+        pytest.param(
+            lambda document: _with_duplicate(
+                document, "payloadType", dsse.PAYLOAD_TYPES["artifact-manifest"], first=True
+            ),
+            id="second-payload-type",
+        ),
+        pytest.param(
+            lambda document: _with_duplicate(document, "signatures", [], first=True),
+            id="second-signature-list",
+        ),
+        pytest.param(
+            lambda document: (
+                json.dumps(document).replace('"keyid": ', f'"keyid": "{STRANGER.keyid}", "keyid": ', 1).encode()
+            ),
+            id="second-keyid",
+        ),
+    ],
+)
+def test_envelope_naming_a_key_twice_is_malformed(
+    policy: Policy, smuggle: Callable[[dict[str, object]], bytes]
+) -> None:
+    data = smuggle(envelope("desired-state", desired_state(), [CONTROL]))
+    json.loads(data)  # valid JSON to the stdlib, which would quietly keep the last
+    error = rejected(RejectionCode.MALFORMED, lambda: verify(data, policy))
+    assert "appears twice in one object" in error.message
+
+
+def _other_encoding(canonical: str) -> str:
+    """The same bytes base64-encoded with the unused trailing bits set: what a lenient decoder still reads."""
+    assert canonical.endswith("=")
+    padding = len(canonical) - len(canonical.rstrip("="))
+    last = canonical[-padding - 1]
+    other = canonical[: -padding - 1] + chr(ord(last) + 1) + "=" * padding
+    assert base64.b64decode(other, validate=True) == base64.b64decode(canonical)
+    return other
+
+
+def padded_body() -> bytes:
+    """A desired state whose base64 needs '==' (trailing JSON whitespace sets the length), so it has unused bits."""
+    body = encode(desired_state())
+    return body + b" " * ((1 - len(body)) % 3)
+
+
+def test_same_body_in_a_second_base64_encoding_is_malformed(policy: Policy) -> None:
+    document = envelope("desired-state", padded_body(), [CONTROL])
+    document["payload"] = _other_encoding(document["payload"])
+    error = rejected(RejectionCode.MALFORMED, lambda: verify(json.dumps(document).encode(), policy))
+    assert "payload: must be canonical base64" in error.message
+
+
+@pytest.mark.parametrize(
+    "recode",
+    [
+        pytest.param(lambda text: text.rstrip("="), id="no-padding"),
+        pytest.param(lambda text: text[:76] + "\n" + text[76:], id="mime-line-break"),
+        pytest.param(lambda text: text.replace("+", "-").replace("/", "_") + "-", id="url-safe-alphabet"),
+    ],
+)
+def test_payload_in_a_non_standard_base64_form_is_malformed(policy: Policy, recode: Callable[[str], str]) -> None:
+    document = envelope("desired-state", padded_body(), [CONTROL])
+    document["payload"] = recode(document["payload"])
+    error = rejected(RejectionCode.MALFORMED, lambda: verify(json.dumps(document).encode(), policy))
+    assert "payload: must be canonical base64" in error.message
+
+
+def test_signature_in_a_second_base64_encoding_is_malformed(policy: Policy) -> None:
+    # Ed25519 signatures are 64 bytes: base64 with '==' and four unused bits, sixteen spellings of each.
+    document = envelope("desired-state", desired_state(), [CONTROL])
+    document["signatures"][0]["sig"] = _other_encoding(document["signatures"][0]["sig"])
+    error = rejected(RejectionCode.MALFORMED, lambda: verify(json.dumps(document).encode(), policy))
+    assert "signatures[0].sig: must be canonical base64" in error.message
+
+
+# --- verification cost is bounded -------------------------------------------------------------------------
+
+
+class CountingKey:
+    """A trusted public key that counts the signatures the verifier asks it to check."""
+
+    def __init__(self, key: SigningKey) -> None:
+        self.public = key.private.public_key()
+        self.calls = 0
+
+    def verify(self, signature: bytes, data: bytes) -> None:
+        self.calls += 1
+        self.public.verify(signature, data)
+
+
+def counting(*keys: SigningKey) -> tuple[dict[str, Ed25519PublicKey], list[CountingKey]]:
+    counters = [CountingKey(key) for key in keys]
+    return {key.keyid: cast("Ed25519PublicKey", counter) for key, counter in zip(keys, counters, strict=True)}, counters
+
+
+def with_signatures(document: dict[str, object], signatures: list[dict[str, str]]) -> bytes:
+    return json.dumps({**document, "signatures": signatures}).encode()
+
+
+def bogus_signature(key: SigningKey, index: int = 0) -> dict[str, str]:
+    """A signature naming ``key`` that is not valid for anything."""
+    return {"keyid": key.keyid, "sig": base64.b64encode(hashlib.sha512(b"%d" % index).digest()).decode()}
+
+
+def test_flood_of_invalid_signatures_naming_a_trusted_key_is_refused_unverified() -> None:
+    document = envelope("desired-state", desired_state(), [CONTROL])
+    flood = [bogus_signature(CONTROL, index) for index in range(2000)] + document["signatures"]
+    keys, (counter,) = counting(CONTROL)
+    error = rejected(
+        RejectionCode.MALFORMED,
+        lambda: verify_envelope(with_signatures(document, flood), payload_type=DESIRED_TYPE, keys=keys, threshold=1),
+    )
+    assert error.message.startswith(
+        "the envelope carries 2001 signatures, more than the 4 allowed for trusted documents"
+    )
+    assert counter.calls == 0
+
+
+def test_more_than_four_signatures_per_trusted_key_are_refused_unverified(policy: Policy) -> None:
+    # Two control keys: at most eight signatures, whoever made them.
+    document = envelope("desired-state", desired_state(), [CONTROL])
+    nine = document["signatures"] + [bogus_signature(STRANGER, index) for index in range(8)]
+    data = with_signatures(document, nine)
+    error = rejected(RejectionCode.MALFORMED, lambda: verify(data, policy))
+    assert "carries 9 signatures, more than the 8 allowed for control documents" in error.message
+    keys, counters = counting(CONTROL, CONTROL_2)
+    rejected(
+        RejectionCode.MALFORMED,
+        lambda: verify_envelope(data, payload_type=DESIRED_TYPE, keys=keys, threshold=1, role="control"),
+    )
+    assert [counter.calls for counter in counters] == [0, 0]
+    eight = with_signatures(document, nine[:8])
+    assert verify(eight, policy).signers == (CONTROL.keyid,)
+
+
+def test_signature_limit_is_four_per_key_within_a_fixed_ceiling() -> None:
+    assert [trust.signature_limit(keys, 1) for keys in (0, 1, 2, 16, 17, 1000)] == [4, 4, 8, 64, 64, 64]
+    assert trust.signature_limit(1000, 100) == 100  # never below what the threshold needs
+    assert trust.SIGNATURES_PER_KEY == 4 and contracts.MAX_SIGNATURES == 64
+
+
+def test_many_trusted_keys_do_not_lift_the_ceiling() -> None:
+    many = [make_key() for _ in range(20)]
+    document = envelope("desired-state", desired_state(), many[:1])
+    signatures = document["signatures"] + [bogus_signature(key, index) for index, key in enumerate(many * 4)][:64]
+    keys, counters = counting(*many)
+    rejected(
+        RejectionCode.MALFORMED,
+        lambda: verify_envelope(
+            with_signatures(document, signatures), payload_type=DESIRED_TYPE, keys=keys, threshold=1
+        ),
+    )
+    assert sum(counter.calls for counter in counters) == 0
+
+
+def test_trusted_key_named_again_and_again_is_verified_once() -> None:
+    # Invalid signatures first: only the first naming the key is checked, so the valid one after them is
+    # never reached. An honest signer signs once per key.
+    document = envelope("desired-state", desired_state(), [CONTROL])
+    repeated = [bogus_signature(CONTROL, index) for index in range(3)] + document["signatures"]
+    keys, (counter,) = counting(CONTROL)
+    error = rejected(
+        RejectionCode.THRESHOLD_NOT_MET,
+        lambda: verify_envelope(
+            with_signatures(document, repeated), payload_type=DESIRED_TYPE, keys=keys, threshold=1, role="control"
+        ),
+    )
+    assert "1 not valid for the key they name, 3 naming a key already tried" in error.message
+    assert counter.calls == 1
+
+
+def test_valid_signature_followed_by_repeats_is_accepted_after_one_verification() -> None:
+    document = envelope("desired-state", desired_state(), [CONTROL])
+    repeated = document["signatures"] + [bogus_signature(CONTROL, index) for index in range(3)]
+    keys, (counter,) = counting(CONTROL)
+    result = verify_envelope(with_signatures(document, repeated), payload_type=DESIRED_TYPE, keys=keys, threshold=1)
+    assert result.signers == (CONTROL.keyid,)
+    assert counter.calls == 1
+
+
+# --- a policy may cap a state's lifetime ------------------------------------------------------------------
+
+
+@pytest.fixture
+def week_at_most(tmp_path: Path) -> Policy:
+    return load_policy(
+        write_policy(tmp_path, control=[CONTROL], air_gap_authority=[AUTHORITY], control_max_lifetime="7d")
+    )
+
+
+def lasting(lifetime: timedelta) -> dict[str, object]:
+    issued = NOW - timedelta(minutes=1)
+    return desired_state(issued_at=format_rfc3339(issued), expires_at=format_rfc3339(issued + lifetime))
+
+
+FOREVER = desired_state(expires_at="9999-12-31T23:59:59Z")
+
+
+def test_state_valid_until_the_end_of_time_is_refused_where_the_policy_caps_lifetime(week_at_most: Policy) -> None:
+    # A stolen or leaked state that never expires defeats the freeze-attack defence.
+    error = rejected(RejectionCode.SCHEMA, lambda: verify(signed("desired-state", FOREVER, [CONTROL]), week_at_most))
+    assert "is valid for 2912656d 12h 59s (issued_at 2025-06-01T11:59:00Z" in error.message
+    assert f"longer than trust.control.max_lifetime 7d in policy {week_at_most.source}" in error.message
+
+
+def test_state_valid_for_a_second_more_than_the_cap_is_refused(week_at_most: Policy) -> None:
+    data = signed("desired-state", lasting(timedelta(days=7, seconds=1)), [CONTROL])
+    error = rejected(RejectionCode.SCHEMA, lambda: verify(data, week_at_most))
+    assert "valid for 7d 1s" in error.message
+
+
+def test_state_valid_for_exactly_the_cap_is_accepted(week_at_most: Policy) -> None:
+    data = signed("desired-state", lasting(timedelta(days=7)), [CONTROL])
+    assert verify(data, week_at_most).state.generation == 1
+
+
+def test_without_a_cap_any_lifetime_is_accepted(policy: Policy) -> None:
+    assert policy.max_lifetime("control") is None
+    assert verify(signed("desired-state", FOREVER, [CONTROL]), policy).state.expires_at.year == 9999
+
+
+def test_bundle_cannot_carry_a_state_living_longer_than_the_cap(week_at_most: Policy) -> None:
+    data = make_bundle([CONTROL], [AUTHORITY], state=lasting(timedelta(days=30)))
+    error = rejected(RejectionCode.SCHEMA, lambda: verify_b(data, week_at_most))
+    assert "valid for 30d" in error.message
 
 
 # --- every code, from a real envelope -------------------------------------------------------------------

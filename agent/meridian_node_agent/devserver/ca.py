@@ -29,6 +29,7 @@ from meridian_node_agent.devserver.files import private_file_exclusive, write_pu
 
 __all__ = [
     "CertificateAuthority",
+    "CertificateExpiredError",
     "CsrError",
     "IssuedCertificate",
     "PeerCertificateError",
@@ -45,6 +46,10 @@ class CsrError(ValueError):
 
 class PeerCertificateError(ValueError):
     """A client certificate that does not belong to this CA or is outside its validity period."""
+
+
+class CertificateExpiredError(PeerCertificateError):
+    """A client certificate of this CA whose validity period has ended (a node that missed its renewal)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,8 @@ class CertificateAuthority:
         return cert_path, key_path
 
     def check_peer(self, der: bytes, now: dt.datetime) -> x509.Certificate:
-        """A client certificate this CA signed and that is valid at ``now``; otherwise ``PeerCertificateError``.
+        """A client certificate this CA signed and that is valid at ``now``; otherwise ``PeerCertificateError``
+        (``CertificateExpiredError`` for one past its end).
 
         The TLS layer already verified the chain; this repeats the check so that the application never
         trusts a certificate merely because something in front of it accepted the handshake.
@@ -235,10 +241,16 @@ class CertificateAuthority:
                 f"the client certificate (issuer {certificate.issuer.rfc4514_string()!r}) was not issued by this "
                 "control plane's CA"
             ) from exc
-        if not certificate.not_valid_before_utc <= now <= certificate.not_valid_after_utc:
+        if now > certificate.not_valid_after_utc:
+            raise CertificateExpiredError(
+                f"the client certificate expired at {certificate.not_valid_after_utc.isoformat()} (now is "
+                f"{now.isoformat()}); the node missed its renewal: enroll it again with a new token"
+            )
+        if now < certificate.not_valid_before_utc:
             raise PeerCertificateError(
                 f"the client certificate is valid from {certificate.not_valid_before_utc.isoformat()} to "
-                f"{certificate.not_valid_after_utc.isoformat()}, not now ({now.isoformat()}); enroll again"
+                f"{certificate.not_valid_after_utc.isoformat()}, not yet now ({now.isoformat()}); check the "
+                "control plane's clock, or enroll again"
             )
         return certificate
 

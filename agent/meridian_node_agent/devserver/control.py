@@ -35,9 +35,16 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     describe_validation_error,
     format_rfc3339,
 )
-from meridian_node_agent.devserver.ca import CertificateAuthority, CsrError, PeerCertificateError, node_ids_in
+from meridian_node_agent.devserver.ca import (
+    CertificateAuthority,
+    CertificateExpiredError,
+    CsrError,
+    PeerCertificateError,
+    node_ids_in,
+)
 from meridian_node_agent.devserver.files import private_file_exclusive, write_public_file
 from meridian_node_agent.devserver.store import (
+    SUPERSEDED_BY_ENROLLMENT,
     CertificateRecord,
     LeaseRecord,
     NodeRow,
@@ -271,7 +278,7 @@ class ControlPlane:
         except CsrError as exc:
             raise ProtocolError(422, "bad-csr", str(exc)) from exc
         try:
-            lease = self.store.enroll(
+            enrolled = self.store.enroll(
                 token=request.token,
                 node_id=request.node_id,
                 serial=_serial_key(issued.serial),
@@ -289,11 +296,19 @@ class ControlPlane:
                 exc.server_note or exc.detail,
             )
             raise ProtocolError(403, exc.reason, exc.detail) from exc
+        if enrolled.superseded:
+            # Expected after a revocation or a rebuilt node; anything else means someone else enrolled as it.
+            _log.warning(
+                "node %r enrolled again from %s: its %d earlier certificate(s) are revoked",
+                request.node_id,
+                remote_host or "unknown address",
+                enrolled.superseded,
+            )
         return EnrollmentResponse(
             node_id=request.node_id,
             certificate_pem=issued.pem,
             ca_bundle_pem=self.ca.bundle_pem,
-            lease=_lease(lease),
+            lease=_lease(enrolled.lease),
         )
 
     def authenticate(self, certificate_der: bytes | None, node_id: str | None) -> str:
@@ -349,6 +364,8 @@ class ControlPlane:
             )
         try:
             certificate = self.ca.check_peer(certificate_der, self.now())
+        except CertificateExpiredError as exc:
+            raise ProtocolError(403, "certificate-expired", str(exc)) from exc
         except PeerCertificateError as exc:
             raise ProtocolError(403, "certificate-untrusted", str(exc)) from exc
         serial = _serial_key(certificate.serial_number)
@@ -358,11 +375,19 @@ class ControlPlane:
                 403, "certificate-unknown", f"certificate serial {serial} was never issued by this control plane"
             )
         if record.revoked_at is not None:
+            when = format_rfc3339(record.revoked_at)
+            if record.revoked_reason == SUPERSEDED_BY_ENROLLMENT:
+                why = (
+                    f"was superseded at {when}, when node {record.node_id!r} enrolled again (each enrollment "
+                    "revokes the node's earlier certificates); if that was not this node, its identity is in "
+                    "other hands: revoke it and enroll it again with a new token"
+                )
+            else:
+                why = f"was revoked at {when}; enroll again with a new token"
             raise ProtocolError(
                 403,
                 "certificate-revoked",
-                f"the certificate of node {record.node_id!r} (serial {serial[:16]}...) was revoked at "
-                f"{format_rfc3339(record.revoked_at)}; enroll again with a new token",
+                f"the certificate of node {record.node_id!r} (serial {serial[:16]}...) {why}",
             )
         names = node_ids_in(certificate)
         if node_id is not None and (node_id not in names or record.node_id != node_id):

@@ -12,6 +12,12 @@ the next generation or bumping an epoch cannot race another process doing the sa
 Enrollment tokens are stored as sha256 digests; the value is shown once, when it is created. A token
 may be bound to one node id (``tokens.node_id``); NULL means it can enroll any node id. Databases made
 before that column existed get it when they are opened (``_migrate``).
+
+Enrolling a node id that already has certificates revokes them in the same transaction: the new
+certificate supersedes them, so a copy of an earlier key stops working at its next request, and a
+node whose key leaked is made safe by enrolling it again. ``certificates.revoked_reason`` says why a
+certificate was revoked (``revoked``: the operator's ``revoke``; ``superseded``: a later enrollment),
+so the refusal can tell the two apart; it is NULL for revocations recorded before the column existed.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from datetime import datetime, timedelta
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 
 __all__ = [
+    "REVOKED_BY_OPERATOR",
+    "SUPERSEDED_BY_ENROLLMENT",
     "CertificateRecord",
+    "Enrollment",
     "LeaseRecord",
     "NodeRow",
     "ObservationRecord",
@@ -59,7 +68,8 @@ CREATE TABLE IF NOT EXISTS certificates (
     node_id TEXT NOT NULL REFERENCES nodes(node_id),
     issued_at TEXT NOT NULL,
     not_after TEXT NOT NULL,
-    revoked_at TEXT
+    revoked_at TEXT,
+    revoked_reason TEXT
 );
 CREATE TABLE IF NOT EXISTS desired_states (
     node_id TEXT NOT NULL REFERENCES nodes(node_id),
@@ -107,12 +117,27 @@ class LeaseRecord:
     renewed_at: datetime
 
 
+# Why a certificate was revoked (``certificates.revoked_reason``).
+REVOKED_BY_OPERATOR = "revoked"
+SUPERSEDED_BY_ENROLLMENT = "superseded"
+
+
 @dataclass(frozen=True)
 class CertificateRecord:
     serial: str
     node_id: str
     not_after: datetime
     revoked_at: datetime | None
+    # REVOKED_BY_OPERATOR or SUPERSEDED_BY_ENROLLMENT; None when revoked before reasons were kept.
+    revoked_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Enrollment:
+    """What an enrollment recorded: the node's lease, and how many earlier certificates it revoked."""
+
+    lease: LeaseRecord
+    superseded: int
 
 
 @dataclass(frozen=True)
@@ -174,6 +199,10 @@ class Store:
             if "node_id" not in columns:
                 # Tokens made before binding existed stay unbound (NULL): they keep working as they did.
                 conn.execute("ALTER TABLE tokens ADD COLUMN node_id TEXT")
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(certificates)")}
+            if "revoked_reason" not in columns:
+                # Revocations recorded before reasons were kept stay revoked, with no reason (NULL).
+                conn.execute("ALTER TABLE certificates ADD COLUMN revoked_reason TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -233,11 +262,12 @@ class Store:
 
     def enroll(
         self, *, token: str, node_id: str, serial: str, not_after: datetime, lease_for: timedelta, now: datetime
-    ) -> LeaseRecord:
-        """Consume ``token`` and record the node and its new certificate, all or nothing.
+    ) -> Enrollment:
+        """Consume ``token``, record the node and its new certificate, and revoke its earlier ones: all or nothing.
 
         A token bound to another node id is refused before anything else is said about it, and stays
-        unused: the node it was made for must still be able to enroll with it.
+        unused: the node it was made for must still be able to enroll with it. A refused enrollment
+        revokes nothing.
         """
         stamp = format_rfc3339(now)
         with self._write() as conn:
@@ -267,11 +297,17 @@ class Store:
                 "WHERE node_id = ?",
                 (stamp, expires, stamp, node_id),
             )
+            # The new certificate supersedes every earlier one (enrolled or renewed): a copy of an old key
+            # must not keep speaking for the node once it has enrolled again.
+            superseded = conn.execute(
+                "UPDATE certificates SET revoked_at = ?, revoked_reason = ? WHERE node_id = ? AND revoked_at IS NULL",
+                (stamp, SUPERSEDED_BY_ENROLLMENT, node_id),
+            )
             conn.execute(
                 "INSERT INTO certificates (serial, node_id, issued_at, not_after) VALUES (?, ?, ?, ?)",
                 (serial, node_id, stamp, format_rfc3339(not_after)),
             )
-            return self._lease(conn, node_id)
+            return Enrollment(lease=self._lease(conn, node_id), superseded=int(superseded.rowcount))
 
     def add_renewed_certificate(
         self, *, node_id: str, presented_serial: str, serial: str, not_after: datetime, now: datetime
@@ -292,7 +328,8 @@ class Store:
             if row[1] is not None:
                 raise StoreConflict(
                     "certificate-revoked",
-                    f"the certificate of node {node_id!r} was revoked at {row[1]}; enroll again with a new token",
+                    f"the certificate of node {node_id!r} was revoked at {row[1]} (a renewal and a revocation or "
+                    "re-enrollment crossed); enroll again with a new token",
                 )
             conn.execute(
                 "INSERT INTO certificates (serial, node_id, issued_at, not_after) VALUES (?, ?, ?, ?)",
@@ -301,7 +338,10 @@ class Store:
             return self._lease(conn, node_id)
 
     def certificate(self, serial: str) -> CertificateRecord | None:
-        rows = self._read("SELECT serial, node_id, not_after, revoked_at FROM certificates WHERE serial = ?", (serial,))
+        rows = self._read(
+            "SELECT serial, node_id, not_after, revoked_at, revoked_reason FROM certificates WHERE serial = ?",
+            (serial,),
+        )
         if not rows:
             return None
         row = rows[0]
@@ -310,6 +350,7 @@ class Store:
             node_id=row["node_id"],
             not_after=_parse(row["not_after"]),
             revoked_at=_parse_optional(row["revoked_at"]),
+            revoked_reason=row["revoked_reason"],
         )
 
     def renew_lease(self, node_id: str, lease_for: timedelta, now: datetime) -> LeaseRecord:
@@ -357,7 +398,8 @@ class Store:
                 raise UnknownNode(node_id)
             conn.execute("UPDATE nodes SET revoked_at = ? WHERE node_id = ?", (stamp, node_id))
             revoked = conn.execute(
-                "UPDATE certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL", (stamp, node_id)
+                "UPDATE certificates SET revoked_at = ?, revoked_reason = ? WHERE node_id = ? AND revoked_at IS NULL",
+                (stamp, REVOKED_BY_OPERATOR, node_id),
             )
             return int(revoked.rowcount)
 

@@ -355,8 +355,11 @@ def in_process_agent(setup: Setup, clock: Callable[[], float] | None) -> tuple[A
         # The same observer build_agent wires, on the stepped clock (engine listing, GPU facts refresh).
         agent.observer = Observer(
             store_path=agent.policy.store.path,
-            engines=DockerEngines(docker_engine, state_dir=Path(config.state_dir), monotonic=clock),
+            engines=DockerEngines(
+                docker_engine, state_dir=Path(config.state_dir), monotonic=clock, owner=f"agent:{NODE_ID}"
+            ),
             monotonic=clock,
+            placement=(agent.policy.engines.port_range, agent.policy.engines.bind_address),
         )
         agent.monotonic = clock
     counting = Counting(agent.client)

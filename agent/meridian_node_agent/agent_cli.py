@@ -131,7 +131,11 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         timeout=config.control_plane.timeout_seconds,
     )
     applier = build_applier(config)
-    observer = Observer(store_path=policy.store.path, engines=_engine_source(config, log))
+    observer = Observer(
+        store_path=policy.store.path,
+        engines=_engine_source(config, log),
+        placement=(policy.engines.port_range, policy.engines.bind_address),
+    )
     metrics = None
     if config.metrics is not None:
         from meridian_node_agent.metrics import Metrics
@@ -177,7 +181,7 @@ def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
     except DockerEngineError as exc:
         (log or EventLogger()).warning("engines-not-observed", reason=str(exc))
         return no_engines
-    return DockerEngines(engine, state_dir=Path(config.state_dir))
+    return DockerEngines(engine, state_dir=Path(config.state_dir), owner=f"agent:{config.node_id}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -337,5 +341,11 @@ def _engines_text(engines: list[dict[str, Any]]) -> str:
             flags.append("draining")
         if not engine.get("managed"):
             flags.append("unmanaged")
+        if engine.get("ready_since"):
+            flags.append(f"ready since {engine['ready_since']}")
+        if engine.get("restarts"):
+            flags.append(f"{engine['restarts']} restart(s)")
+        if engine.get("exit_reason"):
+            flags.append(f"last exit: {engine['exit_reason']}")
         parts.append(f"{engine.get('name')} ({', '.join(flags)})")
     return "; ".join(parts)

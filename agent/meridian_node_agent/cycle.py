@@ -547,7 +547,16 @@ class Agent:
             now=self.clock(),
         )
         self._engines = [
-            {"name": e.name, "managed": e.managed, "state": e.state, "ready": e.ready, "draining": e.draining}
+            {
+                "name": e.name,
+                "managed": e.managed,
+                "state": e.state,
+                "ready": e.ready,
+                "draining": e.draining,
+                "restarts": e.restarts,
+                "exit_reason": e.exit_reason,
+                "ready_since": None if e.ready_since is None else format_rfc3339(e.ready_since),
+            }
             for e in observation.engines
         ]
         fingerprint = observation.model_dump_json(exclude={"observed_at"})

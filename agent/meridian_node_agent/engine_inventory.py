@@ -25,6 +25,7 @@ reports no engines rather than guessing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -76,6 +77,9 @@ class InventoryEngine:
     gpus: tuple[str, ...]
     min_vram_mib: int
     state: str
+    restarts: int | None = None
+    exit_code: int | None = None
+    exit_reason: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +94,9 @@ class InventoryEngine:
             "gpus": list(self.gpus),
             "min_vram_mib": self.min_vram_mib,
             "state": self.state,
+            "restarts": self.restarts,
+            "exit_code": self.exit_code,
+            "exit_reason": self.exit_reason,
         }
 
 
@@ -184,11 +191,17 @@ _ENGINE_FIELDS = {
     "min_vram_mib",
     "state",
 }
+# Added later: a file an older root unit wrote lacks them.
+_OPTIONAL_ENGINE_FIELDS = {"restarts", "exit_code", "exit_reason"}
 
 
 def _engine(entry: Any, where: str) -> InventoryEngine:
     _require(isinstance(entry, dict), where, "must be an object")
-    _require(set(entry) == _ENGINE_FIELDS, where, f"must have exactly the fields {sorted(_ENGINE_FIELDS)}")
+    _require(
+        _ENGINE_FIELDS <= set(entry) <= _ENGINE_FIELDS | _OPTIONAL_ENGINE_FIELDS,
+        where,
+        f"must have exactly the fields {sorted(_ENGINE_FIELDS)} (and optionally {sorted(_OPTIONAL_ENGINE_FIELDS)})",
+    )
     for field in ("name", "probe_driver", "health_path", "state"):
         _require(isinstance(entry[field], str) and entry[field], where, f"{field} must be a non-empty string")
     for field in ("driver", "served_model_name", "image", "host"):
@@ -201,6 +214,10 @@ def _engine(entry: Any, where: str) -> InventoryEngine:
     _require(isinstance(gpus, list) and all(isinstance(g, str) for g in gpus), where, "gpus must be a list of strings")
     vram = entry["min_vram_mib"]
     _require(_is_int(vram) and vram >= 0, where, f"min_vram_mib must be an integer >= 0 ({vram!r})")
+    restarts, code, reason = entry.get("restarts"), entry.get("exit_code"), entry.get("exit_reason")
+    _require(restarts is None or (_is_int(restarts) and restarts >= 0), where, f"restarts must be >= 0 ({restarts!r})")
+    _require(code is None or _is_int(code), where, f"exit_code must be an integer or null ({code!r})")
+    _require(reason is None or (isinstance(reason, str) and len(reason) <= 200), where, "exit_reason is too long")
     return InventoryEngine(
         name=entry["name"],
         driver=entry["driver"],
@@ -213,6 +230,9 @@ def _engine(entry: Any, where: str) -> InventoryEngine:
         gpus=tuple(gpus),
         min_vram_mib=vram,
         state=entry["state"],
+        restarts=restarts,
+        exit_code=code,
+        exit_reason=reason,
     )
 
 
@@ -234,6 +254,7 @@ def collect_inventory(
     policy allows no image; the second listing adds the address each one is probed on. Raises what
     ``engine_info`` raises (``PolicyError``, ``DockerEngineError``).
     """
+    from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngineError
     from ansible_collections.meridian.node.plugins.module_utils.drain import driver_of, probe_address
     from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import engine_info
     from ansible_collections.meridian.node.plugins.module_utils.engine_instance import LABEL_OWNER
@@ -241,6 +262,7 @@ def collect_inventory(
     owner = f"agent:{node_id}"
     listed = engine_info(connect, policy_path=policy_path, state_dir=state_dir, owner=owner, probe=False)["engines"]
     probes: dict[str, tuple[str, str, tuple[str, int] | None]] = {}
+    exits: dict[str, Any] = {}
     if listed:
         engine = connect()
         try:
@@ -252,6 +274,8 @@ def collect_inventory(
                         driver.facts.health_path,
                         probe_address(container, driver),
                     )
+                    with contextlib.suppress(DockerEngineError):  # gone since the listing: nothing to say
+                        exits[container.instance or container.name] = engine.exit_info(container.id)
         finally:
             engine.close()
     engines = []
@@ -270,6 +294,9 @@ def collect_inventory(
                 gpus=tuple(entry["gpus"]),
                 min_vram_mib=entry["min_vram_mib"],
                 state=entry["state"],
+                restarts=getattr(exits.get(entry["name"]), "restarts", None),
+                exit_code=getattr(exits.get(entry["name"]), "exit_code", None),
+                exit_reason=getattr(exits.get(entry["name"]), "exit_reason", None),
             )
         )
     return Inventory(node_id=node_id, written_at=written_at, engines=tuple(engines))

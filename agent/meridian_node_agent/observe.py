@@ -8,7 +8,7 @@ NVML reads cost far more than the rest of an unchanged cycle, and they change sl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,21 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     Observation,
     format_rfc3339,
 )
-from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerEngineError
+from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
+    DockerEngine,
+    DockerEngineError,
+    address_overlaps,
+)
 from ansible_collections.meridian.node.plugins.module_utils.drain_state import DrainStateError, list_draining
 from ansible_collections.meridian.node.plugins.module_utils.engine_containers import probe_readiness
-from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import discover_engines
+from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import (
+    capacity,
+    discover_engines,
+    free_ports,
+    vram_left,
+)
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import Driver, DriverError, get_driver
+from ansible_collections.meridian.node.plugins.module_utils.engine_instance import Reservation
 from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
 from meridian_node_agent.apply_spool import PUBLIC_DIR
 from meridian_node_agent.engine_inventory import (
@@ -64,8 +74,10 @@ class DockerEngines:
         state_dir: Path,
         refresh_seconds: float = 5.0,
         monotonic: Callable[[], float] = time.monotonic,
+        owner: str | None = None,
     ) -> None:
         self.engine = engine
+        self.owner = owner  # "agent:<node id>": only this agent's engines are reported as ours
         self.state_dir = Path(state_dir)
         self.refresh_seconds = refresh_seconds
         self._monotonic = monotonic
@@ -76,7 +88,9 @@ class DockerEngines:
         if self._cache is not None and now - self._cache[0] < self.refresh_seconds:
             return self._cache[1]
         try:
-            engines = discover_engines(self.engine, state_dir=str(self.state_dir), probe=True)
+            engines = discover_engines(
+                self.engine, state_dir=str(self.state_dir), probe=True, owner=self.owner, exits=True
+            )
         except DockerEngineError:
             # Docker down is an observation problem, not a cycle failure; engines keep their last report.
             return self._cache[1] if self._cache else []
@@ -86,6 +100,13 @@ class DockerEngines:
     def forget(self) -> None:
         """Drop the cached list: the next call asks Docker (after an apply changed the engines)."""
         self._cache = None
+
+    def capacity(self, gpu_facts: Mapping[str, Any], port_range: Sequence[int], bind_address: str) -> dict[str, Any]:
+        """What is left for new engines, as ``engine_info`` computes it; an empty room when Docker is down."""
+        try:
+            return capacity(self.engine, gpu_facts=gpu_facts, port_range=port_range, bind_address=bind_address)
+        except DockerEngineError:
+            return {}
 
 
 class InventoryEngines:
@@ -143,6 +164,16 @@ class InventoryEngines:
         """Drop the cached list: the next call looks at the file again and probes (after an apply)."""
         self._cache = None
 
+    def capacity(self, gpu_facts: Mapping[str, Any], port_range: Sequence[int], bind_address: str) -> dict[str, Any]:
+        """What is left for new engines, from the engines root listed (their reservations and ports)."""
+        self._reload()
+        reservations = [Reservation(e.name, e.gpus, e.min_vram_mib) for e in self._engines if e.gpus and e.min_vram_mib]
+        vram = vram_left(gpu_facts, reservations) if gpu_facts.get("nvml_available") else {}
+        published = {
+            e.port for e in self._engines if e.port is not None and address_overlaps(e.host or "", bind_address)
+        }
+        return {"vram_free_mib": vram, "free_ports": free_ports(published, port_range, bind_address)}
+
     def _reload(self) -> None:
         identity = file_identity(self.path)
         if self._looked and identity == self._identity:
@@ -168,6 +199,9 @@ class InventoryEngines:
             "draining": engine.name in draining,
             "port": engine.port,
             "served_model_name": engine.served_model_name,
+            "restarts": engine.restarts,
+            "exit_code": engine.exit_code,
+            "exit_reason": engine.exit_reason,
         }
 
     def _ready(self, engine: InventoryEngine) -> bool:
@@ -196,8 +230,14 @@ class Observer:
         gpu_refresh_seconds: float = 30.0,
         artifact_refresh_seconds: float = 30.0,
         monotonic: Callable[[], float] = time.monotonic,
+        placement: tuple[Sequence[int], str] | None = None,
     ) -> None:
         self._store = Store(store_path) if store_path else None
+        # (port range, bind address) from the policy: with it, observations carry the capacity left.
+        self._placement = placement
+        self._capacity_cache: tuple[float, dict[str, Any]] | None = None
+        # Since when each engine has been seen ready (wall clock): readiness comes and goes between looks.
+        self._ready_since: dict[str, str] = {}
         self._gpu_facts = gpu_facts or (lambda: collect_gpu_facts(processes=False, nvlink=False))
         self._engines = engines
         self._gpu_refresh = gpu_refresh_seconds
@@ -209,7 +249,7 @@ class Observer:
     def forget(self) -> None:
         """Drop every cached reading, so the next observation is taken afresh: what an apply changes
         (engines, artifacts) must show in the observation that follows it, not one refresh later."""
-        self._gpu_cache = self._artifact_cache = None
+        self._gpu_cache = self._artifact_cache = self._capacity_cache = None
         forget = getattr(self._engines, "forget", None)
         if callable(forget):
             forget()
@@ -219,6 +259,32 @@ class Observer:
         if self._gpu_cache is None or now - self._gpu_cache[0] >= self._gpu_refresh:
             self._gpu_cache = (now, GpuFacts.model_validate(self._gpu_facts()))
         return self._gpu_cache[1]
+
+    def _with_ready_since(self, engines: list[dict[str, Any]], now: datetime) -> list[dict[str, Any]]:
+        seen: dict[str, str] = {}
+        listed = []
+        for engine in engines:
+            name = str(engine.get("name"))
+            if engine.get("ready") and engine.get("managed"):
+                seen[name] = self._ready_since.get(name) or format_rfc3339(now)
+                listed.append({**engine, "ready_since": seen[name]})
+            else:
+                listed.append(engine)
+        self._ready_since = seen
+        return listed
+
+    def capacity(self) -> dict[str, Any]:
+        """Free VRAM per device after reservations and free ports in the policy's range, re-computed at most as
+        often as the GPU facts are read (a port probe per port costs more than the rest of a steady cycle)."""
+        compute = getattr(self._engines, "capacity", None)
+        if self._placement is None or not callable(compute):
+            return {}
+        now = self._monotonic()
+        if self._capacity_cache is None or now - self._capacity_cache[0] >= self._gpu_refresh:
+            port_range, bind_address = self._placement
+            room: dict[str, Any] = compute(self.gpu().model_dump(mode="json"), port_range, bind_address)
+            self._capacity_cache = (now, room)
+        return self._capacity_cache[1]
 
     def artifacts(self) -> list[dict[str, Any]]:
         """The store's versions, re-read at most every ``artifact_refresh_seconds`` (or after ``forget``)."""
@@ -268,8 +334,9 @@ class Observer:
                 "mode": mode,
                 "applied_generation": applied_generation,
                 "gpu": self.gpu(),
-                "engines": self._engines(),
+                "engines": self._with_ready_since(self._engines(), now),
                 "artifacts": self.artifacts(),
+                "capacity": self.capacity(),
                 "last_run": last_run,
             }
         )

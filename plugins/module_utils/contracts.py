@@ -694,6 +694,12 @@ class EngineObservation(_Strict):
     draining: bool
     port: int | None
     served_model_name: str | None = None
+    # How it has been doing, for ours: Docker's restart count, how it last ended ("OOMKilled", "exit 1",
+    # "killed by signal 9"), and since when the agent has seen it ready (None while not ready).
+    restarts: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    exit_code: int | None = None
+    exit_reason: Annotated[str, Field(max_length=200)] | None = None
+    ready_since: UtcTimestamp | None = None
 
 
 class ArtifactObservation(_Strict):

@@ -51,6 +51,7 @@ __all__ = [
     "DockerEngine",
     "DockerEngineError",
     "DockerUnavailableError",
+    "ExitInfo",
     "ForeignContainerError",
     "ImageInfo",
     "ImageNotFoundError",
@@ -221,6 +222,39 @@ class PublishedPort:
     host_port: int
     container_port: int
     protocol: str = "tcp"
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """How often Docker restarted a container and how it last ended, from its inspect document."""
+
+    restarts: int
+    exit_code: int | None  # None: it never exited
+    exit_reason: str | None  # "OOMKilled", "killed by signal 9", "exit 1", Docker's own error text
+
+    @classmethod
+    def from_inspect(cls, attrs: Mapping[str, Any]) -> ExitInfo:
+        state = attrs.get("State") or {}
+        restarts = attrs.get("RestartCount")
+        finished = str(state.get("FinishedAt") or "")
+        code = state.get("ExitCode")
+        # Docker says ExitCode 0 and a zero FinishedAt for a container that never stopped.
+        never = finished.startswith("0001-01-01") or not finished
+        exit_code = None if never or not isinstance(code, int) or isinstance(code, bool) else code
+        reason: str | None = None
+        if state.get("OOMKilled"):
+            reason = "OOMKilled"
+        elif state.get("Error"):
+            reason = str(state["Error"])[:200]
+        elif exit_code is not None and exit_code > 128:
+            reason = f"killed by signal {exit_code - 128}"
+        elif exit_code:
+            reason = f"exit {exit_code}"
+        return cls(
+            restarts=restarts if isinstance(restarts, int) and not isinstance(restarts, bool) else 0,
+            exit_code=exit_code,
+            exit_reason=reason,
+        )
 
 
 @dataclass(frozen=True)
@@ -423,6 +457,12 @@ class DockerEngine:
         if not exact:
             raise ContainerNotFoundError(f"Error reading container {container_id[:12]}: it no longer exists")
         return exact[0]
+
+    def exit_info(self, container_id: str) -> ExitInfo:
+        """Restarts and the last exit of a container (one inspect): what an observation reports."""
+        with _docker_call(f"inspecting container {container_id[:12]}", not_found=ContainerNotFoundError):
+            attrs = self.api.inspect_container(container_id)
+        return ExitInfo.from_inspect(attrs)
 
     def resolve_image(self, reference: str) -> ImageInfo:
         """The local image ``reference`` names; never pulls. See the module docstring for local pins."""

@@ -35,12 +35,13 @@ container publishes on the bind address and the kernel lets us bind, the lowest 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
     ContainerInfo,
     DockerEngine,
+    DockerEngineError,
     address_overlaps,
     port_bind_problem,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "capacity",
     "discover_engines",
     "engine_info",
+    "free_ports",
     "guess_driver",
     "observe_engines",
     "vram_left",
@@ -111,19 +113,41 @@ def _ready(container: ContainerInfo, driver: Driver, address: tuple[str, int] | 
     return probe_readiness(driver, address[0], address[1], timeout=_PROBE_TIMEOUT_S).ready
 
 
-def discover_engines(engine: DockerEngine, *, state_dir: str, probe: bool = True) -> list[dict[str, Any]]:
-    """Every engine container on the host, ours first then foreign ones, each by name."""
+def discover_engines(
+    engine: DockerEngine, *, state_dir: str, probe: bool = True, owner: str | None = None, exits: bool = False
+) -> list[dict[str, Any]]:
+    """Every engine container on the host, ours first then foreign ones, each by name.
+
+    With ``owner``, an engine is ours only when its ``meridian.node/owner`` label is exactly that: another
+    agent's or an operator's meridian.node engine on the same Docker Engine is listed like a foreign
+    container (``managed: false``, never ready), so nothing is routed to it through this observer.
+    ``exits`` adds, for ours, Docker's restart count and how each last ended (``restarts``, ``exit_code``,
+    ``exit_reason``): one inspect per engine, which the agent's observations pay and modules do not.
+    """
     draining = {mark.name for mark in list_draining(state_dir)}
     ours: list[dict[str, Any]] = []
     foreign: list[dict[str, Any]] = []
     for container in engine.list_containers():
-        if container.owned:
-            ours.append(_observe_ours(container, draining, probe))
+        if container.owned and (owner is None or _owner_of(container) == owner):
+            entry = _observe_ours(container, draining, probe)
+            if exits:
+                entry.update(_exits(engine, container))
+            ours.append(entry)
+        elif container.owned:
+            foreign.append({**_observe_ours(container, set(), False), "managed": False})
         else:
             observed = _observe_foreign(container, probe)
             if observed is not None:
                 foreign.append(observed)
     return sorted(ours, key=lambda e: e["name"]) + sorted(foreign, key=lambda e: e["name"])
+
+
+def _exits(engine: DockerEngine, container: ContainerInfo) -> dict[str, Any]:
+    try:
+        info = engine.exit_info(container.id)
+    except DockerEngineError:  # removed between the listing and the inspect: nothing to say about it
+        return {"restarts": None, "exit_code": None, "exit_reason": None}
+    return {"restarts": info.restarts, "exit_code": info.exit_code, "exit_reason": info.exit_reason}
 
 
 def _observe_ours(container: ContainerInfo, draining: set[str], probe: bool) -> dict[str, Any]:
@@ -187,14 +211,22 @@ def capacity(
         for p in container.ports
         if p.protocol == "tcp" and address_overlaps(p.host_ip, bind_address)
     }
+    return {"vram_free_mib": vram, "free_ports": free_ports(published, port_range, bind_address, max_ports)}
+
+
+def free_ports(
+    published: Iterable[int], port_range: Sequence[int], bind_address: str, max_ports: int = MAX_PORTS
+) -> list[int]:
+    """The first ``max_ports`` ports of the range no container publishes and nothing else holds."""
+    taken = set(published)
     low, high = int(port_range[0]), int(port_range[1])
     ports: list[int] = []
     for port in range(low, high + 1):
         if len(ports) >= max_ports:
             break
-        if port not in published and port_bind_problem(bind_address, port) is None:
+        if port not in taken and port_bind_problem(bind_address, port) is None:
             ports.append(port)
-    return {"vram_free_mib": vram, "free_ports": ports}
+    return ports
 
 
 def vram_left(gpu_facts: Mapping[str, Any], reservations: Sequence[Reservation]) -> dict[str, int]:

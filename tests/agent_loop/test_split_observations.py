@@ -138,6 +138,10 @@ def test_agent_without_docker_access_reports_the_engine_root_started_then_draini
         "draining": False,
         "port": port,
         "served_model_name": "tiny-chat",
+        # As root inspected it: never restarted, never exited.
+        "restarts": 0,
+        "exit_code": None,
+        "exit_reason": None,
     }
 
     assert source() == [expected]
@@ -156,7 +160,17 @@ def test_agent_without_docker_access_reports_the_engine_root_started_then_draini
     assert again.stderr == ""  # no warning: the inventory was rewritten
     source.forget()
     # Docker lists no published port for a stopped container, so neither does discovery in-process.
-    assert source() == [{**expected, "draining": True, "ready": False, "state": "exited", "port": None}]
+    [stopped] = source()
+    exit_code = stopped.pop("exit_code")
+    assert isinstance(exit_code, int)  # root's new listing saw how it ended
+    assert stopped == {
+        **{key: value for key, value in expected.items() if key != "exit_code"},
+        "draining": True,
+        "ready": False,
+        "state": "exited",
+        "port": None,
+        "exit_reason": None if exit_code == 0 else stopped["exit_reason"],
+    }
 
 
 def test_engines_of_a_split_node_reach_the_serving_projection_and_leave_it_when_draining(

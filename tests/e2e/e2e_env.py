@@ -25,6 +25,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker_engine import
     DockerEngine,
     port_bind_problem,
 )
+from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
 from ansible_collections.meridian.node.tests.agent_loop.node_env import Node, make_node
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.helpers.engine_harness import SERVER
@@ -114,8 +115,15 @@ class E2ENode:
     def agent(self) -> Agent:
         """The agent as ``meridian-node run`` builds it, but observing Docker afresh every cycle (the real
         source caches for 5 s, and these tests look right after an apply)."""
-        engines = DockerEngines(DockerEngine.from_env(), state_dir=self.state_dir, refresh_seconds=0)
-        observer = Observer(store_path=str(self.node.root / "store"), engines=engines)
+        engines = DockerEngines(
+            DockerEngine.from_env(), state_dir=self.state_dir, refresh_seconds=0, owner=f"agent:{self.node_id}"
+        )
+        policy = load_policy(self.node.config.policy, keys=False)
+        observer = Observer(
+            store_path=str(self.node.root / "store"),
+            engines=engines,
+            placement=(policy.engines.port_range, policy.engines.bind_address),
+        )
         return self.node.agent(observer=observer)
 
     def client(self) -> ControlClient:

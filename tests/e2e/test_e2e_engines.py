@@ -142,6 +142,8 @@ def test_published_engine_is_started_ready_observed_and_served(
     assert observed is not None
     assert observed["applied_generation"] == generation
     engines = {e["name"]: e for e in observed["engines"]}
+    ready_since = engines[name].pop("ready_since")
+    assert isinstance(ready_since, str) and ready_since <= observed["observed_at"]
     assert engines[name] == {
         "name": name,
         "managed": True,
@@ -152,6 +154,9 @@ def test_published_engine_is_started_ready_observed_and_served(
         "draining": False,
         "port": port,
         "served_model_name": "tiny-chat",
+        "restarts": 0,
+        "exit_code": None,
+        "exit_reason": None,
     }
     assert engines[foreign.name]["managed"] is False
     assert serving(node, prefix) == [
@@ -245,9 +250,11 @@ def test_state_that_drops_the_engine_drains_and_removes_it_and_leaves_the_others
     assert serving(node, prefix) == []
     observed = last_observation(server, node_id)
     assert observed is not None
-    # Still observed (it is ours, and holds what it holds), but not pruned: the agent did not start it.
-    managed = [e["name"] for e in observed["engines"] if e["managed"] and e["name"].startswith(prefix)]
-    assert managed == [operators.name]
+    # Still observed, but as not this agent's (managed false, never ready), and not pruned: the agent did
+    # not start it.
+    listed = {e["name"]: (e["managed"], e["ready"]) for e in observed["engines"] if e["name"].startswith(prefix)}
+    assert listed[operators.name] == (False, False)
+    assert [name for name, (managed, _ready) in listed.items() if managed] == []
     assert StateStore(node.state_dir).load().generation == generation
     again = _apply_again(node, agent)
     assert (again.status, again.changed, again.failed) == ("successful", 0, 0), again.failures

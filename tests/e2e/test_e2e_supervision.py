@@ -18,6 +18,7 @@ from ansible_collections.meridian.node.plugins.module_utils.drain_state import m
 from ansible_collections.meridian.node.tests.agent_loop.node_env import publish
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.e2e.e2e_env import (
+    PORT_RANGE,
     E2ENode,
     applied,
     container_named,
@@ -25,6 +26,7 @@ from ansible_collections.meridian.node.tests.e2e.e2e_env import (
     free_engine_port,
     last_observation,
     make_e2e_node,
+    serving,
 )
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
 from meridian_node_agent.cli import main as cli_main
@@ -127,3 +129,52 @@ def test_a_drained_engine_stays_stopped_until_the_next_generation(
     assert set(outcomes) == {Outcome.UNCHANGED}
     assert container_named(docker_client, name).status == "exited"
     assert agent.counters.repairs == 0
+
+
+def test_another_agents_engine_on_the_same_docker_engine_is_not_observed_as_ours_or_served(
+    server: DevServer, tmp_path: Any, image: LocalImage, prefix: str
+) -> None:
+    ours = _supervised(server, tmp_path / "ours", f"{prefix}-a")
+    theirs = _supervised(server, tmp_path / "theirs", f"{prefix}-b")
+    mine, other = f"{prefix}-mine", f"{prefix}-other"
+    publish(server, ours.node_id, document={"engines": [engine_spec(mine, image, free_engine_port())]})
+    publish(server, theirs.node_id, document={"engines": [engine_spec(other, image, free_engine_port())]})
+    applied(theirs.agent())
+    agent = ours.agent()
+
+    applied(agent)
+
+    observed = last_observation(server, ours.node_id)
+    assert observed is not None
+    engines = {e["name"]: e for e in observed["engines"]}
+    assert (engines[mine]["managed"], engines[mine]["ready"]) == (True, True)
+    assert (engines[other]["managed"], engines[other]["ready"]) == (False, False)  # listed, never ours
+    assert [e["engine"] for e in serving(ours, prefix)] == [mine]
+    # The capacity left is in the observation: free ports of the policy's range, none an engine holds.
+    ports = observed["capacity"]["free_ports"]
+    assert ports and all(PORT_RANGE[0] <= port <= PORT_RANGE[1] for port in ports)
+    assert not {engines[mine]["port"], engines[other]["port"]} & set(ports)
+    assert [e["engine"] for e in serving(theirs, prefix)] == [other]
+
+
+def test_a_killed_engine_is_observed_with_how_it_ended_then_repaired(
+    running_engine: tuple[E2ENode, Agent, str, int], docker_client: Any
+) -> None:
+    node, agent, name, generation = running_engine
+    container = container_named(docker_client, name)
+    assert container is not None
+    container.kill()  # SIGKILL: Docker counts it as stopped by hand, so its restart policy does not apply
+
+    agent.cycle()  # within the settle time: observed, not repaired yet
+
+    observed = last_observation(node.server, node.node_id)
+    assert observed is not None
+    engine = {e["name"]: e for e in observed["engines"]}[name]
+    assert (engine["state"], engine["ready"], engine["ready_since"]) == ("exited", False, None)
+    assert (engine["exit_code"], engine["exit_reason"]) == (137, "killed by signal 9")
+    outcome, _seen = _cycle_until(agent, Outcome.REPAIRED)
+    assert outcome.generation == generation
+    observed = last_observation(node.server, node.node_id)
+    assert observed is not None
+    engine = {e["name"]: e for e in observed["engines"]}[name]
+    assert (engine["state"], engine["ready"]) == ("running", True) and engine["ready_since"] is not None

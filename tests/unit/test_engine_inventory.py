@@ -218,6 +218,9 @@ def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_chang
         "draining": False,
         "port": standin,
         "served_model_name": "tiny-chat",
+        "restarts": None,
+        "exit_code": None,
+        "exit_reason": None,
     }
     assert (first["idle"]["ready"], first["idle"]["state"]) == (False, "running")  # nothing answers there
 
@@ -246,6 +249,9 @@ def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_chang
             "draining": False,
             "port": None,
             "served_model_name": "tiny-chat",
+            "restarts": None,
+            "exit_code": None,
+            "exit_reason": None,
         }
     ]
 
@@ -313,3 +319,23 @@ def test_root_side_that_cannot_reach_docker_keeps_the_previous_inventory_and_sti
     warning = capsys.readouterr().err
     assert f"could not write {root.public / INVENTORY_FILE}" in warning
     assert "Docker Engine" in warning and "keeps observing the previous one" in warning
+
+
+def test_a_split_agents_capacity_counts_what_the_engines_root_listed_reserve_and_publish(tmp_path: Path) -> None:
+    # Under the split the agent has no Docker: the reservations and ports come from root's engines.json.
+    port = free_port()
+    _write(tmp_path / PUBLIC_DIR, _engine("chat", port=port, gpus=("GPU-a",), min_vram_mib=3000))
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0)
+    gpus = {
+        "nvml_available": True,
+        "gpus": [
+            {"index": 0, "uuid": "GPU-a", "memory": {"total_mib": 8000, "free_mib": 7000}},
+            {"index": 1, "uuid": "GPU-b", "memory": {"total_mib": 8000, "free_mib": 8000}},
+        ],
+    }
+
+    room = source.capacity(gpus, (port, port + 3), BIND)
+
+    assert room["vram_free_mib"] == {"GPU-a": 5000, "GPU-b": 8000}  # min(free, total - reserved)
+    assert port not in room["free_ports"] and set(room["free_ports"]) <= {port + 1, port + 2, port + 3}
+    assert source.capacity({"nvml_available": False}, (port, port), BIND) == {"vram_free_mib": {}, "free_ports": []}

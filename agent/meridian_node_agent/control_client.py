@@ -55,12 +55,14 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     CertificateRenewalRequest,
     EnrollmentRequest,
     EnrollmentResponse,
+    JsonError,
     Lease,
     Observation,
     ServingProjection,
     ValidationError,
     describe_validation_error,
     format_rfc3339,
+    parse_document,
 )
 from ansible_collections.meridian.node.plugins.module_utils.http_lite import HttpLiteError, exchange
 
@@ -413,7 +415,10 @@ class ControlClient:
 
     def _parse(self, answer: _Answer, model: type[Model], what: str) -> Model:
         try:
-            return model.model_validate_json(answer.body)
+            # One reading of what the peer sent: a key named twice is refused, not resolved last-wins.
+            return parse_document(model, answer.body)
+        except JsonError as exc:
+            raise ControlPlaneUnavailable(f"the control plane sent a malformed {what}: {exc}") from exc
         except ValidationError as exc:
             raise ControlPlaneUnavailable(
                 f"the control plane sent a malformed {what}: {describe_validation_error(exc)}"

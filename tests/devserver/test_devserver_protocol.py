@@ -448,6 +448,26 @@ def test_malformed_observation_is_422_with_the_field_named(server: DevServer, tm
     assert "lease_epoch" in answer.json()["detail"]
 
 
+def test_an_observation_naming_a_key_twice_is_422_not_read_last_wins(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    # Two readers of these bytes (the devserver, an audit tool) must not disagree about the node it is for.
+    _enroll(server, tmp_path, node_id).close()
+    identity = NodeIdentity(tmp_path / node_id)
+    body = f'{{"apiVersion": "meridian.node/v1", "kind": "Observation", "node_id": "other", "node_id": "{node_id}"}}'
+    answer = requests.post(
+        f"{server.base_url}/v1/nodes/{node_id}/observations",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        verify=str(identity.ca_path),
+        cert=(str(identity.cert_path), str(identity.key_path)),
+        timeout=10,
+    )
+    assert answer.status_code == 422
+    assert answer.json()["reason"] == "invalid-request"
+    assert "node_id" in answer.json()["detail"] and "twice" in answer.json()["detail"]
+
+
 def test_oversized_response_is_a_transfer_failure(server: DevServer, tmp_path: Path, node_id: str) -> None:
     _enroll(server, tmp_path, node_id).close()
     _publish(server, tmp_path, node_id)

@@ -21,9 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     CertificateRenewalRequest,
     EnrollmentRequest,
+    JsonError,
     Observation,
     ValidationError,
     describe_validation_error,
+    parse_document,
 )
 from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
 from meridian_node_agent.devserver.store import PublishedState
@@ -170,7 +172,9 @@ async def _read_model(request: Request, model: type[Model]) -> Model:
             raise ProtocolError(413, "too-large", f"the request body exceeds {MAX_REQUEST_BYTES} bytes")
         chunks.append(chunk)
     try:
-        return model.model_validate_json(b"".join(chunks))
+        return parse_document(model, b"".join(chunks))
+    except JsonError as exc:
+        raise ProtocolError(422, "invalid-request", f"not a valid {model.__name__}: {exc}") from exc
     except ValidationError as exc:
         raise ProtocolError(
             422, "invalid-request", f"not a valid {model.__name__}: {describe_validation_error(exc)}"

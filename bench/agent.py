@@ -27,9 +27,10 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
    - *back to back*: cycles with no wait and real clocks: heartbeats only once per interval.
    Each line says how many cycles heartbeated and how many posted an observation. The in-service figure
    is also taken with supervision off (no applied state watched), beside it, as a ratio.
-5. engine killed -> ready again, two ways: ``docker kill`` with nothing else running (Docker's restart
-   policy, if the engine has one), and ``docker stop`` with the in-process agent cycling every 0.5 s
-   (supervision's repair, after ``supervision.settle_seconds``).
+5. engine killed -> ready again, two ways: its server process SIGKILLed with nothing else running
+   (Docker's restart policy, if the engine has one; ``docker kill`` would count as a stop by hand), and
+   ``docker stop`` with the in-process agent cycling every 0.5 s (supervision's repair, after
+   ``supervision.settle_seconds``).
 """
 
 import argparse
@@ -410,12 +411,28 @@ def unchanged_cycles(
         docker_engine.close()
 
 
+def crash(container: Any) -> None:
+    """SIGKILL the engine's server process from outside, as the OOM killer or a segfault would end it.
+
+    Not ``docker kill``: Docker counts that as stopped by hand and no restart policy applies to it. The
+    server is the child of the container's init (``init: true``), which exits with it.
+    """
+    container.reload()
+    init = int(container.attrs["State"]["Pid"])
+    children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+    if not children:
+        fail(f"the engine container {container.name} has no process under its init to crash")
+    for pid in children:
+        os.kill(int(pid), signal.SIGKILL)
+
+
 def kill_to_ready(setup: Setup, client: Any, *, by: str) -> tuple[float, str]:
     """Seconds from the engine's death until it answers ready again, and how it came back.
 
-    ``by="docker"``: ``docker kill``, nothing else runs: Docker's restart policy brings it back, or nothing
-    does (then the figure is the wait limit and the note says so). ``by="agent"``: ``docker stop`` (which
-    every restart policy respects), and the in-process agent cycles every 0.5 s until supervision repaired it.
+    ``by="docker"``: the server process is killed (``crash``), nothing else runs: Docker's restart policy
+    brings it back, or nothing does (then the figure is the wait limit and the note says so).
+    ``by="agent"``: ``docker stop`` (which every restart policy respects), and the in-process agent cycles
+    every 0.5 s until supervision repaired it.
     """
     container = client.containers.get(setup.engine)
     policy = (container.attrs.get("HostConfig", {}).get("RestartPolicy") or {}).get("Name") or "no"
@@ -427,7 +444,7 @@ def kill_to_ready(setup: Setup, client: Any, *, by: str) -> tuple[float, str]:
     try:
         start = time.perf_counter()
         if by == "docker":
-            container.kill()
+            crash(container)
         else:
             container.stop(timeout=10)
         while http_get(BIND, setup.port, "/health", timeout=0.5).status == 200:
@@ -507,7 +524,7 @@ def main() -> None:
     print(f"  ansible-pull (git commit + pull) {pull_ready:5.2f} s")
     print(f"  ratio agent / ansible-pull      {agent_ready / pull_ready:6.2f}")
     print("engine killed -> ready again:")
-    print(f"  docker kill, nothing else      {docker_back:6.2f} s   ({docker_how})")
+    print(f"  process crash, nothing else    {docker_back:6.2f} s   ({docker_how})")
     print(f"  docker stop, the agent repairs {agent_back:6.2f} s   ({agent_how}; {settle:g} s of it is settling)")
     print(f"idle meridian-node run: VmRSS {rss / 1024:.1f} MiB (target <= 80), VmHWM {hwm / 1024:.1f} MiB")
     sys.stdout.flush()

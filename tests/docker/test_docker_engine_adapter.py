@@ -516,6 +516,7 @@ def test_public_api_is_exactly_what_the_engine_modules_use() -> None:
             "DockerEngine",
             "DockerEngineError",
             "DockerUnavailableError",
+            "ExitInfo",
             "ForeignContainerError",
             "ImageInfo",
             "ImageNotFoundError",
@@ -529,3 +530,30 @@ def test_public_api_is_exactly_what_the_engine_modules_use() -> None:
         ]
     )
     assert all(hasattr(docker_engine, name) for name in docker_engine.__all__)
+
+
+@pytest.mark.parametrize(
+    ("state", "restarts", "expected"),
+    [
+        ({"ExitCode": 0, "FinishedAt": "0001-01-01T00:00:00Z"}, 0, (0, None, None)),  # never exited
+        ({"ExitCode": 0, "FinishedAt": "2026-12-01T10:00:00Z"}, 2, (2, 0, None)),
+        ({"ExitCode": 1, "FinishedAt": "2026-12-01T10:00:00Z"}, 3, (3, 1, "exit 1")),
+        ({"ExitCode": 137, "FinishedAt": "2026-12-01T10:00:00Z"}, 0, (0, 137, "killed by signal 9")),
+        ({"ExitCode": 137, "OOMKilled": True, "FinishedAt": "2026-12-01T10:00:00Z"}, 1, (1, 137, "OOMKilled")),
+        (
+            {"ExitCode": 128, "Error": "could not select device driver", "FinishedAt": ""},
+            0,
+            (0, None, "could not select device driver"),
+        ),
+        ({"ExitCode": True, "FinishedAt": "2026-12-01T10:00:00Z"}, "7", (0, None, None)),  # not Docker's types
+    ],
+    ids=["never-exited", "clean-exit", "exit-1", "sigkill", "oom", "docker-error", "wrong-types"],
+)
+def test_exit_info_says_how_a_container_last_ended(
+    state: dict[str, Any], restarts: Any, expected: tuple[Any, ...]
+) -> None:
+    from ansible_collections.meridian.node.plugins.module_utils.docker_engine import ExitInfo
+
+    info = ExitInfo.from_inspect({"State": state, "RestartCount": restarts})
+
+    assert (info.restarts, info.exit_code, info.exit_reason) == expected

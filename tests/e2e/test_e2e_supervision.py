@@ -56,7 +56,8 @@ def _cycle_until(agent: Agent, wanted: Outcome, *, timeout: float = 60) -> tuple
         seen.append(outcome.outcome)
         if outcome.outcome == wanted:
             return outcome, seen
-        assert time.monotonic() < deadline, f"no {wanted} in {timeout:g} s; cycles gave {seen}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {wanted} in {timeout:g} s; cycles gave {seen}")
         time.sleep(0.3)
 
 

@@ -133,7 +133,6 @@ class Applier:
         clock: Callable[[], datetime] | None = None,
         python: str = sys.executable,
         playbook: Path | None = None,
-        write_oplog: bool = True,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.node_id = node_id
@@ -148,7 +147,7 @@ class Applier:
         self.journal_dir = self.state_dir / "journal"
         # In-process this is the agent's oplog; in the root apply unit, root's own (in root's directory): the
         # agent keeps a separate one of what it asked for (apply_unit).
-        self.oplog = OpLog(self.state_dir / "oplog.jsonl") if write_oplog else None
+        self.oplog = OpLog(self.state_dir / "oplog.jsonl")
 
     def apply(
         self,
@@ -170,20 +169,18 @@ class Applier:
 
         started_at = self.clock()
         ident = ident or run_ident(generation, started_at)
-        oplog = self.oplog
 
         def record(result: str, at: datetime) -> None:
-            if oplog is not None:
-                oplog.append(
-                    op=APPLY_OP,
-                    generation=generation,
-                    epoch=epoch,
-                    payload_sha256=payload_sha256,
-                    run_ident=ident,
-                    result=result,
-                    at=at,
-                    reason=reason if result == STARTED else None,
-                )
+            self.oplog.append(
+                op=APPLY_OP,
+                generation=generation,
+                epoch=epoch,
+                payload_sha256=payload_sha256,
+                run_ident=ident,
+                result=result,
+                at=at,
+                reason=reason if result == STARTED else None,
+            )
 
         record(STARTED, started_at)
         private = self.runs_dir / ident

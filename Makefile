@@ -8,17 +8,23 @@ COLLECTIONS := $(BUILD)/collections
 LINK := $(COLLECTIONS)/ansible_collections/meridian/node
 SANITY_ROOT := $(BUILD)/sanity
 GET_PIP_CACHE := $(HOME)/.ansible/test/cache/get_pip_24_2.py
+# The managed hosts' Pythons (tests/config.yml) besides the controller's 3.11 (the venv's): sanity's
+# compile and import tests run on each one found.
+OTHER_TARGET_PYTHONS := 3.9 3.10 3.12 3.13
+SANITY_PYTHONS := $(BUILD)/sanity-pythons
 
 export ANSIBLE_COLLECTIONS_PATH := $(abspath $(COLLECTIONS))
 export ANSIBLE_PYTHON_INTERPRETER := $(abspath $(BIN))/python
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: demo test venv lint typecheck sanity pytest schemas bench clean
+.PHONY: demo test venv lint typecheck sanity pytest schemas bench clean compat changelog release sanity-oldest
 
 demo: venv
 	$(BIN)/python -m meridian_node_agent.demo
 
-test: venv lint typecheck sanity pytest
+# molecule last: the slowest part (systemd-booting Debian 11/12/13 targets; images cached under
+# ~/.cache/meridian-node), after everything that fails faster.
+test: venv lint typecheck compat changelog sanity sanity-oldest pytest molecule
 
 venv: $(VENV)/.installed $(LINK)
 
@@ -26,7 +32,8 @@ $(LINK):
 	mkdir -p $(dir $(LINK))
 	ln -sfn ../../../.. $(LINK)
 
-$(VENV)/.installed: pyproject.toml
+# galaxy.yml: the package takes its version from it, so a bump reinstalls.
+$(VENV)/.installed: pyproject.toml galaxy.yml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -34,21 +41,78 @@ $(VENV)/.installed: pyproject.toml
 
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/ansible-lint --offline --profile production playbooks roles
+	$(BIN)/ansible-lint --offline --profile production playbooks roles molecule
 
 typecheck: venv
 	$(BIN)/mypy plugins agent tests bench
 
+# Module code runs on the managed host's Python (3.9+): vermin fails on any construct newer than that.
+# It cannot see annotations that pydantic evaluates at run time; tests/packaging/test_packaging_host_pythons.py
+# imports and runs module_utils on each Python instead.
+compat: venv
+	$(BIN)/vermin --quiet --no-tips --violations --eval-annotations --target=3.9- plugins tests/packaging/host_python_check.py
+
+changelog: venv
+	$(BIN)/antsibull-changelog lint
+
+# changelogs/fragments -> CHANGELOG.rst and changelogs/changelog.yaml for galaxy.yml's version (a fragment
+# added after that release was made joins it: --update-existing). It lists new modules, plugins and roles
+# through ansible-doc, so it runs where Ansible finds the checkout as meridian.node.
+release: venv
+	cd $(LINK) && $(abspath $(BIN))/antsibull-changelog release --update-existing
+	rm -f changelogs/.plugin-cache.yaml
+
 # ansible-test needs the collection at a real .../ansible_collections/meridian/node path, so we
 # build the collection artifact and install it there: sanity checks exactly what ships.
+# Without --python, ansible-test runs the version-dependent tests (compile, import) on every target Python
+# it finds on PATH and the rest once on the controller's: PATH holds the venv (3.11, the controller) and
+# the other target Pythons this machine has, real interpreters rather than pyenv shims, and nothing else
+# that could answer to python3.X.
 sanity: venv $(GET_PIP_CACHE)
-	rm -rf $(BUILD)/dist $(SANITY_ROOT)
+	rm -rf $(BUILD)/dist $(SANITY_ROOT) $(SANITY_PYTHONS)
 	$(BIN)/ansible-galaxy collection build --force --output-path $(BUILD)/dist . >/dev/null
 	$(BIN)/ansible-galaxy collection install --force -p $(SANITY_ROOT) $(BUILD)/dist/meridian-node-*.tar.gz >/dev/null 2>&1
+	mkdir -p $(SANITY_PYTHONS)
+	@echo "sanity: Python 3.11: $(abspath $(BIN))/python3.11 (the controller)"
+	@for version in $(OTHER_TARGET_PYTHONS); do \
+		found=; \
+		for candidate in $$(command -v python$$version) $(HOME)/.pyenv/versions/$$version.*/bin/python$$version; do \
+			found=$$("$$candidate" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$$version'.split('.'))); print(sys.executable)" 2>/dev/null) && break; \
+		done; \
+		if [ -n "$$found" ]; then ln -sfn "$$found" $(SANITY_PYTHONS)/python$$version; echo "sanity: Python $$version: $$found"; \
+		else echo "sanity: Python $$version: not on this machine, its compile and import tests are skipped"; fi; \
+	done
 	# The copy lies inside this git checkout, whose .gitignore hides it from ansible-test; a repository
 	# of its own makes ansible-test list the files that ship.
 	cd $(SANITY_ROOT)/ansible_collections/meridian/node && git init -q && git add -A && \
-		$(abspath $(BIN))/ansible-test sanity --python 3.11 --requirements --color no
+		PATH=$(abspath $(SANITY_PYTHONS)):$(abspath $(BIN)):/usr/local/bin:/usr/bin:/bin \
+		$(abspath $(BIN))/ansible-test sanity --requirements --color no
+
+# The oldest ansible-core that meta/runtime.yml's requires_ansible admits, in a venv of its own (cached: it
+# does not change), running sanity over the same built collection on the controller's Python. Its
+# ansible-test bootstraps pip 23.1.2, whose download host is unreachable too: the same shim stands in.
+ANSIBLE_OLDEST := 2.16
+OLDEST_VENV := $(HOME)/.cache/meridian-node/ansible-core-$(ANSIBLE_OLDEST)-py3.11
+OLDEST_ROOT := $(BUILD)/sanity-oldest
+OLDEST_GET_PIP := $(HOME)/.ansible/test/cache/get_pip_23_1_2.py
+
+$(OLDEST_VENV)/.installed:
+	rm -rf $(OLDEST_VENV)
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install --quiet 'ansible-core~=$(ANSIBLE_OLDEST).0'
+	touch $@
+
+$(OLDEST_GET_PIP): .ci/get_pip_shim.py
+	mkdir -p $(dir $@)
+	cp $< $@
+
+sanity-oldest: venv $(OLDEST_VENV)/.installed $(OLDEST_GET_PIP)
+	rm -rf $(OLDEST_ROOT)
+	$(BIN)/ansible-galaxy collection build --force --output-path $(OLDEST_ROOT)/dist . >/dev/null
+	$(BIN)/ansible-galaxy collection install --force -p $(OLDEST_ROOT) $(OLDEST_ROOT)/dist/meridian-node-*.tar.gz >/dev/null 2>&1
+	cd $(OLDEST_ROOT)/ansible_collections/meridian/node && git init -q && git add -A && \
+		PATH=$(OLDEST_VENV)/bin:/usr/local/bin:/usr/bin:/bin \
+		$(OLDEST_VENV)/bin/ansible-test sanity --python 3.11 --requirements --color no
 
 $(GET_PIP_CACHE): .ci/get_pip_shim.py
 	mkdir -p $(dir $@)
@@ -59,6 +123,13 @@ pytest: venv
 
 schemas: venv
 	$(BIN)/python -m meridian_node_agent.schemas --write
+
+# The molecule scenarios (molecule/) on systemd-booting Debian containers, with the images, wheelhouses,
+# collections and devserver they need: tests/helpers/molecule_site.py. `make molecule SCENARIOS=node_agent`
+# runs one.
+.PHONY: molecule
+molecule: venv
+	$(BIN)/python -m ansible_collections.meridian.node.tests.helpers.molecule_site $(SCENARIOS)
 
 bench: venv
 	$(BIN)/python bench/gpu_facts.py

@@ -26,7 +26,8 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
      about it.
    - *back to back*: cycles with no wait and real clocks: heartbeats only once per interval.
    Each line says how many cycles heartbeated and how many posted an observation. The in-service figure
-   is also taken with supervision off (no applied state watched), beside it, as a ratio.
+   is also taken with supervision off (no applied state watched), and with the check for engines changed
+   by hand off (``engine_drift`` in the per-cycle inspect), beside it, as ratios.
 5. engine killed -> ready again, two ways: its server process SIGKILLed with nothing else running
    (Docker's restart policy, if the engine has one; ``docker kill`` would count as a stop by hand), and
    ``docker stop`` with the in-process agent cycling every 0.5 s (supervision's repair, after
@@ -51,10 +52,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
+from unittest import mock
 
 import docker
 import yaml
 
+from ansible_collections.meridian.node.plugins.module_utils import docker_engine as docker_engine_module
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.engine_containers import http_get
@@ -368,6 +371,13 @@ def in_process_agent(setup: Setup, clock: Callable[[], float] | None) -> tuple[A
     return agent, counting, docker_engine
 
 
+@contextmanager
+def settings_check_off() -> Iterator[None]:
+    """The per-cycle check for engines changed by hand (engine_drift, in the agent's inspect) switched off."""
+    with mock.patch.object(docker_engine_module, "drifted_from_label", lambda document: None):
+        yield
+
+
 def unchanged_cycles(
     setup: Setup, cycles: int, *, in_service: bool, supervised: bool = True, profile: bool = False
 ) -> CycleFigures:
@@ -491,6 +501,8 @@ def main() -> None:
                 playbook_s, tasks = reconcile_tasks(setup.root / "state")
                 service = unchanged_cycles(setup, args.cycles, in_service=True, profile=args.profile)
                 unsupervised = unchanged_cycles(setup, args.cycles, in_service=True, supervised=False)
+                with settings_check_off():
+                    unchecked = unchanged_cycles(setup, args.cycles, in_service=True)
                 back_to_back = unchanged_cycles(setup, args.cycles, in_service=False)
                 docker_back, docker_how = kill_to_ready(setup, client, by="docker")
                 agent_back, agent_how = kill_to_ready(setup, client, by="agent")
@@ -510,6 +522,10 @@ def main() -> None:
     print(
         f"  as in service, supervision off                 {unsupervised.cpu_ms:6.2f} ms   "
         f"(ratio supervised / not {service.cpu_ms / unsupervised.cpu_ms:.2f})"
+    )
+    print(
+        f"  as in service, no changed-by-hand check      {unchecked.cpu_ms:6.2f} ms   "
+        f"(ratio with the check / without {service.cpu_ms / unchecked.cpu_ms:.2f})"
     )
     print(
         f"  back to back (no wait, real clocks)             {back_to_back.cpu_ms:6.2f} ms   "

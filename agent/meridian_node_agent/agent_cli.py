@@ -14,7 +14,7 @@ from typing import Any
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
+from meridian_node_agent.config import AgentConfig, ConfigError, load_config, metrics_unavailable, mode_unavailable
 from meridian_node_agent.control_client import ControlClient, ControlPlaneError
 from meridian_node_agent.identity import CertificateInfo, IdentityError, NodeIdentity
 from meridian_node_agent.logs import EventLogger, configure_logging
@@ -30,6 +30,7 @@ __all__ = [
     "cmd_run",
     "cmd_status",
     "format_status",
+    "serve_metrics",
 ]
 
 TOKEN_ENV = "MERIDIAN_NODE_TOKEN"  # noqa: S105 - the variable's name, not a token
@@ -55,8 +56,10 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "run",
         help="run the agent loop",
         description="Heartbeat, fetch the signed desired state, verify it, apply it through ansible-runner "
-        "(unless the mode is observe-only), observe and report; repeat. Exit status with --once: 0 when the "
-        "cycle succeeded, 1 when the control plane was unreachable or the state was rejected or failed.",
+        "(unless the mode is observe-only), observe and report; repeat. In mode air-gapped: take the bundles "
+        "in air_gap.inbox, apply them, and write signed observations and journal summaries to air_gap.outbox "
+        "(docs/AIR_GAP.md). Exit status with --once: 0 when the cycle succeeded, 1 when the control plane was "
+        "unreachable or the state (or a bundle) was rejected or failed.",
     )
     run.add_argument("--once", action="store_true", help="run one cycle (no long-poll) and exit")
     run.set_defaults(handler=cmd_run)
@@ -115,7 +118,7 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         policy = load_policy(config.policy)
     except PolicyError as exc:
         raise UsageError(str(exc)) from exc
-    refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode)
+    refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode, config.apply.via)
     if refusal:
         raise UsageError(f"mode: {refusal}")
     if config.control_plane is None:
@@ -136,12 +139,18 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         engines=_engine_source(config, log),
         placement=(policy.engines.port_range, policy.engines.bind_address),
     )
-    metrics = None
-    if config.metrics is not None:
-        from meridian_node_agent.metrics import Metrics
-
-        metrics = Metrics.serve(config.metrics.listen)
+    metrics = None if config.metrics is None else serve_metrics(config.metrics.listen)
     return Agent(config, policy, client, applier, observer, log=log, metrics=metrics)
+
+
+def serve_metrics(listen: str) -> Any:
+    """The Prometheus endpoint of ``metrics.listen``; prometheus-client is the ``metrics`` extra."""
+    missing = metrics_unavailable(listen)
+    if missing:
+        raise UsageError(missing)
+    from meridian_node_agent.metrics import Metrics
+
+    return Metrics.serve(listen)
 
 
 def build_applier(config: AgentConfig) -> Any:
@@ -187,6 +196,8 @@ def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
     configure_logging(config.log.level, config.log.format)
+    if config.mode == "air-gapped":
+        return _run_air_gapped(config, once=args.once)
     agent = build_agent(config)
     try:
         status: int = agent.run(once=args.once)
@@ -198,6 +209,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         agent.client.close()
     return status
+
+
+def _run_air_gapped(config: AgentConfig, *, once: bool) -> int:
+    """No control plane: bundles from the inbox, signed records to the outbox (``airgap_agent``)."""
+    from meridian_node_agent.airgap_agent import build_airgap_agent
+
+    agent = build_airgap_agent(config)
+    try:
+        return agent.run(once=once)
+    except KeyboardInterrupt:
+        return 130
+    except StateStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -278,6 +303,7 @@ def format_status(
             else "-",
         ),
         ("supervision", _supervision_text((status or {}).get("supervision") or {})),
+        ("apply retry", _retry_text((status or {}).get("apply_retry"))),
         ("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none"),
         ("engines", _engines_text((status or {}).get("engines") or [])),
         ("certificate", _certificate_text(certificate, now or datetime.now(UTC))),
@@ -296,10 +322,27 @@ def _supervision_text(engines: dict[str, Any]) -> str:
         text = f"{name}: {state.get('problem') or 'healthy'}"
         if state.get("for_seconds") is not None:
             text += f" for {state['for_seconds']} s"
+        if state.get("state") not in (None, "healthy"):
+            text += f" [{state['state']}]"
         if state.get("repairs"):
-            text += f", {state['repairs']} repair(s), next in {state.get('next_repair_in_seconds')} s"
+            text += f", {state['repairs']} repair(s)"
+            if state.get("backoff_seconds") is not None:
+                text += f", backoff {state['backoff_seconds']:g} s"
+            text += f", next in {state.get('next_repair_in_seconds')} s"
+            if state.get("next_repair_at"):
+                text += f" (at {state['next_repair_at']})"
         parts.append(text)
     return "; ".join(parts)
+
+
+def _retry_text(retry: dict[str, Any] | None) -> str:
+    if not retry:
+        return "none"
+    return (
+        f"generation {retry.get('generation')} failed {retry.get('failures')} time(s) [{retry.get('state')}], "
+        f"backoff {retry.get('backoff_seconds'):g} s, next attempt at {retry.get('next_attempt_at')} "
+        f"(in {retry.get('next_attempt_in_seconds')} s); last error: {retry.get('error')}"
+    )
 
 
 def _certificate_text(certificate: CertificateInfo | None, now: datetime) -> str:
@@ -347,5 +390,7 @@ def _engines_text(engines: list[dict[str, Any]]) -> str:
             flags.append(f"{engine['restarts']} restart(s)")
         if engine.get("exit_reason"):
             flags.append(f"last exit: {engine['exit_reason']}")
+        if engine.get("drifted"):
+            flags.append(f"changed by hand: {', '.join(engine['drifted'])}")
         parts.append(f"{engine.get('name')} ({', '.join(flags)})")
     return "; ".join(parts)

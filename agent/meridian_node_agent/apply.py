@@ -61,7 +61,8 @@ def collection_paths() -> tuple[Path, Path]:
     """(the directory holding ``ansible_collections/``, the collection's ``playbooks/``), as imported.
 
     Taken from where this code was imported from without resolving symlinks, so the editable checkout
-    (``.build/collections``) and an installed wheel (site-packages) both work.
+    (``.build/collections``) and an installed wheel (its private copy, ``meridian_node_agent/collection``)
+    both work.
     """
     module = Path(_trust_module.__file__)  # <root>/ansible_collections/meridian/node/plugins/module_utils/trust.py
     collection = module.parents[2]
@@ -133,6 +134,8 @@ class Applier:
         clock: Callable[[], datetime] | None = None,
         python: str = sys.executable,
         playbook: Path | None = None,
+        collections_path: Path | None = None,
+        extravars: dict[str, str] | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.node_id = node_id
@@ -141,8 +144,13 @@ class Applier:
         self.clock = clock or (lambda: datetime.now(UTC))
         self.python = python
         collections, playbooks = collection_paths()
-        self.collections_path = collections
+        # An air-gap bundle's own collection comes first (its meridian.node wins over the host's), the
+        # host's after it, for the modules a site collection does not ship.
+        self.collections_path = str(collections)
+        if collections_path is not None:
+            self.collections_path = f"{collections_path}{os.pathsep}{collections}"
         self.playbook = playbook or playbooks / "reconcile.yml"
+        self.extravars = dict(extravars or {})
         self.runs_dir = self.state_dir / "runs"
         self.journal_dir = self.state_dir / "journal"
         # In-process this is the agent's oplog; in the root apply unit, root's own (in root's directory): the
@@ -213,6 +221,7 @@ class Applier:
                     "meridian_node_id": self.node_id,
                     "meridian_policy": self.policy_path,
                     "meridian_state_dir": str(self.state_dir),
+                    **self.extravars,
                 },
                 envvars={
                     "ANSIBLE_COLLECTIONS_PATH": str(self.collections_path),

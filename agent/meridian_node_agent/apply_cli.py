@@ -13,7 +13,8 @@ journal, its own oplog, the record, the draining marks, and in ``public/`` the a
 ``engines.json`` (``engine_inventory``: the agent has no Docker access, and observes its engines from it).
 
 systemd's ``PathChanged=`` does not queue: a request written while this runs starts nothing. So after each
-answer the spool is read again, and a newer request is answered in the same run.
+answer the spool is read again, and a newer request is answered in the same run. The whole run holds
+``apply_root.apply_lock``, so root's observe unit (``apply_observe``) does not rewrite ``engines.json`` under it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ansible_collections.meridian.node.plugins.module_utils.policy import Policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection, verify_desired_state
 from meridian_node_agent.apply import Applier
-from meridian_node_agent.apply_root import BoundaryError, RootDir, prepare_root_dir, read_request
+from meridian_node_agent.apply_root import BoundaryError, RootDir, apply_lock, prepare_root_dir, read_request
 from meridian_node_agent.apply_spool import (
     ANSWER_MODE,
     RESULT_FILE,
@@ -84,7 +85,9 @@ def cmd_apply_spooled(args: argparse.Namespace) -> int:
         print(f"error: {exc}; nothing was applied", file=sys.stderr)
         return 1
     try:
-        answers = answer_requests(config, root)
+        # Held for the whole run: the observe unit leaves engines.json alone until this run has answered.
+        with apply_lock(root, wait=True):
+            answers = answer_requests(config, root)
     except SpoolError as exc:
         print(f"error: {exc}; nothing was applied", file=sys.stderr)
         _report_inventory(refresh_inventory(config, root, clock=lambda: datetime.now(UTC)))

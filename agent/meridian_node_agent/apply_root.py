@@ -19,14 +19,21 @@ operation log, draining marks and Ansible's home. It must be root's (the euid's)
 others, not a symlink, not inside the agent's directory, and so must every directory above it (a
 directory another user may write lets that user swap root's directory out). Its mode is 0711: the agent
 may reach ``public/`` (0750, group of the agent's directory) and ``draining/`` by name, and list nothing else.
+
+Two root units use that directory: the apply unit, and the observe unit (``apply_observe``) that rewrites
+``public/engines.json`` on a timer. ``apply_lock`` keeps them apart: an apply holds it for its whole run, and
+the observe unit does nothing while it is held (the apply rewrites the file itself when it answers, and a
+listing taken in the middle of a replace would show the agent a half-done state).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,13 +47,23 @@ from meridian_node_agent.apply_spool import (
     parse_request,
 )
 
-__all__ = ["PUBLIC_MODE", "ROOT_DIR_MODE", "BoundaryError", "RootDir", "prepare_root_dir", "read_request"]
+__all__ = [
+    "LOCK_FILE",
+    "PUBLIC_MODE",
+    "ROOT_DIR_MODE",
+    "BoundaryError",
+    "RootDir",
+    "apply_lock",
+    "prepare_root_dir",
+    "read_request",
+]
 
 ROOT_DIR_MODE = 0o711
 # Group-readable by the agent's group. Not setgid (RestrictSUIDSGID= forbids it): each file written there
 # is given the group itself, before it is renamed into place (``RootDir.group``).
 PUBLIC_MODE = 0o750
 _PRIVATE_MODE = 0o700
+LOCK_FILE = "apply.lock"
 
 
 class BoundaryError(SpoolError):
@@ -164,6 +181,26 @@ def prepare_root_dir(path: Path, *, agent_dir: Path) -> RootDir:
     if stat.S_IMODE(info.st_mode) != PUBLIC_MODE:
         public.chmod(PUBLIC_MODE)
     return RootDir(path, group)
+
+
+@contextlib.contextmanager
+def apply_lock(root: RootDir, *, wait: bool) -> Iterator[bool]:
+    """Hold ``<apply.state_dir>/apply.lock`` (``flock``, released when the block ends or the process dies).
+
+    Yields True once held; with ``wait=False``, yields False at once when another root unit holds it. The
+    file is root's, in root's checked directory (0711): the agent can neither create nor hold it, so it
+    cannot keep root's observe unit from running or make an apply wait.
+    """
+    fd = os.open(root.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def _private_dir(path: Path) -> None:

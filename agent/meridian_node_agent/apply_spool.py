@@ -7,7 +7,9 @@ Runs on: both sides. The agent side (``apply_unit``) writes the request and read
                                                 ident the agent chose and the envelope, byte for byte
     <apply.state_dir>/public/apply-result.json  root -> agent (root's directory, ``public/`` is 0750 root,
                                                 group of the agent): the answer to one request
-    <apply.state_dir>/public/engines.json       root -> agent: the engines root manages (``engine_inventory``)
+    <apply.state_dir>/public/engines.json       root -> agent: the engines root manages (``engine_inventory``),
+                                                written by the apply unit when it answers and by the
+                                                read-only observe unit on root's timer (``apply_observe``)
 
 Both files are written to a temporary name, fsync'd and renamed into place, so the other side never reads
 half a file. Root reads the request once, from a file it checks is a regular file the agent owns

@@ -10,7 +10,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from meridian_node_agent import __version__
+from meridian_node_agent import VersionAction
 from meridian_node_agent.config import default_config_path
 from meridian_node_agent.usage import UsageError
 
@@ -21,10 +21,13 @@ VERB_MODULES = {
     "keygen": "trust_cli",
     "sign": "trust_cli",
     "verify": "trust_cli",
+    "make-bundle": "bundle_cli",
+    "outbox-key": "airgap_agent",
     "enroll": "agent_cli",
     "run": "agent_cli",
     "status": "agent_cli",
     "apply-spooled": "apply_cli",
+    "observe-engines": "apply_observe",
 }
 
 
@@ -49,7 +52,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         prog="meridian-node",
         description="The meridian.node pull agent and its operator tools.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=VersionAction, help="print the version and exit")
     parser.add_argument(
         "--config",
         default=default_config_path(),

@@ -6,6 +6,7 @@ mode the policy does not allow. Unknown fields are errors: a misspelt option mus
 to a default.
 """
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -30,16 +31,45 @@ Mode = Literal["observe-only", "managed-host", "kubernetes-integrated", "air-gap
 # the apply unit, never run as something else (kubernetes-integrated once converged like managed-host).
 UNBUILT_MODES = {
     "kubernetes-integrated": "it needs a read-only Kubernetes observer, which this version does not have",
-    "air-gapped": "reading bundles from an inbox is not built yet",
 }
 
 
-def mode_unavailable(mode: str) -> str | None:
-    """Why ``mode`` cannot run in this version, or None when it can."""
+def mode_unavailable(mode: str, via: str | None = None) -> str | None:
+    """Why ``mode`` cannot run in this version, or None when it can; ``via`` is the agent's ``apply.via``.
+
+    The root apply unit asks without ``via``: an air-gapped node's bundles come through the inbox, taken by
+    whoever applies (docs/AIR_GAP.md), never as a request spooled by the agent.
+    """
+    if mode == "air-gapped" and via != "in-process":
+        if via is None:
+            return (
+                "mode air-gapped takes bundles from its inbox; the root apply unit takes no spooled request in "
+                "this mode (a request there did not come from this node's agent)"
+            )
+        return (
+            f"mode air-gapped is not available yet with apply.via {via}: root's inbox unit "
+            "(meridian-node-airgap.path) is not built, and the inbox must not be read with the agent's "
+            "privileges under the split (docs/AIR_GAP.md); use apply.via: in-process"
+        )
     why = UNBUILT_MODES.get(mode)
     if why is None:
         return None
     return f"mode {mode} is not available yet: {why}; use observe-only or managed-host"
+
+
+def metrics_unavailable(listen: str) -> str | None:
+    """Why a ``metrics`` section listening on ``listen`` cannot be served here, or None when it can.
+
+    prometheus-client is the ``metrics`` extra of the meridian-node package: an agent without a metrics
+    section runs without it.
+    """
+    if importlib.util.find_spec("prometheus_client") is not None:
+        return None
+    return (
+        f"metrics.listen is {listen!r} but the Python package prometheus-client is not installed; install "
+        "meridian-node[metrics] (pip install 'meridian-node[metrics]') or remove the metrics section from "
+        "the config"
+    )
 
 
 class ConfigError(ValueError):
@@ -99,8 +129,13 @@ class Journal(_Section):
 
 
 class AirGap(_Section):
+    """``mode: air-gapped`` (docs/AIR_GAP.md): bundles arrive in ``inbox``, signed records leave by ``outbox``."""
+
     inbox: str
     outbox: str
+    # The inbox is re-scanned this often even without an inotify event (one may be lost: removable media
+    # mounted over the inbox, a replaced directory).
+    poll_seconds: Annotated[float, Field(gt=0, le=3600)] = 5.0
 
 
 class Apply(_Section):
@@ -206,7 +241,9 @@ def load_config(path: os.PathLike[str] | str) -> AgentConfig:
             "apply": config.apply.model_copy(update={"state_dir": str(base / config.apply.state_dir)}),
             "air_gap": None
             if config.air_gap is None
-            else AirGap(inbox=str(base / config.air_gap.inbox), outbox=str(base / config.air_gap.outbox)),
+            else config.air_gap.model_copy(
+                update={"inbox": str(base / config.air_gap.inbox), "outbox": str(base / config.air_gap.outbox)}
+            ),
         }
     )
     if resolved.apply.via == "systemd":

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ansible_collections.meridian.node.plugins.module_utils.policy import ROLES, Policy, PolicyError, load_policy
 from meridian_node_agent.apply_spool import PUBLIC_DIR, REQUEST_FILE, RESULT_FILE, SPOOL_DIR
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
+from meridian_node_agent.config import AgentConfig, ConfigError, load_config, metrics_unavailable, mode_unavailable
 
 
 def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -34,9 +34,26 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(describe_policy(policy))
-    refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode)
+    refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode, config.apply.via)
     if refusal:
         print(f"error: config {args.config}: mode: {refusal}", file=sys.stderr)
+        return 1
+    if config.mode == "air-gapped":
+        from meridian_node_agent.airgap_agent import check_airgap_config
+
+        problems = check_airgap_config(config, policy)
+        for problem in problems:
+            print(f"error: config {args.config}: {problem}", file=sys.stderr)
+        if problems:
+            return 1
+        assert config.air_gap is not None
+        print(
+            f"air gap: bundles from {config.air_gap.inbox} (re-scanned every {config.air_gap.poll_seconds:g} s), "
+            f"records to {config.air_gap.outbox}, scratch {policy.air_gap.scratch_dir}"
+        )
+    missing = None if config.metrics is None else metrics_unavailable(config.metrics.listen)
+    if missing:
+        print(f"error: config {args.config}: {missing}", file=sys.stderr)
         return 1
     print("ok")
     return 0

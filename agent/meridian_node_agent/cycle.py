@@ -27,7 +27,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,6 +55,7 @@ __all__ = [
     "SPOOL_FILE",
     "STATUS_FILE",
     "Agent",
+    "ApplyRetry",
     "Backoff",
     "CycleOutcome",
     "Outcome",
@@ -88,6 +89,8 @@ class Outcome(StrEnum):
     # The state did not change, but engines had drifted from it and were reconciled again.
     REPAIRED = "repaired"
     REPAIR_FAILED = "repair-failed"
+    # The state's last apply failed and its retry waits out the crash-loop backoff (``ApplyRetry``).
+    APPLY_BACKING_OFF = "apply-backing-off"
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,26 @@ class Backoff:
         # Half fixed, half random: failing agents spread out instead of returning in lockstep, and
         # the wait still grows with every failure.
         return base / 2 + self.rng.uniform(0, base / 2)
+
+
+@dataclass
+class ApplyRetry:
+    """A verified state whose apply failed, retried from memory on supervision's crash-loop backoff.
+
+    An engine whose command exits at once fails every apply at its readiness wait; retrying on every cycle
+    would run a playbook (and restart the engine) once per long-poll, for ever. The n-th failure waits
+    ``supervisor.backoff(n)`` (10 s doubling to 5 min by default) before the next attempt; a newer state
+    published meanwhile is applied at once (the long-poll still waits on it), and the count starts over.
+    """
+
+    envelope: bytes
+    generation: int
+    payload_sha256: str
+    failures: int
+    retry_at: float  # on the agent's monotonic clock
+    backoff_seconds: float
+    failed_at: datetime
+    error: str
 
 
 @dataclass
@@ -215,6 +238,7 @@ class Agent:
         )
         # The envelope of the state last applied successfully, verified: what supervision repairs towards.
         self._desired: tuple[bytes, VerifiedState] | None = None
+        self._retry: ApplyRetry | None = None
         # Renewal talks to the real control client even when a test wraps ``client`` for the other calls.
         self.issuer: CertificateIssuer | None = client if isinstance(client, CertificateIssuer) else None
         renewal = config.certificate_renewal
@@ -245,6 +269,7 @@ class Agent:
                     Outcome.REJECTED,
                     Outcome.LEASE_LAPSED,
                     Outcome.REPAIR_FAILED,
+                    Outcome.APPLY_BACKING_OFF,
                 )
                 failed_call = outcome.outcome == Outcome.APPLY_FAILED
             except ControlPlaneRejected as exc:
@@ -292,6 +317,8 @@ class Agent:
         fetched = self.client.fetch_desired_state(node, etag=self.etag, wait=wait)
         if fetched.status == FetchStatus.NOT_MODIFIED:
             outcome = CycleOutcome(Outcome.UNCHANGED, fetched.generation)
+            if self._retry is not None:
+                outcome = self._retry_apply(self._retry)
         elif fetched.status == FetchStatus.NONE_PUBLISHED:
             outcome = CycleOutcome(Outcome.NONE_PUBLISHED)
         else:
@@ -381,11 +408,58 @@ class Agent:
             self.log.warning("apply-held-lease-lapsed", generation=state.generation)
             return CycleOutcome(Outcome.LEASE_LAPSED, state.generation)
         result = self._apply(envelope, verified)
-        if not result.ok:
-            # The ETag stays old, so the next cycle fetches and tries this generation again.
-            return CycleOutcome(Outcome.APPLY_FAILED, state.generation, run=result)
+        # The ETag moves on even when the apply failed: the retry comes from memory, on its backoff, while
+        # the long-poll keeps waiting for a newer state.
         self.etag = etag
+        if not result.ok:
+            self._apply_failed(envelope, verified, result)
+            return CycleOutcome(Outcome.APPLY_FAILED, state.generation, run=result)
+        self._retry = None
         return CycleOutcome(Outcome.APPLIED, state.generation, run=result)
+
+    def _apply_failed(self, envelope: bytes, verified: VerifiedState, result: ApplyResult) -> None:
+        previous = self._retry
+        same = previous is not None and previous.payload_sha256 == verified.payload_sha256
+        failures = previous.failures + 1 if same and previous is not None else 1
+        delay = self.supervisor.backoff(failures)
+        error = "; ".join(result.failures) or f"the run ended {result.status}"
+        self._retry = ApplyRetry(
+            envelope=envelope,
+            generation=verified.state.generation,
+            payload_sha256=verified.payload_sha256,
+            failures=failures,
+            retry_at=self.monotonic() + delay,
+            backoff_seconds=delay,
+            failed_at=self.clock(),
+            error=error[:500],
+        )
+        self.log.warning(
+            "apply-backing-off", generation=verified.state.generation, failures=failures, seconds=delay, error=error
+        )
+
+    def _retry_apply(self, retry: ApplyRetry) -> CycleOutcome:
+        """Apply the failed state again once its backoff is over; until then, say that it is waiting."""
+        if self.monotonic() < retry.retry_at:
+            return CycleOutcome(Outcome.APPLY_BACKING_OFF, retry.generation)
+        try:
+            verified = self._verify(retry.envelope)  # time passed: expired, or overtaken by another apply
+        except (Rejection, StateStoreError) as exc:
+            # Fetched afresh next cycle, where a rejection is counted and logged the usual way.
+            self._retry, self.etag = None, None
+            self.log.warning("apply-retry-dropped", generation=retry.generation, reason=str(exc))
+            return CycleOutcome(Outcome.UNCHANGED, retry.generation)
+        if verified.already_applied:
+            self._retry = None
+            return CycleOutcome(Outcome.UNCHANGED, retry.generation)
+        if not self._epoch_ok or self.lease is None or self.lease.expires_at <= self.clock():
+            self.log.warning("apply-held-lease-lapsed", generation=retry.generation)
+            return CycleOutcome(Outcome.LEASE_LAPSED, retry.generation)
+        result = self._apply(retry.envelope, verified, reason=f"retry after {retry.failures} failed apply(s)")
+        if not result.ok:
+            self._apply_failed(retry.envelope, verified, result)
+            return CycleOutcome(Outcome.APPLY_FAILED, retry.generation, run=result)
+        self._retry = None
+        return CycleOutcome(Outcome.APPLIED, retry.generation, run=result)
 
     def _verify(self, envelope: bytes) -> VerifiedState:
         return verify_desired_state(
@@ -546,6 +620,8 @@ class Agent:
             last_run=_run_summary(self.last_run),
             now=self.clock(),
         )
+        # Not in the observation's contract: the observer keeps it aside for supervision (and status).
+        drifted: dict[str, tuple[str, ...]] = getattr(self.observer, "drifted", None) or {}
         self._engines = [
             {
                 "name": e.name,
@@ -556,6 +632,7 @@ class Agent:
                 "restarts": e.restarts,
                 "exit_reason": e.exit_reason,
                 "ready_since": None if e.ready_since is None else format_rfc3339(e.ready_since),
+                "drifted": list(drifted.get(e.name, ())),
             }
             for e in observation.engines
         ]
@@ -588,7 +665,8 @@ class Agent:
             "last_run": _run_summary(self.last_run),
             "counters": asdict(self.counters),
             "engines": self._engines,
-            "supervision": self.supervisor.status(),
+            "supervision": self._supervision_status(),
+            "apply_retry": self._retry_status(),
             "certificate": self.renewal.status(),
         }
         # Rewritten when something in it changed, or STATUS_REFRESH_SECONDS after the last write so that
@@ -605,6 +683,33 @@ class Agent:
         temp.write_text(json.dumps(document, separators=(",", ":")) + "\n")
         temp.replace(path)
         self._status_written = (unchanged, now)
+
+
+    def _retry_status(self) -> dict[str, Any] | None:
+        retry = self._retry
+        if retry is None:
+            return None
+        left = max(0.0, retry.retry_at - self.monotonic())
+        return {
+            "state": "backing-off" if left > 0 else "retry-due",
+            "generation": retry.generation,
+            "failures": retry.failures,
+            "backoff_seconds": retry.backoff_seconds,
+            "last_failed_at": format_rfc3339(retry.failed_at),
+            "next_attempt_in_seconds": round(left, 1),
+            "next_attempt_at": format_rfc3339(self.clock() + timedelta(seconds=left)),
+            "error": retry.error,
+        }
+
+    def _supervision_status(self) -> dict[str, dict[str, Any]]:
+        """Supervision's report with the next repair as a wall-clock time too: status.json is read later, by
+        another process, when "in 40 s" no longer says when."""
+        report = self.supervisor.status()
+        now = self.clock()
+        for entry in report.values():
+            left = entry.get("next_repair_in_seconds")
+            entry["next_repair_at"] = None if not left else format_rfc3339(now + timedelta(seconds=left))
+        return report
 
 
 def read_status(state_dir: Path) -> dict[str, Any] | None:

@@ -12,12 +12,18 @@ The file (format 1)::
      "engines": [{"name": "chat", "driver": "vllm", "served_model_name": "m" | null,
                   "image": "repo@sha256:..." | null, "host": "127.0.0.1", "port": 8001 | null,
                   "probe_driver": "vllm", "health_path": "/health",
-                  "gpus": ["GPU-..."], "min_vram_mib": 1000, "state": "running"}]}
+                  "gpus": ["GPU-..."], "min_vram_mib": 1000, "state": "running",
+                  "restarts": 0, "exit_code": null, "exit_reason": null,
+                  "drifted": ["restart_policy", "cpus"] | [] | null}]}
 
 Only engines whose owner label is ``agent:<node id>`` (what reconcile.yml sets) are listed: foreign
 containers are not reported under the split. ``state`` is the container's state at ``written_at``;
 readiness is not in the file: the agent probes ``host:port`` on ``health_path`` the ``probe_driver``'s
-way itself, every refresh, so an engine that dies after the write is reported not ready.
+way itself, every refresh, so an engine that dies after the write is reported not ready. ``restarts``,
+``exit_code``, ``exit_reason`` and ``drifted`` (the settings changed by hand since the container was created,
+``engine_drift``; null when it carries nothing to compare with) were added later and are optional: a file an
+older root unit wrote lacks them. Besides the apply unit, ``meridian-node-apply-observe.timer`` has root
+rewrite the file on its own schedule (``apply_observe``), so a hand change that keeps an engine ready shows.
 
 Reading validates everything and raises ``InventoryError`` with a reason for people; the agent then
 reports no engines rather than guessing.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +44,7 @@ from typing import Any
 __all__ = [
     "INVENTORY_FILE",
     "INVENTORY_MODE",
+    "MAX_DRIFTED",
     "MAX_ENGINES",
     "MAX_INVENTORY_BYTES",
     "FileIdentity",
@@ -80,6 +88,8 @@ class InventoryEngine:
     restarts: int | None = None
     exit_code: int | None = None
     exit_reason: str | None = None
+    # Names of the settings changed by hand (``engine_drift``); None: nothing to compare with, or not known.
+    drifted: tuple[str, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +107,7 @@ class InventoryEngine:
             "restarts": self.restarts,
             "exit_code": self.exit_code,
             "exit_reason": self.exit_reason,
+            "drifted": None if self.drifted is None else list(self.drifted),
         }
 
 
@@ -192,7 +203,12 @@ _ENGINE_FIELDS = {
     "state",
 }
 # Added later: a file an older root unit wrote lacks them.
-_OPTIONAL_ENGINE_FIELDS = {"restarts", "exit_code", "exit_reason"}
+_OPTIONAL_ENGINE_FIELDS = {"restarts", "exit_code", "exit_reason", "drifted"}
+# A setting name as engine_drift spells them. Checked by shape, not against engine_drift.SETTINGS: a root unit
+# upgraded before the agent restarts may name a setting this agent does not know yet, and that is still a
+# hand change to repair, not a reason to stop observing every engine. Bounded: names end up in the oplog.
+_SETTING_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+MAX_DRIFTED = 64
 
 
 def _engine(entry: Any, where: str) -> InventoryEngine:
@@ -218,6 +234,7 @@ def _engine(entry: Any, where: str) -> InventoryEngine:
     _require(restarts is None or (_is_int(restarts) and restarts >= 0), where, f"restarts must be >= 0 ({restarts!r})")
     _require(code is None or _is_int(code), where, f"exit_code must be an integer or null ({code!r})")
     _require(reason is None or (isinstance(reason, str) and len(reason) <= 200), where, "exit_reason is too long")
+    drifted = _drifted(entry.get("drifted"), where)
     return InventoryEngine(
         name=entry["name"],
         driver=entry["driver"],
@@ -233,7 +250,23 @@ def _engine(entry: Any, where: str) -> InventoryEngine:
         restarts=restarts,
         exit_code=code,
         exit_reason=reason,
+        drifted=drifted,
     )
+
+
+def _drifted(value: Any, where: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    _require(isinstance(value, list), where, f"drifted must be a list of setting names or null ({value!r:.80})")
+    _require(len(value) <= MAX_DRIFTED, where, f"drifted names more than {MAX_DRIFTED} settings ({len(value)})")
+    for name in value:
+        _require(
+            isinstance(name, str) and _SETTING_NAME.fullmatch(name) is not None,
+            where,
+            f"drifted: {name!r:.80} is not a setting name (lowercase letters, digits and '_', at most 40)",
+        )
+    _require(len(set(value)) == len(value), where, "drifted names a setting twice")
+    return tuple(value)
 
 
 def _is_int(value: Any) -> bool:
@@ -254,7 +287,10 @@ def collect_inventory(
     policy allows no image; the second listing adds the address each one is probed on. Raises what
     ``engine_info`` raises (``PolicyError``, ``DockerEngineError``).
     """
-    from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngineError
+    from ansible_collections.meridian.node.plugins.module_utils.docker_engine import (
+        DockerEngineError,
+        EngineInspection,
+    )
     from ansible_collections.meridian.node.plugins.module_utils.drain import driver_of, probe_address
     from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import engine_info
     from ansible_collections.meridian.node.plugins.module_utils.engine_instance import LABEL_OWNER
@@ -262,7 +298,7 @@ def collect_inventory(
     owner = f"agent:{node_id}"
     listed = engine_info(connect, policy_path=policy_path, state_dir=state_dir, owner=owner, probe=False)["engines"]
     probes: dict[str, tuple[str, str, tuple[str, int] | None]] = {}
-    exits: dict[str, Any] = {}
+    exits: dict[str, EngineInspection] = {}  # how each last ended, and what was changed by hand
     if listed:
         engine = connect()
         try:
@@ -275,12 +311,13 @@ def collect_inventory(
                         probe_address(container, driver),
                     )
                     with contextlib.suppress(DockerEngineError):  # gone since the listing: nothing to say
-                        exits[container.instance or container.name] = engine.exit_info(container.id)
+                        exits[container.instance or container.name] = engine.inspect_engine(container.id)
         finally:
             engine.close()
     engines = []
     for entry in listed:
         probe_driver, health_path, address = probes.get(entry["name"], ("openai", "/health", None))
+        inspected = exits.get(entry["name"])
         engines.append(
             InventoryEngine(
                 name=entry["name"],
@@ -294,9 +331,10 @@ def collect_inventory(
                 gpus=tuple(entry["gpus"]),
                 min_vram_mib=entry["min_vram_mib"],
                 state=entry["state"],
-                restarts=getattr(exits.get(entry["name"]), "restarts", None),
-                exit_code=getattr(exits.get(entry["name"]), "exit_code", None),
-                exit_reason=getattr(exits.get(entry["name"]), "exit_reason", None),
+                restarts=None if inspected is None else inspected.exit.restarts,
+                exit_code=None if inspected is None else inspected.exit.exit_code,
+                exit_reason=None if inspected is None else inspected.exit.exit_reason,
+                drifted=None if inspected is None else inspected.drifted,
             )
         )
     return Inventory(node_id=node_id, written_at=written_at, engines=tuple(engines))

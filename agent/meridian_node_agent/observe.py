@@ -64,7 +64,8 @@ class DockerEngines:
     An owned, running engine is ready when its driver's readiness probe says so on its published port;
     an unmanaged container is never reported ready (nothing routes to what we do not run). Draining
     marks are the files ``<state_dir>/draining/<name>.json`` the drain path writes. The listing is
-    re-read at most every ``refresh_seconds``.
+    re-read at most every ``refresh_seconds``. While the Docker Engine does not answer, the engines of its
+    last listing are reported with state ``unknown`` and not ready.
     """
 
     def __init__(
@@ -75,13 +76,17 @@ class DockerEngines:
         refresh_seconds: float = 5.0,
         monotonic: Callable[[], float] = time.monotonic,
         owner: str | None = None,
+        log: EventLogger | None = None,
     ) -> None:
         self.engine = engine
         self.owner = owner  # "agent:<node id>": only this agent's engines are reported as ours
         self.state_dir = Path(state_dir)
         self.refresh_seconds = refresh_seconds
         self._monotonic = monotonic
+        self._log = log or EventLogger()
         self._cache: tuple[float, list[dict[str, Any]]] | None = None
+        self._last: list[dict[str, Any]] = []  # the last listing Docker answered, kept across forget()
+        self._unavailable: str | None = None
 
     def __call__(self) -> list[dict[str, Any]]:
         now = self._monotonic()
@@ -91,10 +96,19 @@ class DockerEngines:
             engines = discover_engines(
                 self.engine, state_dir=str(self.state_dir), probe=True, owner=self.owner, exits=True
             )
-        except DockerEngineError:
-            # Docker down is an observation problem, not a cycle failure; engines keep their last report.
-            return self._cache[1] if self._cache else []
+        except DockerEngineError as exc:
+            # Docker down is an observation problem, not a cycle failure. The engines it last listed are still
+            # reported, but as unknown and not ready: a stopped daemon stops its containers, and nothing is
+            # routed to what cannot be vouched for. Logged once per outage.
+            if self._unavailable is None:
+                self._log.warning("docker-engine-unavailable", error=str(exc), engines=len(self._last))
+            self._unavailable = str(exc)
+            return [{**engine, "state": "unknown", "ready": False, "drifted": None} for engine in self._last]
+        if self._unavailable is not None:
+            self._log.info("docker-engine-available-again", engines=len(engines))
+            self._unavailable = None
         self._cache = (now, engines)
+        self._last = engines
         return engines
 
     def forget(self) -> None:
@@ -142,6 +156,7 @@ class InventoryEngines:
         self._identity: FileIdentity | None = None
         self._looked = False
         self._engines: tuple[InventoryEngine, ...] = ()
+        self._read_once = False  # a valid file was read since the last missing or invalid one
         self._cache: tuple[float, list[dict[str, Any]]] | None = None
 
     def __call__(self) -> list[dict[str, Any]]:
@@ -182,11 +197,13 @@ class InventoryEngines:
         try:
             inventory = read_inventory(self.path, node_id=self.node_id)
         except InventoryError as exc:
-            self._engines = ()
+            self._engines, self._read_once = (), False
             self._log.warning("engines-not-observed", reason=str(exc))
             return
-        self._engines = inventory.engines
-        self._log.info("engine-inventory-read", path=str(self.path), engines=len(inventory.engines))
+        # Root's observe timer rewrites the file every interval: say so only when what it lists changed.
+        if inventory.engines != self._engines or not self._read_once:
+            self._log.info("engine-inventory-read", path=str(self.path), engines=len(inventory.engines))
+        self._engines, self._read_once = inventory.engines, True
 
     def _observe(self, engine: InventoryEngine, draining: set[str], marks_readable: bool) -> dict[str, Any]:
         return {
@@ -202,6 +219,9 @@ class InventoryEngines:
             "restarts": engine.restarts,
             "exit_code": engine.exit_code,
             "exit_reason": engine.exit_reason,
+            # Root's reading of the settings changed by hand, as of written_at: the timer's observe unit keeps
+            # it fresh (apply_observe); supervision repairs it as it does in-process.
+            "drifted": None if engine.drifted is None else list(engine.drifted),
         }
 
     def _ready(self, engine: InventoryEngine) -> bool:
@@ -245,6 +265,10 @@ class Observer:
         self._gpu_cache: tuple[float, GpuFacts] | None = None
         self._artifact_refresh = artifact_refresh_seconds
         self._artifact_cache: tuple[float, list[dict[str, Any]]] | None = None
+        # Per engine of ours, the settings changed by hand since it was created (``engine_drift``), from the
+        # last observation: for supervision, not for the control plane (the observation contract has no
+        # place for it, and what matters there is that the engine is repaired).
+        self.drifted: dict[str, tuple[str, ...]] = {}
 
     def forget(self) -> None:
         """Drop every cached reading, so the next observation is taken afresh: what an apply changes
@@ -262,15 +286,21 @@ class Observer:
 
     def _with_ready_since(self, engines: list[dict[str, Any]], now: datetime) -> list[dict[str, Any]]:
         seen: dict[str, str] = {}
+        drifted: dict[str, tuple[str, ...]] = {}
         listed = []
-        for engine in engines:
-            name = str(engine.get("name"))
+        for observed in engines:
+            name = str(observed.get("name"))
+            engine = {key: value for key, value in observed.items() if key != "drifted"}
+            changed = observed.get("drifted")
+            if changed and engine.get("managed"):
+                drifted[name] = tuple(str(setting) for setting in changed)
             if engine.get("ready") and engine.get("managed"):
                 seen[name] = self._ready_since.get(name) or format_rfc3339(now)
                 listed.append({**engine, "ready_since": seen[name]})
             else:
                 listed.append(engine)
         self._ready_since = seen
+        self.drifted = drifted
         return listed
 
     def capacity(self) -> dict[str, Any]:

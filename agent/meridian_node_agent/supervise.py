@@ -8,9 +8,13 @@ Each engine the applied state lists as ``started`` is drifted when, for longer t
 - it is **missing** from what the agent observes, or **not running** (``settle_seconds``: Docker's own
   restart policy gets the first go, and a replace in progress is not mistaken for a loss);
 - it **lost readiness**: it was ready and its probe now fails (``settle_seconds``; under the privilege split
-  this is how a killed engine shows, since ``engines.json`` only changes when root runs);
+  this is how a killed engine shows before root's next look at it in ``engines.json``);
 - it was **never ready** since the state was applied (``startup_grace_seconds``: engines load models for
-  minutes, and a slow start is not a failure).
+  minutes, and a slow start is not a failure);
+- it was **changed by hand**: its live settings differ from those it was created with (``drifted``, the
+  names of the settings, from ``engine_drift`` through the cycle's inspect: ``docker update``, or a
+  container recreated by hand with our labels copied) (``settle_seconds``). Under the privilege split the
+  names come from root's ``engines.json``, which root's observe timer rewrites (``apply_observe``).
 
 A draining engine is never drifted: a drain wins over drift until the next generation. Engines listed
 ``stopped`` or ``absent`` are the reconcile's business, not supervision's.
@@ -118,19 +122,34 @@ class Supervisor:
         return float(min(self.backoff_max_seconds, self.backoff_initial_seconds * 2 ** max(0, repairs - 1)))
 
     def status(self) -> dict[str, dict[str, Any]]:
-        """Per engine with a problem or a backoff: for status.json, observations and metrics."""
+        """Per engine with a problem or a backoff: for status.json, observations and metrics.
+
+        ``state`` is ``healthy`` (no problem now; a backoff left from earlier repairs is still counted),
+        ``settling`` (a problem still inside its grace), ``backing-off`` (past its grace, waiting out the
+        backoff after ``repairs`` repairs) or ``repair-due`` (the next cycle repairs it). ``backoff_seconds``
+        is the wait that followed the last repair, ``next_repair_in_seconds`` what is left of it.
+        """
         now = self.clock()
         report: dict[str, dict[str, Any]] = {}
         for track in self.tracks.values():
             if track.problem is None and track.repairs == 0:
                 continue
             report[track.name] = {
+                "state": self._state(track, now),
                 "problem": track.problem,
                 "for_seconds": None if track.bad_since is None else round(now - track.bad_since, 1),
                 "repairs": track.repairs,
+                "backoff_seconds": self.backoff(track.repairs) if track.repairs else None,
                 "next_repair_in_seconds": round(max(0.0, track.retry_at - now), 1) if track.repairs else None,
             }
         return report
+
+    def _state(self, track: EngineTrack, now: float) -> str:
+        if track.problem is None or track.bad_since is None:
+            return "healthy"
+        if now - track.bad_since < self._grace(track, track.problem):
+            return "settling"
+        return "backing-off" if now < track.retry_at else "repair-due"
 
     def _problem(self, track: EngineTrack, engine: Mapping[str, Any] | None, now: float) -> str | None:
         if engine is not None and engine.get("draining"):
@@ -139,6 +158,8 @@ class Supervisor:
             problem = "missing"
         elif engine.get("state") != "running":
             problem = f"not running ({engine.get('state')})"
+        elif engine.get("drifted"):
+            problem = "changed by hand: " + ", ".join(str(name) for name in engine["drifted"])
         elif not engine.get("ready"):
             problem = "lost readiness" if track.seen_ready else "not ready since it was applied"
         else:

@@ -67,9 +67,10 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
 
     verify = subparsers.add_parser(
         "verify",
-        help="verify a signed envelope against policy",
-        description="Verify ENVELOPE.json as the host would. Prints one JSON line; exit 0 accepted, "
-        "1 rejected (with reason code), 2 usage or policy error.",
+        help="verify a signed envelope or an air-gap bundle against policy",
+        description="Verify ENVELOPE.json as the host would; with --kind bundle, ENVELOPE.json may also be a "
+        "whole bundle FILE.tar, every member read and checked, nothing kept. Prints one JSON line; exit 0 "
+        "accepted, 1 rejected (with reason code), 2 usage or policy error.",
     )
     verify.add_argument("--policy", type=Path, default=Path(DEFAULT_POLICY_PATH))
     verify.add_argument("--kind", required=True, choices=sorted(dsse.PAYLOAD_TYPES))
@@ -149,10 +150,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         policy = load_policy(args.policy)
     except PolicyError as exc:
         raise UsageError(str(exc)) from None
-    data = read_bytes(args.envelope, "envelope")
     now = args.at or datetime.now(UTC)
-    node_id = args.node_id or socket.gethostname().lower()
     store = StateStore(args.state_dir or record_dir(args.config))
+    if args.kind == "bundle":
+        from meridian_node_agent import bundle_cli  # only this kind needs the bundle reader
+
+        if not bundle_cli.is_envelope_file(args.envelope):
+            return bundle_cli.verify_bundle_file(args, policy, store, now=now)
+    data = read_bytes(args.envelope, "envelope")
+    node_id = args.node_id or socket.gethostname().lower()
     try:
         result = _verify(args.kind, data, policy, store, node_id=node_id, now=now, record=args.record)
     except trust.Rejection as rejection:

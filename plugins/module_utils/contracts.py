@@ -21,9 +21,11 @@ import json
 import math
 import re
 import traceback
-from datetime import UTC, datetime, timedelta, timezone
-from typing import Annotated, Any, Literal, TypeVar
+import unicodedata
+from datetime import datetime, timedelta, timezone
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
+from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils.engine_spec import (
     DRIVERS,
     IMAGE_REFERENCE,
@@ -77,6 +79,8 @@ Driver = Literal["vllm", "tgi", "sglang", "ollama", "llamacpp", "lmdeploy", "ope
 
 __all__ = [
     "API_VERSION",
+    "BUNDLE_ENVELOPE_NAME",
+    "BUNDLE_TOP_DIRECTORIES",
     "CANONICAL_BASE64",
     "DRIVERS",
     "INT64_MAX",
@@ -101,6 +105,7 @@ __all__ = [
     "ServingProjection",
     "Signature",
     "ValidationError",
+    "bundle_path_key",
     "describe_validation_error",
     "format_rfc3339",
     "parse_document",
@@ -337,6 +342,8 @@ def parse_document(model: type[_Model], data: bytes) -> _Model:
 
 
 # --- the models ------------------------------------------------------------------------------------------
+# pydantic evaluates these annotations at run time, on the host's Python: 3.9 has no ``X | None`` there, so
+# the models spell ``Optional``/``Union`` (ruff keeps them: pyproject.toml, ``keep-runtime-typing``).
 
 
 class _Strict(BaseModel):
@@ -413,7 +420,7 @@ class ManifestFile(_Strict):
     path: RelativePath
     size: Annotated[int, Field(ge=0, le=INT64_MAX)]
     sha256: Sha256Hex
-    url: str | None = Field(default=None, description="where to fetch this file; default base_url + path")
+    url: Optional[str] = Field(default=None, description="where to fetch this file; default base_url + path")
 
 
 class ArtifactManifest(_Strict):
@@ -421,7 +428,7 @@ class ArtifactManifest(_Strict):
     kind: Literal["ArtifactManifest"]
     name: Name
     version: Version
-    base_url: str | None = None
+    base_url: Optional[str] = None
     files: Annotated[list[ManifestFile], Field(min_length=1)]
 
     @model_validator(mode="after")
@@ -450,13 +457,13 @@ class ArtifactRef(_Strict):
     name: Name
     version: Version
     manifest: Envelope
-    source: str | None = Field(default=None, description="http(s) base URL or local directory")
+    source: Optional[str] = Field(default=None, description="http(s) base URL or local directory")
     pin: bool = False
 
 
 class ModelRef(_Strict):
-    artifact: Name | None = Field(default=None, description="a promoted artifact in the local store")
-    name: str | None = Field(default=None, description="a model name for engines that manage their own")
+    artifact: Optional[Name] = Field(default=None, description="a promoted artifact in the local store")
+    name: Optional[str] = Field(default=None, description="a model name for engines that manage their own")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelRef:
@@ -498,7 +505,7 @@ class EngineSpec(_Strict):
     driver: Driver
     image: ImageReference
     model: ModelRef
-    served_model_name: str | None = None
+    served_model_name: Optional[str] = None
     gpus: list[str] = Field(default_factory=list, description="GPU uuids, indexes or MIG instance uuids")
     min_vram_mib: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     port: Annotated[int, Field(ge=1, le=65535)]
@@ -509,7 +516,7 @@ class EngineSpec(_Strict):
     restart_policy: Literal["no", "on-failure", "unless-stopped"] = Field(
         default="unless-stopped", description="Docker's restart policy; unless-stopped keeps a drain's stop"
     )
-    shm_size_mib: Annotated[int, Field(ge=1, le=SHM_SIZE_MAX_MIB)] | None = Field(
+    shm_size_mib: Optional[Annotated[int, Field(ge=1, le=SHM_SIZE_MAX_MIB)]] = Field(
         default=None, description="size of /dev/shm; null is the driver's default"
     )
     ipc_mode: Literal["private", "host"] = Field(
@@ -517,7 +524,7 @@ class EngineSpec(_Strict):
     )
     ulimits: dict[
         Literal["core", "memlock", "nofile", "nproc", "stack"],
-        Annotated[int, Field(ge=-1, le=ULIMIT_MAX)] | EngineSpec.Ulimit,
+        Union[Annotated[int, Field(ge=-1, le=ULIMIT_MAX)], EngineSpec.Ulimit],
     ] = Field(default_factory=dict, description="one number sets soft and hard; -1 is unlimited")
     volumes: Annotated[list[EngineSpec.Volume], Field(max_length=MAX_VOLUMES)] = Field(default_factory=list)
     labels: Annotated[dict[str, str], Field(max_length=MAX_LABELS)] = Field(
@@ -583,22 +590,92 @@ def _unique(what: str, values: list[Any]) -> None:
         seen.add(value)
 
 
+# --- air-gap bundles (docs/AIR_GAP.md) -------------------------------------------------------------------
+# The payload of a bundle's first member, bundle.json. It lists every other member of the tar, so a reader
+# knows each path, size and digest before it reads a byte of any of them.
+
+# The tar's first member; no listed member may take its name.
+BUNDLE_ENVELOPE_NAME = "bundle.json"
+# Top-level directories a bundle's members live in; each has one meaning (docs/AIR_GAP.md, "Layout").
+BUNDLE_TOP_DIRECTORIES = ("artifacts", "playbooks", "collection")
+
+
+def _bundle_member_path(value: str) -> str:
+    top = value.split("/", 1)[0]
+    if "/" not in value or top not in BUNDLE_TOP_DIRECTORIES:
+        raise ValueError(
+            f"path {value!r} must be inside one of the bundle's directories "
+            f"({', '.join(d + '/' for d in BUNDLE_TOP_DIRECTORIES)}); see docs/AIR_GAP.md"
+        )
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
+        raise ValueError(f"path {value!r} contains a control character")
+    return value
+
+
+BundlePath = Annotated[RelativePath, AfterValidator(_bundle_member_path)]
+
+
 class BundleFile(_Strict):
-    path: RelativePath
+    """One member of the bundle's tar besides bundle.json: its path there, its size and its sha256."""
+
+    path: BundlePath
     size: Annotated[int, Field(ge=0, le=INT64_MAX)]
     sha256: Sha256Hex
 
 
+def bundle_path_key(path: str) -> str:
+    """The form two member paths share when some filesystem would store them as one file: Unicode NFC
+    (macOS and some tools normalise), then case-folded (case-insensitive filesystems)."""
+    return unicodedata.normalize("NFC", path).casefold()
+
+
 class Bundle(_Strict):
-    """An air-gap delivery: a desired state, the manifests it needs and every file shipped beside it."""
+    """An air-gap delivery for one node: the control-signed desired state it applies (``generation`` is
+    that state's generation) and every other member of the tar it travels in."""
 
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["Bundle"]
     bundle_id: Name
     node_id: NodeId
+    generation: Annotated[int, Field(ge=1, le=INT64_MAX, description="the generation of the desired state inside")]
     created_at: UtcTimestamp
+    expires_at: UtcTimestamp
     desired_state: Envelope
     files: list[BundleFile] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Bundle:
+        if self.expires_at <= self.created_at:
+            raise ValueError("expires_at must be later than created_at")
+        seen: dict[str, str] = {}
+        for entry in self.files:
+            key = bundle_path_key(entry.path)
+            if key in seen:
+                raise ValueError(
+                    f"paths {seen[key]!r} and {entry.path!r} name the same file on some filesystems "
+                    "(the same after Unicode NFC and case folding): list each member once"
+                )
+            seen[key] = entry.path
+        prefixes = {key.rsplit("/", i)[0] for key in seen for i in range(1, key.count("/") + 1)}
+        clash = sorted(prefixes & seen.keys())
+        if clash:
+            raise ValueError(f"path {seen[clash[0]]!r} is both a file and a directory")
+        collections = [entry.path for entry in self.files if entry.path.startswith("collection/")]
+        has_playbooks = any(entry.path.startswith("playbooks/") for entry in self.files)
+        if has_playbooks != bool(collections):
+            raise ValueError(
+                "a bundle carries playbooks/ and collection/ together or neither: its playbooks run with the "
+                "collection shipped beside them"
+            )
+        if len(collections) > 1 or any(path.count("/") != 1 or not path.endswith(".tar.gz") for path in collections):
+            raise ValueError(
+                f"collection/ holds exactly one collection tarball, collection/<name>.tar.gz (got {collections})"
+            )
+        return self
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files)
 
 
 class Lease(_Strict):
@@ -630,56 +707,56 @@ class EnrollmentResponse(_Strict):
 
 
 class GpuMemory(_Strict):
-    total_mib: int | None
-    used_mib: int | None
-    free_mib: int | None
+    total_mib: Optional[int]
+    used_mib: Optional[int]
+    free_mib: Optional[int]
 
 
 class MigInstance(_Strict):
     uuid: str
-    profile: str | None
-    memory_mib: int | None
-    gpu_instance_id: int | None
-    compute_instance_id: int | None
+    profile: Optional[str]
+    memory_mib: Optional[int]
+    gpu_instance_id: Optional[int]
+    compute_instance_id: Optional[int]
 
 
 class ComputeProcess(_Strict):
     pid: int
-    used_memory_mib: int | None
+    used_memory_mib: Optional[int]
 
 
 class NvLinkPeer(_Strict):
     link: int
-    peer_pci_bus_id: str | None
+    peer_pci_bus_id: Optional[str]
 
 
 class Gpu(_Strict):
     index: int
-    uuid: str | None
-    name: str | None
-    pci_bus_id: str | None
+    uuid: Optional[str]
+    name: Optional[str]
+    pci_bus_id: Optional[str]
     memory: GpuMemory
-    utilization_gpu_percent: int | None
-    utilization_memory_percent: int | None
-    temperature_c: int | None
-    power_draw_w: float | None
-    power_limit_w: float | None
-    ecc_errors_corrected: int | None
-    ecc_errors_uncorrected: int | None
-    mig_mode: bool | None
+    utilization_gpu_percent: Optional[int]
+    utilization_memory_percent: Optional[int]
+    temperature_c: Optional[int]
+    power_draw_w: Optional[float]
+    power_limit_w: Optional[float]
+    ecc_errors_corrected: Optional[int]
+    ecc_errors_uncorrected: Optional[int]
+    mig_mode: Optional[bool]
     mig_instances: list[MigInstance]
     processes: list[ComputeProcess]
     nvlink_peers: list[NvLinkPeer]
-    error: str | None = Field(default=None, description="why this GPU could not be read completely")
+    error: Optional[str] = Field(default=None, description="why this GPU could not be read completely")
 
 
 class GpuFacts(_Strict):
     """What ``gpu_facts`` returns as ``ansible_facts.meridian_gpus`` and what observations carry."""
 
     nvml_available: bool
-    reason: str | None = None
-    driver_version: str | None = None
-    cuda_driver_version: str | None = None
+    reason: Optional[str] = None
+    driver_version: Optional[str] = None
+    cuda_driver_version: Optional[str] = None
     count: Annotated[int, Field(ge=0)] = 0
     gpus: list[Gpu] = Field(default_factory=list)
 
@@ -687,19 +764,19 @@ class GpuFacts(_Strict):
 class EngineObservation(_Strict):
     name: str
     managed: bool
-    driver: str | None
-    image: str | None
+    driver: Optional[str]
+    image: Optional[str]
     state: str
     ready: bool
     draining: bool
-    port: int | None
-    served_model_name: str | None = None
+    port: Optional[int]
+    served_model_name: Optional[str] = None
     # How it has been doing, for ours: Docker's restart count, how it last ended ("OOMKilled", "exit 1",
     # "killed by signal 9"), and since when the agent has seen it ready (None while not ready).
-    restarts: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
-    exit_code: int | None = None
-    exit_reason: Annotated[str, Field(max_length=200)] | None = None
-    ready_since: UtcTimestamp | None = None
+    restarts: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = None
+    exit_code: Optional[int] = None
+    exit_reason: Optional[Annotated[str, Field(max_length=200)]] = None
+    ready_since: Optional[UtcTimestamp] = None
 
 
 class ArtifactObservation(_Strict):
@@ -721,7 +798,7 @@ class RunSummary(_Strict):
     status: Literal["successful", "failed", "canceled", "timeout", "running"]
     changed: int
     failed: int
-    finished_at: UtcTimestamp | None = None
+    finished_at: Optional[UtcTimestamp] = None
 
 
 class Observation(_Strict):
@@ -736,7 +813,7 @@ class Observation(_Strict):
     engines: list[EngineObservation] = Field(default_factory=list)
     artifacts: list[ArtifactObservation] = Field(default_factory=list)
     capacity: Capacity = Field(default_factory=Capacity)
-    last_run: RunSummary | None = None
+    last_run: Optional[RunSummary] = None
 
 
 class ServingEndpoint(_Strict):

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
 from ansible_collections.meridian.node.plugins.module_utils.trust import VerifiedState, verify_desired_state

@@ -35,6 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker_api import DockerApi, DockerApiError
+from ansible_collections.meridian.node.plugins.module_utils.engine_drift import (
+    LABEL_SETTINGS,
+    compare_settings,
+    drifted_from_label,
+    expected_settings,
+    read_settings,
+    settings_label,
+)
 
 __all__ = [
     "IPC_MODES",
@@ -42,6 +50,7 @@ __all__ = [
     "LABEL_DRIVER",
     "LABEL_INSTANCE",
     "LABEL_OWNED",
+    "LABEL_SETTINGS",
     "RESERVED_LABELS",
     "RESTART_POLICIES",
     "BindMount",
@@ -51,6 +60,7 @@ __all__ = [
     "DockerEngine",
     "DockerEngineError",
     "DockerUnavailableError",
+    "EngineInspection",
     "ExitInfo",
     "ForeignContainerError",
     "ImageInfo",
@@ -68,9 +78,11 @@ LABEL_OWNED = "meridian.node/owned"
 LABEL_INSTANCE = "meridian.node/instance"
 LABEL_DRIVER = "meridian.node/driver"
 LABEL_CONFIG_HASH = "meridian.node/config-hash"
-RESERVED_LABELS = (LABEL_OWNED, LABEL_INSTANCE, LABEL_DRIVER, LABEL_CONFIG_HASH)
+RESERVED_LABELS = (LABEL_OWNED, LABEL_INSTANCE, LABEL_DRIVER, LABEL_CONFIG_HASH, LABEL_SETTINGS)
 RESTART_POLICIES = ("no", "on-failure", "unless-stopped", "always")
 IPC_MODES = ("private", "shareable", "host")
+# A host runs a handful of engines: more cached readings than this means containers came and went.
+_DRIFT_CACHE_SIZE = 64
 # The device-request hook Docker uses for driver "nvidia" when no "nvidia" runtime is configured.
 _NVIDIA_HOOK = "nvidia-container-runtime-hook"
 
@@ -258,6 +270,15 @@ class ExitInfo:
 
 
 @dataclass(frozen=True)
+class EngineInspection:
+    """One inspect of an engine container, read two ways: how it last ended, and which of its settings
+    differ from those it was created with (``engine_drift``; None when it carries nothing to compare with)."""
+
+    exit: ExitInfo
+    drifted: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
 class ContainerInfo:
     """One container as the engine lists it. ``owned`` is decided here once, by the rules above."""
 
@@ -298,6 +319,8 @@ class ImageInfo:
     repo_digests: tuple[str, ...]
     labels: Mapping[str, str]
     pinned_by: str  # "registry-digest", "image-id" or "" (not a digest reference)
+    # The image's own Config (command, entrypoint, env, labels): what Docker merges into its containers.
+    config: Mapping[str, Any] = field(default_factory=dict)
 
 
 @contextmanager
@@ -358,6 +381,8 @@ class DockerEngine:
         # image id -> whether that image carries our ownership labels. Image ids are content hashes, so the
         # answer never changes: a long-lived engine object (the agent's) asks once per image, not per listing.
         self._image_spoofs: dict[str, bool] = {}
+        # container id -> (the inspect parts the settings are read from, what was drifted): see inspect_engine.
+        self._drift_cache: dict[str, tuple[tuple[Any, Any, Any], tuple[str, ...] | None]] = {}
 
     @classmethod
     def from_env(cls, timeout: int = 60) -> DockerEngine:
@@ -464,6 +489,33 @@ class DockerEngine:
             attrs = self.api.inspect_container(container_id)
         return ExitInfo.from_inspect(attrs)
 
+    def inspect_engine(self, container_id: str) -> EngineInspection:
+        """How an engine container last ended and which settings were changed by hand, from one inspect:
+        what the agent reads of each of its engines every cycle."""
+        with _docker_call(f"inspecting container {container_id[:12]}", not_found=ContainerNotFoundError):
+            attrs = self.api.inspect_container(container_id)
+        # Reading the settings back costs far more than comparing the documents they come from, and an
+        # engine's documents stay the same from one cycle to the next until someone changes it.
+        sources = (attrs.get("Image"), attrs.get("Config"), attrs.get("HostConfig"))
+        cached = self._drift_cache.get(container_id)
+        if cached is not None and cached[0] == sources:
+            drifted = cached[1]
+        else:
+            drifted = drifted_from_label(attrs)
+            if len(self._drift_cache) >= _DRIFT_CACHE_SIZE:
+                self._drift_cache.clear()
+            self._drift_cache[container_id] = (sources, drifted)
+        return EngineInspection(exit=ExitInfo.from_inspect(attrs), drifted=drifted)
+
+    def settings_drift(self, container: ContainerInfo, settings: ContainerSettings) -> dict[str, tuple[Any, Any]]:
+        """The settings of ``container`` that differ from those it would be created with from ``settings`` now,
+        each as ``(live, expected)`` in ``engine_drift``'s form; {} when it runs as asked."""
+        image = self.resolve_image(settings.image)
+        expected = expected_settings(_create_body(settings, image.id, _our_labels(settings)), {"Config": image.config})
+        with _docker_call(f"inspecting container {container.name!r}", not_found=ContainerNotFoundError):
+            live = read_settings(self.api.inspect_container(container.id))
+        return {name: (live.get(name), expected[name]) for name in compare_settings(expected, live)}
+
     def resolve_image(self, reference: str) -> ImageInfo:
         """The local image ``reference`` names; never pulls. See the module docstring for local pins."""
         repository, digest = _split_digest(reference)
@@ -489,6 +541,7 @@ class DockerEngine:
             repo_digests=tuple(attrs.get("RepoDigests") or ()),
             labels=dict(config.get("Labels") or {}),
             pinned_by=pinned_by,
+            config=dict(config),
         )
 
     def _by_image_id(self, reference: str, repository: str, digest: str) -> dict[str, Any]:
@@ -554,16 +607,31 @@ class DockerEngine:
                 "which Docker would copy into the container and make it pass as meridian.node's; rebuild the "
                 "image without them"
             )
-        labels = {
-            **settings.labels,
-            LABEL_OWNED: "true",
-            LABEL_INSTANCE: settings.instance,
-            LABEL_DRIVER: settings.driver,
-            LABEL_CONFIG_HASH: settings.config_hash(),
-        }
+        labels = _our_labels(settings)
+        # What the container will show when inspected, as a digest per setting: the agent, which has no
+        # settings at hand, tells a container changed by hand from these (engine_drift).
+        expected = expected_settings(_create_body(settings, image.id, labels), {"Config": image.config})
+        labels[LABEL_SETTINGS] = settings_label(expected)
         with _docker_call(f"creating container {settings.name!r}"):
             created = self.api.create_container(settings.name, _create_body(settings, image.id, labels))
-        return self.container(str(created["Id"]))
+        container_id = str(created["Id"])
+        with _docker_call(f"inspecting the new container {settings.name!r}", not_found=ContainerNotFoundError):
+            live = read_settings(self.api.inspect_container(container_id))
+        differ = compare_settings(expected, live)
+        if differ:
+            # A daemon that fills in settings of its own would make every later run see a change and
+            # replace the engine again and again: refuse once, clearly, instead.
+            with _docker_call(f"removing the new container {settings.name!r}"):
+                self.api.remove(container_id, force=True)
+            shown = "; ".join(
+                f"{name}: {live.get(name)!r}, asked {expected[name]!r}" for name in differ if name != "env"
+            )
+            raise DockerEngineError(
+                f"Error creating container {settings.name!r}: the Docker Engine created it with other settings "
+                f"than asked ({', '.join(differ)}{': ' + shown if shown else ''}), so it was removed. Check the "
+                "daemon's configuration (daemon.json defaults) and report it as a meridian.node bug"
+            )
+        return self.container(container_id)
 
     def start(self, container: ContainerInfo) -> None:
         self._require_owned(container, "start")
@@ -596,6 +664,17 @@ class DockerEngine:
                 "or choose another instance name",
                 container,
             )
+
+
+def _our_labels(settings: ContainerSettings) -> dict[str, str]:
+    """The settings' labels and the ownership labels ``create`` adds (all but the settings digests)."""
+    return {
+        **settings.labels,
+        LABEL_OWNED: "true",
+        LABEL_INSTANCE: settings.instance,
+        LABEL_DRIVER: settings.driver,
+        LABEL_CONFIG_HASH: settings.config_hash(),
+    }
 
 
 def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str, str]) -> dict[str, Any]:

@@ -139,9 +139,9 @@ def sign(payload_type: str, body: bytes, private_keys: Sequence[Ed25519PrivateKe
 
 def _describe(key: object) -> str:
     """'an RSA key (2048 bits)', 'an EC key (secp256r1)': enough for an operator to recognise the file."""
-    if isinstance(key, rsa.RSAPrivateKey | rsa.RSAPublicKey):
+    if isinstance(key, (rsa.RSAPrivateKey, rsa.RSAPublicKey)):
         return f"an RSA key ({key.key_size} bits)"
-    if isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey):
+    if isinstance(key, (ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey)):
         return f"an EC key ({key.curve.name})"
     return f"a {type(key).__name__.lstrip('_')}"
 

@@ -122,7 +122,9 @@ def discover_engines(
     agent's or an operator's meridian.node engine on the same Docker Engine is listed like a foreign
     container (``managed: false``, never ready), so nothing is routed to it through this observer.
     ``exits`` adds, for ours, Docker's restart count and how each last ended (``restarts``, ``exit_code``,
-    ``exit_reason``): one inspect per engine, which the agent's observations pay and modules do not.
+    ``exit_reason``) and the settings changed by hand since it was created (``drifted``: names, or None when
+    it carries no digests to compare with; ``engine_drift``): one inspect per engine, which the agent's
+    observations pay and modules do not.
     """
     draining = {mark.name for mark in list_draining(state_dir)}
     ours: list[dict[str, Any]] = []
@@ -144,10 +146,16 @@ def discover_engines(
 
 def _exits(engine: DockerEngine, container: ContainerInfo) -> dict[str, Any]:
     try:
-        info = engine.exit_info(container.id)
+        inspected = engine.inspect_engine(container.id)
     except DockerEngineError:  # removed between the listing and the inspect: nothing to say about it
-        return {"restarts": None, "exit_code": None, "exit_reason": None}
-    return {"restarts": info.restarts, "exit_code": info.exit_code, "exit_reason": info.exit_reason}
+        return {"restarts": None, "exit_code": None, "exit_reason": None, "drifted": None}
+    info = inspected.exit
+    return {
+        "restarts": info.restarts,
+        "exit_code": info.exit_code,
+        "exit_reason": info.exit_reason,
+        "drifted": None if inspected.drifted is None else list(inspected.drifted),
+    }
 
 
 def _observe_ours(container: ContainerInfo, draining: set[str], probe: bool) -> dict[str, Any]:

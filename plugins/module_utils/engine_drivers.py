@@ -38,8 +38,9 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, ClassVar
+
+from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
 
 if TYPE_CHECKING:
     from ansible_collections.meridian.node.plugins.module_utils.engine_spec import EngineSpec

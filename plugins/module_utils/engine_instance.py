@@ -10,7 +10,9 @@ the safety argument, so it is spelt out here:
 3. the volumes are resolved on the host and checked again (``engine_volumes``: symlinks, this host's own
    directories, sockets);
 4. the driver turns the spec into launch settings (a promoted artifact is resolved in the store here);
-5. Docker is observed: the container with the engine's name, if any (a foreign one fails, untouched);
+5. Docker is observed: the container with the engine's name, if any (a foreign one fails, untouched),
+   and, when its config hash is the one asked for, its live settings against those it would be created
+   with now (``engine_drift``: changed by hand is replaced, and the result names the settings);
 6. ``engine_plan.plan_engine`` decides the actions;
 7. for plans that create a container: the image is local and safe, the requested GPUs / MIG instances
    exist, free VRAM covers ``min_vram_mib`` after the other owned engines' reservations, the port is free
@@ -453,6 +455,7 @@ class _Run:
             "done": list(self.done),
             "config_hash": self.config_hash or None,
             "container": container,
+            "drifted": list(self.plan.drifted),
             "diff": self.plan.diff(),
             **extra,
         }
@@ -531,6 +534,10 @@ def _prepare(
     config_hash = settings.config_hash()
 
     observed, current = _observe(engine, name)
+    if observed is not None and current is not None and observed.owned and observed.config_hash == config_hash:
+        # The hash label says what the container was created from, not what it is now: `docker update`
+        # keeps every label, and a container recreated by hand can carry ours. What it runs is read back.
+        observed = dataclasses.replace(observed, drifted=engine.settings_drift(current, settings))
     plan = _plan(name, options, config_hash, public_spec(spec), observed)
     run = _Run(name, options, engine, plan, config_hash, current, driver, settings, loopback_for(bind))
     if Action.CREATE in plan.actions:

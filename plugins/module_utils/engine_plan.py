@@ -7,9 +7,12 @@ is what lets every state transition be tested as a table row.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Literal
+
+from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
+from ansible_collections.meridian.node.plugins.module_utils.engine_drift import describe_drift
 
 __all__ = [
     "Action",
@@ -56,6 +59,9 @@ class Observed:
     status: str
     config_hash: str | None = None
     spec: dict[str, Any] | None = None
+    # The settings that differ from those it would be created with now: name -> (live, expected), in
+    # engine_drift's form. Changed by hand (docker update, recreated with our labels): replaced like a spec change.
+    drifted: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
 
     @property
     def live(self) -> bool:
@@ -67,6 +73,7 @@ class EnginePlan:
     actions: tuple[Action, ...]
     before: dict[str, Any] = field(default_factory=dict)
     after: dict[str, Any] = field(default_factory=dict)
+    drifted: tuple[str, ...] = ()  # the settings changed by hand that this plan puts back
 
     @property
     def changed(self) -> bool:
@@ -94,9 +101,11 @@ def plan_engine(
     """The actions that take ``observed`` to ``state`` with the container settings hashed as ``config_hash``.
 
     A spec change replaces the container (a new container from the new settings, never an in-place
-    edit). Replacing a live engine with ``drain-then-replace`` drains it first, so in-flight requests
-    finish; a replaced engine comes back in the state it is asked for (``present`` keeps a live one
-    live). ``wait-ready`` follows every start when ``wait_ready`` is set.
+    edit), and so does a container whose live settings drifted from its config hash (``observed.drifted``):
+    the diff then shows those settings as they are (before) and as they will be (after). Replacing a live
+    engine with ``drain-then-replace`` drains it first, so in-flight requests finish; a replaced engine
+    comes back in the state it is asked for (``present`` keeps a live one live). ``wait-ready`` follows
+    every start when ``wait_ready`` is set.
     """
     if observed is not None and not observed.owned:
         raise ForeignContainerError(name)
@@ -110,7 +119,12 @@ def plan_engine(
         observed is not None and observed.live and Action.STOP not in actions
     )
     after = {"state": "started" if live_after else "stopped", "config_hash": config_hash, "spec": spec}
-    return EnginePlan(actions=tuple(actions), before=before, after=after)
+    drifted = tuple(observed.drifted) if observed is not None and Action.CREATE in actions else ()
+    if drifted and observed is not None:
+        shown = {name: describe_drift(name, *observed.drifted[name]) for name in drifted}
+        before["settings"] = {name: pair[0] for name, pair in shown.items()}
+        after["settings"] = {name: pair[1] for name, pair in shown.items()}
+    return EnginePlan(actions=tuple(actions), before=before, after=after, drifted=drifted)
 
 
 def _actions(
@@ -128,7 +142,7 @@ def _actions(
     if state == "absent":
         return [Action.STOP, Action.REMOVE] if observed.live else [Action.REMOVE]
 
-    current = observed.config_hash == config_hash and observed.status != "dead"
+    current = observed.config_hash == config_hash and observed.status != "dead" and not observed.drifted
     if current:
         if state == "started" and not observed.live:
             return start

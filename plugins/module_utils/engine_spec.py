@@ -174,7 +174,8 @@ class Ulimit:
     hard: int
 
 
-@dataclass(frozen=True, kw_only=True)
+# Built by keyword only (parse_engine_spec, the tests); kw_only=True would need Python 3.10 on the host.
+@dataclass(frozen=True)
 class EngineSpec:
     name: str
     driver: str

@@ -30,7 +30,12 @@ Choices worth knowing:
 - ``trust.control.max_lifetime`` (optional, e.g. ``7d``; units ``s``, ``m``, ``h``, ``d``, ``w``) caps how
   long a desired state may be valid: a state whose ``expires_at`` is further than that from its
   ``issued_at`` is refused (``schema``). Without it any lifetime is accepted. Only ``control`` takes it:
-  manifests and bundles do not expire.
+  manifests do not expire. ``trust.air_gap_authority.max_lifetime`` caps a bundle's ``expires_at -
+  created_at`` the same way: delivery by hand does not make a bundle good for years.
+- ``air_gap`` (docs/AIR_GAP.md) names ``scratch_dir``, the only directory the bundle reader writes to
+  (absolute; default ``DEFAULT_BUNDLE_SCRATCH``, inside root's own directory), and the caps a bundle is
+  refused beyond before any member is read: ``max_bytes`` (the sum of the sizes ``bundle.json`` lists;
+  a size like ``max_bytes`` of the store) and ``max_members``.
 - YAML mappings with a duplicated key are refused: two ``trust:`` blocks would otherwise keep the last.
 - ``load_policy(path, keys=False)`` validates the whole file but reads no key: the engine modules check
   images, drivers and ports and verify no signature, and loading keys means importing ``cryptography``,
@@ -72,10 +77,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGENT_MODES",
+    "DEFAULT_BUNDLE_SCRATCH",
     "DEFAULT_POLICY_PATH",
     "DEFAULT_STORE_PATH",
     "LEGACY_STORE_PATH",
     "ROLES",
+    "AirGapPolicy",
     "Policy",
     "PolicyError",
     "Role",
@@ -185,7 +192,7 @@ def format_duration(value: timedelta) -> str:
 # Checked with plain_checks rather than pydantic: every engine task loads the policy, and pydantic's
 # import alone would be a third of that task's start-up.
 
-_SECTIONS = ("images", "engines", "store", "agent")
+_SECTIONS = ("images", "engines", "store", "agent", "air_gap")
 
 
 @dataclass(frozen=True)
@@ -196,8 +203,9 @@ class _RoleSpec:
 
 
 def _role_spec(data: Any, where: str, role: Role) -> _RoleSpec:
-    # Only control signs documents that expire (desired state), so only control takes max_lifetime.
-    optional = ("threshold", "max_lifetime") if role == "control" else ("threshold",)
+    # Only control (desired state) and air_gap_authority (bundles) sign documents that expire, so only
+    # they take max_lifetime.
+    optional = ("threshold", "max_lifetime") if role in ("control", "air_gap_authority") else ("threshold",)
     document = check_mapping(data, where, required=("public_keys",), optional=optional)
     max_lifetime = None
     if document.get("max_lifetime") is not None:
@@ -325,6 +333,42 @@ def _agent(data: Any) -> AgentPolicy:
     return AgentPolicy(_known(modes, "agent.allowed_modes", AGENT_MODES, "mode"))
 
 
+# --- air-gap bundles (docs/AIR_GAP.md) -------------------------------------------------------------------
+
+# Root's own directory (the apply unit's StateDirectory=): the agent's user cannot swap a verified file there.
+DEFAULT_BUNDLE_SCRATCH = "/var/lib/meridian-node-apply/bundle-scratch"
+
+
+@dataclass(frozen=True)
+class AirGapPolicy:
+    """Where and how much the bundle reader may write. ``scratch_dir`` is never the inbox: a file there
+    is written by the reader alone, from bytes it hashed on the way in. ``max_bytes`` and ``max_members``
+    refuse a bundle whose signed listing asks for more, before any member is read."""
+
+    scratch_dir: str = DEFAULT_BUNDLE_SCRATCH
+    max_bytes: int = 1024**4
+    max_members: int = 10_000
+
+
+def _air_gap(data: Any) -> AirGapPolicy:
+    document = check_mapping(data, "air_gap", optional=("scratch_dir", "max_bytes", "max_members"))
+    scratch = check_str(document.get("scratch_dir", DEFAULT_BUNDLE_SCRATCH), "air_gap.scratch_dir")
+    if not scratch.startswith("/") or os.path.normpath(scratch) != scratch or scratch == "/":
+        raise FieldError(
+            "air_gap.scratch_dir",
+            f"must be an absolute path without '.', '..', '//' or a trailing '/' (got {scratch!r})",
+        )
+    max_bytes = document.get("max_bytes", AirGapPolicy.max_bytes)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, str)):
+        raise FieldError("air_gap.max_bytes", f"must be a byte count or a size like 2TiB (got {short_repr(max_bytes)})")
+    try:
+        size = parse_size(max_bytes)
+    except ValueError as exc:
+        raise FieldError("air_gap.max_bytes", str(exc)) from None
+    members = check_int(document.get("max_members", AirGapPolicy.max_members), "air_gap.max_members", ge=1)
+    return AirGapPolicy(scratch, size, members)
+
+
 # --- the loaded policy ----------------------------------------------------------------------------------
 
 
@@ -407,6 +451,7 @@ class Policy:
     store: StorePolicy
     agent: AgentPolicy
     _roles: Mapping[str, _RoleTrust] | None = field(repr=False)
+    air_gap: AirGapPolicy = field(default_factory=AirGapPolicy)
 
     def trusted_keys(self, role: Role) -> dict[str, Ed25519PublicKey]:
         """keyid -> public key trusted for ``role``; empty when the policy configures no such role."""
@@ -500,13 +545,16 @@ def parse_policy(text: str, base_dir: Path, *, source: str = "<text>", keys: boo
         trust = _trust(data["trust"])
         images, engines = _images(data.get("images", {})), _engines(data.get("engines", {}))
         store, agent = _store(data.get("store", {})), _agent(data.get("agent", {}))
+        air_gap = _air_gap(data.get("air_gap", {}))
     except FieldError as exc:
         raise PolicyError(f"{prefix}: {exc}") from exc
 
     roles = (
         {role: _load_role(spec, f"{prefix}: trust.{role}", base_dir) for role, spec in trust.items()} if keys else None
     )
-    return Policy(source=source, images=images, engines=engines, store=store, agent=agent, _roles=roles)
+    return Policy(
+        source=source, images=images, engines=engines, store=store, agent=agent, _roles=roles, air_gap=air_gap
+    )
 
 
 def _load_role(spec: _RoleSpec, where: str, base_dir: Path) -> _RoleTrust:

@@ -23,10 +23,10 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
 from ansible_collections.meridian.node.plugins.module_utils.contracts import describe_validation_error
 from ansible_collections.meridian.node.plugins.module_utils.dsse import PAYLOAD_TYPES, pae, require_cryptography
 from ansible_collections.meridian.node.plugins.module_utils.policy import Role, format_duration
@@ -269,24 +269,55 @@ def verify_artifact_manifest(data: bytes, policy: Policy) -> VerifiedManifest:
     )
 
 
+# --- air-gap bundles (docs/AIR_GAP.md) -------------------------------------------------------------------
+
+
 def verify_bundle(data: bytes, policy: Policy, *, node_id: str, now: datetime, applied: AppliedState) -> VerifiedBundle:
-    """Verify an air-gap bundle (air_gap_authority keys) and the desired state inside it (control keys).
+    """Verify an air-gap bundle's ``bundle.json`` (air_gap_authority keys) and the desired state inside it
+    (control keys). The members it lists are checked by ``bundle_reader`` as they are read.
 
     Both signatures are required: the authority vouches for the delivery, the control keys for the
-    state, so a stolen authority key alone cannot invent a desired state.
+    state, so a stolen authority key alone cannot invent a desired state, and a control key alone cannot
+    deliver one to an air-gapped host. After the authority's signature, in order: ``schema`` (including
+    a lifetime beyond ``trust.air_gap_authority.max_lifetime``),
+    ``wrong-node``, ``expired`` (the bundle's own ``expires_at``), ``not-yet-valid``, then every check of
+    ``verify_desired_state`` on the state inside (its rejections keep their codes, the message says it
+    is the state inside), and ``schema`` when the bundle's ``generation`` is not the state's.
     """
     _require_aware(now)
     envelope = _verify_role(data, policy, "bundle", "air_gap_authority")
     bundle = _parse(contracts.Bundle, envelope.body, "bundle")
-    if bundle.node_id != node_id:
+    what = f"bundle {bundle.bundle_id!r} (generation {bundle.generation})"
+    limit = policy.max_lifetime("air_gap_authority")
+    lifetime = bundle.expires_at - bundle.created_at
+    if limit is not None and lifetime > limit:
         raise Rejection(
-            RejectionCode.WRONG_NODE,
-            f"bundle {bundle.bundle_id!r} is for node {bundle.node_id!r}, this node is {node_id!r}",
+            RejectionCode.SCHEMA,
+            f"{what} is valid for {format_duration(lifetime)}, longer than trust.air_gap_authority.max_lifetime "
+            f"{format_duration(limit)} in policy {policy.source}: make bundles that expire sooner (make-bundle "
+            "--expires), or let the policy allow longer",
         )
-    _check_not_future(bundle.created_at, now, f"bundle {bundle.bundle_id!r}")
-    desired = verify_desired_state(
-        bundle.desired_state.model_dump_json().encode("utf-8"), policy, node_id=node_id, now=now, applied=applied
-    )
+    if bundle.node_id != node_id:
+        raise Rejection(RejectionCode.WRONG_NODE, f"{what} is for node {bundle.node_id!r}, this node is {node_id!r}")
+    if bundle.expires_at <= now:
+        raise Rejection(
+            RejectionCode.EXPIRED,
+            f"{what} expired at {contracts.format_rfc3339(bundle.expires_at)} (now "
+            f"{contracts.format_rfc3339(now)}): ask the site's authority for a fresh bundle",
+        )
+    _check_not_future(bundle.created_at, now, what)
+    try:
+        desired = verify_desired_state(
+            bundle.desired_state.model_dump_json().encode("utf-8"), policy, node_id=node_id, now=now, applied=applied
+        )
+    except Rejection as inner:
+        raise Rejection(inner.code, f"the desired state inside {what}: {inner.message}") from inner
+    if desired.state.generation != bundle.generation:
+        raise Rejection(
+            RejectionCode.SCHEMA,
+            f"{what} carries desired state generation {desired.state.generation}: a bundle's generation is the "
+            "generation of the state it delivers - rebuild it with make-bundle",
+        )
     return VerifiedBundle(
         bundle=bundle,
         signers=envelope.signers,

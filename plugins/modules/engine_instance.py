@@ -25,6 +25,10 @@ description:
     restart policy, shared memory, limits, volumes and labels included) replaces the container; with
     O(replace_strategy=drain-then-replace) the old engine is first marked draining (durably, under
     O(state_dir)) and given until its running and waiting requests reach zero.
+  - A container changed by hand is replaced the same way - its live settings (image, command, env,
+    ports, GPUs, mounts, restart policy, memory and CPU limits...) are read back and compared with those
+    it would be created with, since C(docker update) keeps the config hash label and a container recreated
+    by hand can carry it. RV(drifted) names the settings.
   - With O(wait_ready=true) the module waits until the engine's readiness probe passes. An engine that is
     not ready within O(ready_timeout) is stopped (never left half-running) and the module fails with the
     last probe result and the container's last log lines.
@@ -309,6 +313,18 @@ config_hash:
   returned: always
   type: str
   sample: sha256:9b0c1f8e6f0e4d1b2a3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192
+drifted:
+  description: The settings of the existing container that differ from those it would be created with now
+    (changed by hand with C(docker update), or a container recreated by hand with this engine's labels);
+    the plan replaces it, and the diff shows those settings before and after (for C(env) only the
+    variables' names). Names among C(image), C(command), C(env), C(labels), C(ports), C(gpus), C(mounts),
+    C(restart_policy), C(ipc_mode), C(shm_size), C(ulimits), C(init), C(stop), C(memory), C(cpus),
+    C(blkio), C(pids_limit), C(privileged), C(capabilities), C(devices), C(network_mode), C(pid_mode),
+    C(security_opt). Empty when nothing drifted.
+  returned: always
+  type: list
+  elements: str
+  sample: [restart_policy, memory]
 container:
   description: The engine's container after the run; V(null) when there is none.
   returned: always
@@ -346,7 +362,8 @@ check:
   type: str
   sample: placement-port
 diff:
-  description: Running state, config hash and the non-secret spec, before and after.
+  description: Running state, config hash and the non-secret spec, before and after; and the drifted
+    settings under C(settings) when RV(drifted) is not empty.
   returned: always
   type: dict
 """

@@ -56,11 +56,12 @@ def _config(root: Path, mode: str, *, via: str = "in-process") -> Path:
     return path
 
 
-@pytest.mark.parametrize("mode", ["kubernetes-integrated", "air-gapped"])
+# air-gapped is built with apply.via in-process; under the split root's inbox unit is not (docs/AIR_GAP.md).
+@pytest.mark.parametrize(("mode", "via"), [("kubernetes-integrated", "in-process"), ("air-gapped", "systemd")])
 def test_check_config_and_run_refuse_a_mode_that_is_not_built(
-    tmp_path: Path, mode: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, mode: str, via: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = _config(tmp_path, mode)
+    config = _config(tmp_path, mode, via=via)
 
     assert cli_main(["--config", str(config), "check-config"]) == 1
     assert f"mode {mode} is not available yet" in capsys.readouterr().err

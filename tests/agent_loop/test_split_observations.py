@@ -138,10 +138,11 @@ def test_agent_without_docker_access_reports_the_engine_root_started_then_draini
         "draining": False,
         "port": port,
         "served_model_name": "tiny-chat",
-        # As root inspected it: never restarted, never exited.
+        # As root inspected it: never restarted, never exited, nothing changed by hand.
         "restarts": 0,
         "exit_code": None,
         "exit_reason": None,
+        "drifted": [],
     }
 
     assert source() == [expected]

@@ -179,3 +179,31 @@ def test_a_killed_engine_is_observed_with_how_it_ended_then_repaired(
     assert observed is not None
     engine = {e["name"]: e for e in observed["engines"]}[name]
     assert (engine["state"], engine["ready"]) == ("running", True) and engine["ready_since"] is not None
+
+
+def test_an_engine_changed_by_hand_with_docker_update_is_repaired_naming_the_settings(
+    running_engine: tuple[E2ENode, Agent, str, int], docker_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node, agent, name, generation = running_engine
+    before = container_named(docker_client, name)
+    assert before is not None
+    before.update(restart_policy={"Name": "no"}, cpu_quota=50_000, cpu_period=100_000)
+    assert agent.cycle().outcome == Outcome.UNCHANGED  # seen, still settling
+    agent.write_status()
+    assert cli_main(["--config", str(node.node.config_path), "status", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["agent"]
+    assert {e["name"]: e["drifted"] for e in shown["engines"]}[name] == ["restart_policy", "cpus"]
+    assert shown["supervision"][name]["problem"] == "changed by hand: restart_policy, cpus"
+
+    outcome, seen = _cycle_until(agent, Outcome.REPAIRED)
+
+    assert outcome.generation == generation and outcome.run is not None and outcome.run.ok
+    assert set(seen[:-1]) <= {Outcome.UNCHANGED}  # no publish
+    started = [e for e in OpLog(node.state_dir / "oplog.jsonl").read() if e.result == "started"]
+    assert started[-1].reason == f"drift: {name}: changed by hand: restart_policy, cpus"
+    after = container_named(docker_client, name)
+    assert after is not None and after.id != before.id and after.status == "running"
+    assert after.attrs["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"
+    assert (after.attrs["HostConfig"]["CpuQuota"], after.attrs["HostConfig"]["CpuPeriod"]) == (0, 0)
+    assert agent.cycle().outcome == Outcome.UNCHANGED
+    assert agent.counters.repairs == 1

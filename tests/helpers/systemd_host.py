@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -62,17 +63,24 @@ from ansible_collections.meridian.node.tests.helpers.standin_image import (
 
 __all__ = [
     "AGENT_REPOSITORY",
+    "BROUGHT_PYTHON",
     "CHECKOUT",
     "HOST_REPOSITORY",
     "LABEL",
+    "PYTHON_PREFIX",
     "SUITES",
     "VENV",
+    "WHEEL_UNIT_DIR",
+    "AgentPython",
     "HostCommandError",
     "Suite",
     "SystemdHost",
     "SystemdHostError",
+    "agent_python",
+    "build_project_wheel",
     "ensure_agent_image",
     "ensure_host_image",
+    "ensure_python_image",
     "ensure_wheelhouse",
     "install_meridian_node",
     "installed_host",
@@ -294,6 +302,123 @@ def _agent_dockerfile(host_id: str, target: Suite) -> str:
     )
 
 
+# --- a newer Python for Debian 11 --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentPython:
+    """The interpreter the agent runs on in a suite: the system's, or one the operator brought."""
+
+    version: str  # "3.11"
+    path: str  # what node_agent_python names
+
+
+@dataclass(frozen=True)
+class PythonSource:
+    """CPython's source as Debian ships it (the orig tarball of a Debian source package), with the checksums
+    its .dsc lists: the mirror serves it over plain HTTP, so the sums are what makes it the right file."""
+
+    url: str
+    dsc: str
+    size: int
+    md5: str
+    sha256: str
+
+
+# bookworm's python3.11 source package, from the same mirror the images bootstrap from.
+PYTHON_SOURCE = PythonSource(
+    url="http://deb.debian.org/debian/pool/main/p/python3.11/python3.11_3.11.2.orig.tar.gz",
+    dsc="python3.11_3.11.2-6+deb12u6.dsc",
+    size=26437858,
+    md5="f6b5226ccba5ae1ca9376aaba0b0f673",
+    sha256="2411c74bda5bbcfcddaf4531f66d1adc73f247f529aee981b029513aefdbf849",
+)
+PYTHON_PREFIX = "/opt/python3.11"
+PYTHON_REPOSITORY = "meridian-node/systemd-host-python"
+# Debian 11 ships Python 3.9 and the agent needs 3.11: there operators bring their own (docs/INSTALL.md).
+BROUGHT_PYTHON = {"bullseye": AgentPython(version="3.11", path=f"{PYTHON_PREFIX}/bin/python3.11")}
+# What CPython's build needs on bullseye for the modules the agent and its dependencies import (ssl, ctypes
+# through cffi, sqlite3, lzma, bz2, zlib); their runtime libraries are in the host image already.
+_PYTHON_BUILD_PACKAGES = (
+    "gcc", "make", "libc6-dev", "libssl-dev", "zlib1g-dev", "libffi-dev", "libbz2-dev", "liblzma-dev",
+    "libsqlite3-dev", "uuid-dev",
+)  # fmt: skip
+
+
+def agent_python(suite: str) -> AgentPython:
+    """The Python the agent runs on in ``suite``: a brought one where the system's is too old."""
+    return BROUGHT_PYTHON.get(suite) or AgentPython(version=_suite(suite).python, path="/usr/bin/python3")
+
+
+def _python_tarball() -> Path:
+    """The CPython source tarball, downloaded once into ``cache_dir()`` and checked against the .dsc's sums."""
+    import urllib.request
+
+    source = PYTHON_SOURCE
+    target = cache_dir() / source.url.rsplit("/", 1)[1]
+    if target.is_file():
+        return target
+    with _locked(cache_dir() / "python-source.lock"):
+        if target.is_file():
+            return target
+        partial = target.with_suffix(".partial")
+        md5, sha256 = hashlib.md5(usedforsecurity=False), hashlib.sha256()
+        try:
+            with urllib.request.urlopen(source.url, timeout=60) as response, partial.open("wb") as out:
+                while chunk := response.read(1 << 20):
+                    md5.update(chunk)
+                    sha256.update(chunk)
+                    out.write(chunk)
+        except OSError as exc:
+            partial.unlink(missing_ok=True)
+            raise SystemdHostError(f"cannot download {source.url}: {exc}; the Debian mirror must be reachable") from exc
+        size = partial.stat().st_size
+        if (size, md5.hexdigest(), sha256.hexdigest()) != (source.size, source.md5, source.sha256):
+            partial.unlink()
+            raise SystemdHostError(
+                f"{source.url} is not the file {source.dsc} lists: got {size} bytes, md5 {md5.hexdigest()}, "
+                f"sha256 {sha256.hexdigest()}; expected {source.size} bytes, md5 {source.md5}, sha256 "
+                f"{source.sha256}"
+            )
+        os.replace(partial, target)
+    return target
+
+
+def _python_dockerfile(host_id: str, tarball: str) -> str:
+    version = BROUGHT_PYTHON["bullseye"].version
+    check = "import ssl, ctypes, sqlite3, lzma, bz2, zlib, venv, ensurepip; print(ssl.OPENSSL_VERSION)"
+    return (
+        f"FROM {host_id} AS build\n"
+        f"COPY {tarball} /usr/src/python.tar.gz\n"
+        "RUN set -e; apt-get update -qq; apt-get install -y -qq --no-install-recommends "
+        f"{' '.join(_PYTHON_BUILD_PACKAGES)} >/dev/null; mkdir /usr/src/python; "
+        "tar -C /usr/src/python --strip-components=1 -xzf /usr/src/python.tar.gz; cd /usr/src/python; "
+        f"./configure --prefix={PYTHON_PREFIX} --with-ensurepip=install >/dev/null; "
+        'make -j"$(nproc)" >/dev/null; make install >/dev/null; '
+        f"rm -rf {PYTHON_PREFIX}/lib/python{version}/test {PYTHON_PREFIX}/lib/python{version}/*/test\n"
+        f"FROM {host_id}\n"
+        f"COPY --from=build {PYTHON_PREFIX} {PYTHON_PREFIX}\n"
+        f'RUN {PYTHON_PREFIX}/bin/python{version} -c "{check}"\n'
+    )
+
+
+def ensure_python_image(suite: str = "bullseye", *, client: Any | None = None) -> str:
+    """The host image for ``suite`` plus CPython built from Debian's source into ``PYTHON_PREFIX``, built if
+    missing (a cold build compiles CPython: some minutes on two cores; the mirror must be reachable)."""
+    if suite not in BROUGHT_PYTHON:
+        raise SystemdHostError(f"{suite} ships a Python the agent runs on: use ensure_host_image({suite!r})")
+    client = _client(client)
+    host = ensure_host_image(suite, client=client)
+    digest = hashlib.sha256(f"{host}\0{PYTHON_SOURCE}\0{_python_dockerfile('', 'x')}".encode()).hexdigest()
+    tag = f"{PYTHON_REPOSITORY}:{suite}-{digest[:16]}"
+    if _image_exists(client, tag) is None:
+        tarball = _python_tarball()
+        host_id = _image_exists(client, host)
+        assert host_id is not None
+        _build(client, tag, _python_dockerfile(host_id, tarball.name), {tarball.name: tarball})
+    return tag
+
+
 # --- wheels ---------------------------------------------------------------------------------------------
 
 
@@ -303,9 +428,9 @@ def _project() -> dict[str, Any]:
     return project
 
 
-def _check_python(suite: str) -> None:
+def _check_python(suite: str, python: str | None = None) -> None:
     required = SpecifierSet(_project().get("requires-python", ""))
-    python = _suite(suite).python
+    python = python or _suite(suite).python
     if python not in required:
         raise SystemdHostError(
             f"meridian-node requires Python {required} (pyproject.toml) but Debian {suite} has Python {python}: "
@@ -325,10 +450,11 @@ def _pip(argv: list[str], what: str) -> None:
         )
 
 
-def _dependency_wheels(suite: str) -> Path:
-    """The runtime dependencies as wheels for ``suite``'s Python, cached by the dependency list (the versions
-    pip picked the first time stay: delete ``cache_dir() / "wheels"`` to take newer releases)."""
-    target = _suite(suite)
+def _dependency_wheels(suite: str, python: str | None = None) -> Path:
+    """The runtime dependencies as wheels for ``suite``'s Python (or ``python``, a version such as "3.11", on
+    that suite's glibc), cached by the dependency list (the versions pip picked the first time stay: delete
+    ``cache_dir() / "wheels"`` to take newer releases)."""
+    target = dataclasses.replace(_suite(suite), python=python) if python else _suite(suite)
     dependencies: list[str] = list(_project().get("dependencies", []))
     key = json.dumps([dependencies, target.python, target.glibc, platform.machine(), _FORMAT])
     parent = cache_dir() / "wheels"
@@ -371,19 +497,51 @@ def _dependency_wheels(suite: str) -> Path:
 @functools.cache
 def ensure_wheelhouse(suite: str = "bookworm") -> Path:
     """A directory with the project's wheel, built now from this checkout (once per process), and every
-    runtime dependency as a wheel for ``suite``'s Python: ``pip install --no-index --find-links`` needs nothing
-    else. Removed when the process exits."""
-    _check_python(suite)
-    deps = _dependency_wheels(suite)
+    runtime dependency as a wheel for the agent's Python on ``suite`` (``agent_python``): ``pip install
+    --no-index --find-links`` needs nothing else. Removed when the process exits."""
+    python = agent_python(suite).version
+    _check_python(suite, python)
+    deps = _dependency_wheels(suite, python)
     wheelhouse = Path(tempfile.mkdtemp(prefix=f"meridian-node-wheelhouse-{suite}-"))
     atexit.register(shutil.rmtree, wheelhouse, True)
-    _pip(["wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheelhouse), str(CHECKOUT)], "building the project wheel")
+    build_project_wheel(wheelhouse)
     for wheel in deps.glob("*.whl"):
         try:
             os.link(wheel, wheelhouse / wheel.name)
         except OSError:  # cache on another filesystem
             shutil.copy2(wheel, wheelhouse / wheel.name)
     return wheelhouse
+
+
+# Where the wheel carries the units as shared data (pyproject.toml; installed under ``<venv>/share``):
+# roles/node_agent installs them from there.
+WHEEL_UNIT_DIR = "share/meridian-node/systemd"
+
+
+def build_project_wheel(directory: Path) -> Path:
+    """Build the project's wheel from this checkout into ``directory``; return its path."""
+    _pip(["wheel", "--quiet", "--no-deps", "--wheel-dir", str(directory), str(CHECKOUT)], "building the project wheel")
+    wheel = _one_wheel(directory)
+    if not _carries_units(wheel):
+        raise SystemdHostError(
+            f"{wheel} does not carry the systemd units under {WHEEL_UNIT_DIR}: pyproject.toml's "
+            "[tool.hatch.build.targets.wheel.shared-data] must map systemd/ there"
+        )
+    return wheel
+
+
+def _one_wheel(directory: Path) -> Path:
+    wheels = sorted(directory.glob("meridian_node-*.whl"))
+    if len(wheels) != 1:
+        raise SystemdHostError(f"{directory} should hold exactly one meridian_node wheel, found {len(wheels)}")
+    return wheels[0]
+
+
+def _carries_units(wheel: Path) -> bool:
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        return any(name.endswith(f".data/data/{WHEEL_UNIT_DIR}/meridian-node.service") for name in archive.namelist())
 
 
 # --- the running host -----------------------------------------------------------------------------------
@@ -625,7 +783,7 @@ def install_meridian_node(host: SystemdHost, *, wheelhouse: Path) -> None:
     wheels = sorted(wheelhouse.glob("meridian_node-*.whl"))
     if len(wheels) != 1:
         raise SystemdHostError(f"{wheelhouse} should hold exactly one meridian_node wheel, found {len(wheels)}")
-    units = sorted(path for path in (CHECKOUT / "systemd").iterdir() if path.suffix in (".service", ".path"))
+    units = sorted(path for path in (CHECKOUT / "systemd").iterdir() if path.suffix in (".service", ".path", ".timer"))
     stage = "/var/tmp/meridian-node-install"
     archive = io.BytesIO()
     with tarfile.open(fileobj=archive, mode="w") as tar:

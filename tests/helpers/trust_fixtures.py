@@ -13,6 +13,7 @@ Times are fixed (``NOW``): tests pass ``now=NOW`` instead of reading the clock.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -140,13 +141,16 @@ def artifact_manifest(**overrides: Any) -> dict[str, Any]:
 
 
 def bundle(desired_state_envelope: Mapping[str, Any], **overrides: Any) -> dict[str, Any]:
-    """A valid Bundle payload for ``NODE_ID`` carrying an already signed desired-state envelope."""
+    """A valid Bundle payload for ``NODE_ID`` carrying an already signed desired-state envelope; its
+    ``generation`` is the state's (read from the envelope), and it expires a day after ``NOW``."""
     payload: dict[str, Any] = {
         "apiVersion": "meridian.node/v1",
         "kind": "Bundle",
         "bundle_id": "bundle-1",
         "node_id": NODE_ID,
+        "generation": json.loads(base64.b64decode(desired_state_envelope["payload"])).get("generation", 1),
         "created_at": format_rfc3339(NOW - timedelta(minutes=10)),
+        "expires_at": format_rfc3339(NOW + timedelta(days=1)),
         "desired_state": dict(desired_state_envelope),
         "files": [],
     }

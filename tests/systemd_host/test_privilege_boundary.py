@@ -251,7 +251,9 @@ def agent_stopped(site: Site) -> Iterator[Site]:
     assert site.container() == before
     assert site.serving()
     assert site.root_record()["generation"] >= site.generation
-    site.host.exec(["systemctl", "reset-failed", APPLY_UNIT, PATH_UNIT], check=False)
+    # Each test stops and starts the agent: reset its start counter too, or systemd's StartLimitBurst refuses
+    # the start once several tests ran within its interval.
+    site.host.exec(["systemctl", "reset-failed", APPLY_UNIT, PATH_UNIT, AGENT_UNIT], check=False)
     site.host.exec(["systemctl", "start", PATH_UNIT, AGENT_UNIT])
 
 

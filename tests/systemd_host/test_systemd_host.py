@@ -29,15 +29,19 @@ def test_the_agent_runs_as_root_and_as_its_own_user(installed_host: SystemdHost,
 
 
 def test_the_units_are_the_checkouts(installed_host: SystemdHost) -> None:
-    for unit in ("meridian-node.service", "meridian-node-apply.service", "meridian-node-apply.path"):
+    units = sorted(path.name for path in (CHECKOUT / "systemd").iterdir() if path.suffix != ".md")
+    assert {"meridian-node.service", "meridian-node-apply.path", "meridian-node-apply-observe.timer"} <= set(units)
+    for unit in units:
         assert installed_host.read_file(f"/etc/systemd/system/{unit}") == (CHECKOUT / "systemd" / unit).read_bytes()
         load_state = installed_host.exec(["systemctl", "show", "--property=LoadState", "--value", unit])
         assert load_state.stdout.strip() == "loaded"
 
 
 def test_root_inside_drives_the_outer_docker_engine(installed_host: SystemdHost, docker_client: Any) -> None:
-    # The wheel's own Docker client (the collection ships inside it), through the bind-mounted socket.
+    # The wheel's own Docker client, through the bind-mounted socket. The wheel keeps its copy of the
+    # collection private (docs/INSTALL.md, "Distribution"): importing the agent package puts it on sys.path.
     script = (
+        "import meridian_node_agent\n"
         "from ansible_collections.meridian.node.plugins.module_utils.docker_api import DockerApi\n"
         "print(DockerApi.from_env().info()['ID'])\n"
     )

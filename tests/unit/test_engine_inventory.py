@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from meridian_node_agent.apply_unit import write_request
 from meridian_node_agent.config import AgentConfig, load_config
 from meridian_node_agent.engine_inventory import (
     INVENTORY_FILE,
+    MAX_DRIFTED,
     MAX_ENGINES,
     MAX_INVENTORY_BYTES,
     Inventory,
@@ -41,7 +43,8 @@ from meridian_node_agent.engine_inventory import (
     write_inventory,
 )
 from meridian_node_agent.logs import EventLogger
-from meridian_node_agent.observe import InventoryEngines
+from meridian_node_agent.observe import InventoryEngines, Observer
+from meridian_node_agent.supervise import Drift, Supervisor
 
 NODE = "gpu-node-7"
 
@@ -118,6 +121,21 @@ def test_inventory_round_trips_and_is_written_world_readable(tmp_path: Path) -> 
         (lambda d: d["engines"][0].pop("state"), "must have exactly the fields"),
         (lambda d: d["engines"].append(dict(d["engines"][0])), "an engine name is listed twice"),
         (lambda d: d.update(engines=[d["engines"][0]] * (MAX_ENGINES + 1)), f"more than {MAX_ENGINES} engines"),
+        # drifted: root's reading of the settings changed by hand, which makes the agent replace an engine.
+        (lambda d: d["engines"][0].update(drifted="cpus"), "drifted must be a list of setting names or null"),
+        (lambda d: d["engines"][0].update(drifted={"cpus": 1}), "drifted must be a list of setting names or null"),
+        (lambda d: d["engines"][0].update(drifted=[1]), "drifted: 1 is not a setting name"),
+        (lambda d: d["engines"][0].update(drifted=[None]), "drifted: None is not a setting name"),
+        (lambda d: d["engines"][0].update(drifted=[""]), "drifted: '' is not a setting name"),
+        (lambda d: d["engines"][0].update(drifted=["Restart Policy"]), "drifted: 'Restart Policy' is not a setting"),
+        (lambda d: d["engines"][0].update(drifted=["cpus\n"]), "is not a setting name"),
+        (lambda d: d["engines"][0].update(drifted=["cpus; rm -rf /"]), "is not a setting name"),
+        (lambda d: d["engines"][0].update(drifted=["x" * 41]), "is not a setting name"),
+        (lambda d: d["engines"][0].update(drifted=["cpus", "cpus"]), "drifted names a setting twice"),
+        (
+            lambda d: d["engines"][0].update(drifted=[f"s{i}" for i in range(MAX_DRIFTED + 1)]),
+            f"more than {MAX_DRIFTED} settings",
+        ),
     ],
 )
 def test_malformed_inventory_is_refused_with_the_field_named(tmp_path: Path, change: Any, reason: str) -> None:
@@ -130,6 +148,56 @@ def test_malformed_inventory_is_refused_with_the_field_named(tmp_path: Path, cha
         read_inventory(path, node_id=NODE)
 
     assert str(path) in str(caught.value) and reason in str(caught.value)
+
+
+def test_drifted_round_trips_and_a_file_from_an_older_root_unit_without_it_reads_as_unknown(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        _engine("chat", drifted=("restart_policy", "cpus")),
+        _engine("embed", port=None, drifted=()),
+        _engine("old", port=None),
+    )
+    assert [e.drifted for e in read_inventory(path, node_id=NODE).engines] == [("restart_policy", "cpus"), (), None]
+
+    document = json.loads(path.read_text())
+    for entry in document["engines"]:
+        del entry["drifted"]
+    path.write_text(json.dumps(document))
+    assert [e.drifted for e in read_inventory(path, node_id=NODE).engines] == [None, None, None]
+
+
+def test_a_hand_change_root_saw_reaches_the_agents_supervisor_as_drift(tmp_path: Path, standin: int) -> None:
+    # Under the split this is the whole path from root's engines.json to the repair decision: the engine
+    # still answers its probe (ready), and only root's reading says it was changed by hand.
+    _write(tmp_path / PUBLIC_DIR, _engine("chat", port=standin, drifted=("restart_policy", "cpus")))
+    observer = Observer(
+        store_path=None,
+        gpu_facts=lambda: {"nvml_available": False},
+        engines=InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0),
+    )
+    clock = [0.0]
+    supervisor = Supervisor(settle_seconds=10, clock=lambda: clock[0])
+    supervisor.expect(3, ["chat"])
+
+    def assess() -> Drift | None:
+        observation = observer.observe(
+            node_id=NODE, mode="managed-host", epoch=1, applied_generation=3, last_run=None, now=datetime.now(UTC)
+        )
+        assert [(e.name, e.ready) for e in observation.engines] == [("chat", True)]
+        # What the cycle hands supervision: the observation's engines with the observer's drifted beside them.
+        return supervisor.assess(
+            [{**e.model_dump(), "drifted": list(observer.drifted.get(e.name, ()))} for e in observation.engines]
+        )
+
+    assert assess() is None  # settling: a replace in progress is not a hand change
+    clock[0] += 10
+    drift = assess()
+    assert drift is not None and drift.engines == (("chat", "changed by hand: restart_policy, cpus"),)
+
+    # Root's next look shows it repaired: no drift, nothing due.
+    _write(tmp_path / PUBLIC_DIR, _engine("chat", port=standin, drifted=()))
+    clock[0] += 600
+    assert assess() is None
 
 
 def test_inventory_written_for_another_node_is_refused(tmp_path: Path) -> None:
@@ -174,6 +242,18 @@ def test_source_reports_no_engines_and_logs_once_for_a_missing_or_broken_invento
         ("engines-not-observed", False),
     ]
     assert "the document must be an object" in events.seen[1][1]["reason"]
+
+
+def test_root_rewriting_the_same_engines_every_interval_is_read_quietly(tmp_path: Path) -> None:
+    # Root's observe timer replaces the file every 30 s: the agent re-reads it (a new inode) and logs only a change.
+    events = _Events()
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
+    for engine in (_engine(), _engine(), _engine(drifted=("cpus",)), _engine(drifted=("cpus",))):
+        _write(tmp_path / PUBLIC_DIR, engine)
+        source()
+
+    assert [event for event, _ in events.seen] == ["engine-inventory-read", "engine-inventory-read"]
+    assert source()[0]["drifted"] == ["cpus"]
 
 
 @pytest.fixture
@@ -221,6 +301,7 @@ def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_chang
         "restarts": None,
         "exit_code": None,
         "exit_reason": None,
+        "drifted": None,
     }
     assert (first["idle"]["ready"], first["idle"]["state"]) == (False, "running")  # nothing answers there
 
@@ -252,6 +333,7 @@ def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_chang
             "restarts": None,
             "exit_code": None,
             "exit_reason": None,
+            "drifted": None,
         }
     ]
 

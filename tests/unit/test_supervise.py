@@ -112,9 +112,11 @@ def test_repairs_of_a_crash_looping_engine_back_off_10s_doubling_to_5_minutes(
 
     assert waits == [10, 20, 40, 80, 160, 300, 300, 300]
     assert supervisor.status()["chat"] == {
+        "state": "repair-due",
         "problem": "not running (exited)",
         "for_seconds": pytest.approx(clock.now - 1000),  # crashed since the first look
         "repairs": 8,
+        "backoff_seconds": 300.0,
         "next_repair_in_seconds": 0.0,
     }
 
@@ -176,3 +178,44 @@ def test_the_same_generation_again_keeps_the_backoff_and_a_new_one_starts_over(
 
 def test_nothing_is_supervised_before_a_state_is_applied(clock: Clock) -> None:
     assert Supervisor(clock=clock).assess([]) is None
+
+
+def test_an_engine_changed_by_hand_is_drift_naming_the_settings(supervisor: Supervisor, clock: Clock) -> None:
+    changed = [{**_engine(), "drifted": ["restart_policy", "memory"]}]
+    assert supervisor.assess(changed) is None  # a replace in progress settles first, like a missing engine
+    assert supervisor.status()["chat"]["state"] == "settling"
+    clock.now += 10
+
+    drift = supervisor.assess(changed)
+
+    assert drift is not None and drift.engines == (("chat", "changed by hand: restart_policy, memory"),)
+    assert supervisor.status()["chat"]["state"] == "repair-due"
+
+
+@pytest.mark.parametrize("drifted", [None, [], ()], ids=["no-digests", "empty-list", "empty-tuple"])
+def test_an_engine_with_no_drifted_settings_or_none_to_compare_is_healthy(
+    supervisor: Supervisor, clock: Clock, drifted: Any
+) -> None:
+    for _ in range(3):
+        assert supervisor.assess([{**_engine(), "drifted": drifted}]) is None
+        clock.now += 10
+    assert supervisor.status() == {}
+
+
+def test_status_says_backing_off_and_how_long_the_backoff_is_until_it_is_due(
+    supervisor: Supervisor, clock: Clock
+) -> None:
+    crashed = [_engine(state="exited", ready=False)]
+    supervisor.assess(crashed)
+    clock.now += 10
+    for expected_backoff in (10.0, 20.0):
+        drift = supervisor.assess(crashed)
+        assert drift is not None
+        supervisor.repaired(drift)
+        clock.now += 1
+        assert supervisor.assess(crashed) is None
+        shown = supervisor.status()["chat"]
+        assert (shown["state"], shown["backoff_seconds"]) == ("backing-off", expected_backoff)
+        assert shown["next_repair_in_seconds"] == expected_backoff - 1
+        clock.now += expected_backoff - 1
+        assert supervisor.status()["chat"]["state"] == "repair-due"

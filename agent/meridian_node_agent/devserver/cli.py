@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from meridian_node_agent import __version__
+from meridian_node_agent import VersionAction
 from meridian_node_agent.devserver.control import ControlPlane, Settings, check_node_id, open_control_plane
 from meridian_node_agent.devserver.store import NodeRow, UnknownNode
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The meridian.node reference control plane (protocol v1, dev/CI scale): HTTPS with mutual "
         "TLS, an embedded SQLite database, its own CA and control signing key, all in --data-dir.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=VersionAction, help="print the version and exit")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     serve = _verb(
@@ -145,6 +145,27 @@ def build_parser() -> argparse.ArgumentParser:
         "path and keyid (put them in a node's config and policy), and the database path.",
     )
     info.set_defaults(handler=cmd_info)
+
+    outbox = _verb(
+        verbs,
+        "import-outbox",
+        "ingest an air-gapped node's outbox",
+        "Verify every NODE-SEQUENCE-KIND.json in DIR (signed by that node's key, given with --node-key) and "
+        "ingest it as if it had arrived online: observations under the same epoch check, journal summaries "
+        "kept. A record already imported is a no-op. Prints one JSON line per file; exit 1 when any was "
+        "refused (docs/AIR_GAP.md).",
+    )
+    outbox.add_argument("directory", type=Path, metavar="DIR")
+    outbox.add_argument(
+        "--node-key",
+        action="append",
+        default=[],
+        required=True,
+        metavar="NODE=PUBLIC.pem",
+        help="the public key (or certificate) NODE signs its outbox with: 'meridian-node outbox-key' on the "
+        "node prints it (repeatable)",
+    )
+    outbox.set_defaults(handler=cmd_import_outbox)
     return parser
 
 
@@ -180,8 +201,21 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+# The HTTP server's own packages: the `devserver` extra, absent from an agent-only install.
+_WEB_STACK = frozenset({"fastapi", "starlette", "uvicorn", "h11", "anyio"})
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from meridian_node_agent.devserver.server import bind, prepare_tls, serve
+    try:
+        from meridian_node_agent.devserver.server import bind, prepare_tls, serve
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in _WEB_STACK:
+            raise
+        raise UsageError(
+            f"serving needs the devserver's web stack, and the Python package {exc.name!r} is not installed; "
+            "install meridian-node[devserver] (pip install 'meridian-node[devserver]'). The other verbs "
+            "work without it."
+        ) from exc
 
     try:
         settings = Settings(
@@ -275,6 +309,35 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         control.close()
     _say(format_nodes(rows, now))
     return 0
+
+
+def cmd_import_outbox(args: argparse.Namespace) -> int:
+    import json
+
+    from meridian_node_agent.airgap_outbox import load_node_public_key
+    from meridian_node_agent.devserver.outbox_import import import_outbox
+
+    keys = {}
+    for spec in args.node_key:
+        node, sep, path = spec.partition("=")
+        if not sep or not path:
+            raise UsageError(f"--node-key {spec!r}: expected NODE=PUBLIC.pem")
+        try:
+            keys[check_node_id(node)] = load_node_public_key(Path(path).read_bytes(), path)
+        except OSError as exc:
+            raise UsageError(f"--node-key {spec!r}: cannot read {path}: {exc.strerror}") from exc
+        except ValueError as exc:
+            raise UsageError(f"--node-key {spec!r}: {exc}") from exc
+    if not args.directory.is_dir():
+        raise UsageError(f"{args.directory} is not a directory: pass the copied outbox directory")
+    control = _open(args)
+    try:
+        results = import_outbox(control, args.directory, keys)
+    finally:
+        control.close()
+    for result in results:
+        _say(json.dumps(result.as_json(), sort_keys=True))
+    return 1 if any(result.result == "refused" for result in results) else 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:

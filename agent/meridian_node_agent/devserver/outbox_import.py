@@ -1,0 +1,165 @@
+"""``meridian-node-devserver import-outbox``: an air-gapped node's outbox, ingested as if it came online.
+
+Each file is verified (``airgap_outbox.verify_outbox_record``: the node's registered key, the strict body,
+the name agreeing with the body) and then goes through the same door as its online twin: an observation
+through ``ControlPlane.observe`` (its epoch check refuses a fenced writer as ``stale-epoch``), a journal
+summary into ``outbox_records`` beside it.
+
+(node, sequence) is a record's identity (the node advances its counter before writing, so a number is never
+used twice). The same bytes again are a ``duplicate`` and change nothing; other bytes under a used number
+are refused (``sequence-reused``). An observation older than the newest one imported for its node is
+recorded (``superseded``) but does not replace it. Hence an outbox copied in any order, twice or in part
+loses nothing and duplicates nothing. Refusals are not recorded: the same file is refused again, the same
+way, until its cause is fixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import stat
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from meridian_node_agent.airgap_outbox import MAX_RECORD_BYTES, OutboxRecord, OutboxRefused, verify_outbox_record
+from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
+
+__all__ = ["ImportResult", "import_outbox"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS outbox_records (
+    node_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    result TEXT NOT NULL,
+    imported_at TEXT NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (node_id, sequence)
+);
+"""
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    file: str
+    result: str  # imported, duplicate, superseded, refused
+    node_id: str | None = None
+    sequence: int | None = None
+    kind: str | None = None
+    reason: str | None = None
+    message: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def import_outbox(
+    control: ControlPlane, directory: Path, keys: Mapping[str, ec.EllipticCurvePublicKey]
+) -> list[ImportResult]:
+    """Import every ``*.json`` file in ``directory``, oldest record first within each node."""
+    loaded: list[tuple[str, bytes | None, ImportResult | None]] = []
+    for name in sorted(entry.name for entry in Path(directory).iterdir()):
+        if name.startswith(".") or not name.endswith(".json"):
+            continue  # a copy still under its temporary name, or not an outbox file at all
+        data, refusal = _read(directory / name, name)
+        loaded.append((name, data, refusal))
+    verified: list[tuple[str, bytes, OutboxRecord]] = []
+    results: list[ImportResult] = []
+    for name, data, refusal in loaded:
+        if refusal is not None or data is None:
+            results.append(refusal or ImportResult(name, "refused"))
+            continue
+        try:
+            verified.append((name, data, verify_outbox_record(name, data, keys)))
+        except OutboxRefused as exc:
+            results.append(ImportResult(name, "refused", reason=exc.reason, message=exc.message))
+    verified.sort(key=lambda item: (item[2].node_id, item[2].sequence))
+    with _database(control.store.path) as conn:
+        results.extend(_ingest(control, conn, name, data, record) for name, data, record in verified)
+    return results
+
+
+def _read(path: Path, name: str) -> tuple[bytes | None, ImportResult | None]:
+    try:
+        # O_NOFOLLOW | O_NONBLOCK: a symlink is refused, a FIFO cannot hang the import.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return None, ImportResult(name, "refused", reason="unreadable", message=f"{path}: {exc.strerror}")
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            return None, ImportResult(name, "refused", reason="not-a-file", message=f"{path} is not a regular file")
+        data = handle.read(MAX_RECORD_BYTES + 1)
+    return data, None
+
+
+def _ingest(
+    control: ControlPlane, conn: sqlite3.Connection, name: str, data: bytes, record: OutboxRecord
+) -> ImportResult:
+    digest = hashlib.sha256(data).hexdigest()
+
+    def answer(result: str, reason: str | None = None, message: str | None = None) -> ImportResult:
+        return ImportResult(name, result, record.node_id, record.sequence, record.record_kind, reason, message)
+
+    row = conn.execute(
+        "SELECT sha256 FROM outbox_records WHERE node_id = ? AND sequence = ?", (record.node_id, record.sequence)
+    ).fetchone()
+    if row is not None:
+        if row[0] == digest:
+            return answer("duplicate")
+        return answer(
+            "refused",
+            "sequence-reused",
+            f"node {record.node_id!r} record {record.sequence} was already imported with other bytes "
+            f"(sha256 {row[0][:16]}...): a node whose counter was reset must be told the highest sequence seen",
+        )
+    result = "imported"
+    if record.observation is not None:
+        newest = conn.execute(
+            "SELECT MAX(sequence) FROM outbox_records WHERE node_id = ? AND kind = 'observation' "
+            "AND result = 'imported'",
+            (record.node_id,),
+        ).fetchone()[0]
+        if newest is not None and newest > record.sequence:
+            result = "superseded"
+        else:
+            try:
+                # The node id stands in for the address the observation would have come from: an air-gapped
+                # node reaches no one, and its own name is what the site's gateway resolves.
+                control.observe(record.node_id, record.observation, remote_host=record.node_id)
+            except ProtocolError as exc:
+                return answer("refused", exc.reason, exc.detail)
+    conn.execute(
+        "INSERT INTO outbox_records (node_id, sequence, kind, sha256, result, imported_at, body) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (
+            record.node_id,
+            record.sequence,
+            record.record_kind,
+            digest,
+            result,
+            format_rfc3339(datetime.now(UTC)),
+            record.model_dump_json(),
+        ),
+    )
+    return answer(result)
+
+
+@contextmanager
+def _database(path: str) -> Iterator[sqlite3.Connection]:
+    conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
+    try:
+        conn.execute("PRAGMA busy_timeout = 10000")
+        conn.executescript(_SCHEMA)
+        yield conn
+    finally:
+        conn.close()

@@ -1,0 +1,153 @@
+"""``meridian-node make-bundle`` and ``verify --kind bundle FILE.tar``: real keys made by ``keygen``, real
+files, the one-JSON-line output other tools script against, and a refused input that writes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import NODE_ID, artifact_manifest, desired_state
+from meridian_node_agent import cli
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    status = cli.main([str(arg) for arg in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def site(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """Keys for every role, a policy trusting them with scratch under ``tmp_path``, a state valid now
+    (the CLI reads the clock), a signed manifest with its file, a playbook and a collection tarball."""
+    for role in ("control", "artifact", "authority"):
+        assert run(capsys, "keygen", "--out", tmp_path / f"{role}.pem")[0] == 0
+    (tmp_path / "policy.yaml").write_text(
+        "trust:\n"
+        "  control: {public_keys: [control.pub.pem]}\n"
+        "  artifact: {public_keys: [artifact.pub.pem]}\n"
+        "  air_gap_authority: {public_keys: [authority.pub.pem]}\n"
+        f"air_gap: {{scratch_dir: {tmp_path / 'scratch'}}}\n"
+    )
+    now = datetime.now(UTC)
+    state = desired_state(generation=5, issued_at=format_rfc3339(now - timedelta(minutes=1)),
+                          expires_at=format_rfc3339(now + timedelta(hours=1)))
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = b"weights" * 1000
+    (model / "weights.bin").write_bytes(weights)
+    entry = {"path": "weights.bin", "size": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}
+    (tmp_path / "manifest-body.json").write_text(json.dumps(artifact_manifest(name="m", version="1", files=[entry])))
+    signing = run(capsys, "sign", "--key", tmp_path / "artifact.pem", "--type", "artifact-manifest",
+                  "--out", tmp_path / "manifest.json", tmp_path / "manifest-body.json")
+    assert signing[0] == 0, signing[2]
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "apply.yml").write_text("- hosts: localhost\n  tasks: []\n")
+    (tmp_path / "meridian-node-1.0.0.tar.gz").write_bytes(b"collection")
+    return tmp_path
+
+
+def make(capsys: pytest.CaptureFixture[str], site: Path, *extra: str | Path) -> tuple[int, str, str]:
+    return run(capsys, "make-bundle", "--node", NODE_ID, "--key", site / "authority.pem", "--expires", "7d",
+               "--artifact", f"{site / 'manifest.json'}:{site / 'model'}", "--playbooks", site / "site",
+               "--collection", site / "meridian-node-1.0.0.tar.gz", "--out", site / "b.tar", *extra)
+
+
+def verify(capsys: pytest.CaptureFixture[str], site: Path, path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    status, out, _ = run(capsys, "verify", "--policy", site / "policy.yaml", "--kind", "bundle", "--node-id",
+                         NODE_ID, "--state-dir", site / "record", *extra, path)
+    assert out.count("\n") == 1, out
+    return status, json.loads(out)
+
+
+def test_made_bundle_verifies_as_one_json_line(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = make(capsys, site, "--desired", site / "state.json", "--control-key", site / "control.pem")
+    assert status == 0, err
+    assert json.loads(out)["members"] == 4
+    status, result = verify(capsys, site, site / "b.tar")
+    assert status == 0, result
+    assert result["accepted"] is True and result["generation"] == 5 and result["members"] == 4
+    assert result["artifacts"] == ["m/1"] and result["recorded"] is False
+    assert not (site / "scratch").exists()  # verify keeps nothing
+    assert [path.name for path in site.iterdir() if path.name.endswith(".part")] == []
+
+
+def test_bundle_from_an_envelope_control_signed_elsewhere_verifies_and_records(
+    site: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    signing = run(capsys, "sign", "--key", site / "control.pem", "--type", "desired-state", "--out",
+                  site / "state-envelope.json", site / "state.json")
+    assert signing[0] == 0, signing[2]
+    assert make(capsys, site, "--desired", site / "state-envelope.json")[0] == 0
+    status, result = verify(capsys, site, site / "b.tar", "--record")
+    assert (status, result["recorded"]) == (0, True)
+    # The same bundle again is a re-delivery of the applied generation: accepted, nothing to record.
+    status, again = verify(capsys, site, site / "b.tar", "--record")
+    assert (status, again["already_applied"], again["recorded"]) == (0, True, False)
+
+
+def test_tampered_bundle_is_refused_with_its_reason(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert make(capsys, site, "--desired", site / "state.json", "--control-key", site / "control.pem")[0] == 0
+    data = bytearray((site / "b.tar").read_bytes())
+    offset = data.index(b"weights" * 10)
+    data[offset] ^= 0x01
+    (site / "bad.tar").write_bytes(bytes(data))
+    status, result = verify(capsys, site, site / "bad.tar")
+    assert status == 1
+    assert result["reason"] == "digest-mismatch"
+    assert result["member"] == "artifacts/m/1/files/weights.bin"
+
+
+def test_state_signed_only_by_the_authority_is_refused(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert make(capsys, site, "--desired", site / "state.json", "--control-key", site / "authority.pem")[0] == 0
+    status, result = verify(capsys, site, site / "b.tar")
+    assert (status, result["reason"]) == (1, "threshold-not-met")
+    assert "the desired state inside" in result["message"]
+
+
+def test_files_that_do_not_match_their_manifest_make_no_bundle(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (site / "model" / "weights.bin").write_bytes(b"other weights")
+    status, _, err = make(capsys, site, "--desired", site / "state.json", "--control-key", site / "control.pem")
+    assert status == 2
+    assert "hosts would refuse it" in err and "weights.bin" in err
+    assert not (site / "b.tar").exists()
+    assert [path.name for path in site.iterdir() if path.name.endswith(".part")] == []
+
+
+def test_state_for_another_node_makes_no_bundle(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run(capsys, "make-bundle", "--node", "gpu-node-9", "--key", site / "authority.pem",
+                         "--expires", "1d", "--desired", site / "state.json", "--control-key", site / "control.pem",
+                         "--out", site / "b.tar")
+    assert status == 2
+    assert f"a state for node {NODE_ID!r}, not for --node 'gpu-node-9'" in err
+    assert not (site / "b.tar").exists()
+
+
+def test_make_bundle_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["make-bundle", "--help"])
+    assert exited.value.code == 0
+    assert "usage: meridian-node make-bundle" in capsys.readouterr().out
+
+
+def test_playbook_directory_holding_a_symlink_makes_no_bundle(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (site / "site" / "secrets.yml").symlink_to("/etc/shadow")
+    status, _, err = make(capsys, site, "--desired", site / "state.json", "--control-key", site / "control.pem")
+    assert status == 2
+    assert "secrets.yml is a symbolic link or special file" in err
+    assert not (site / "b.tar").exists()
+
+
+def test_state_in_yaml_is_signed_with_the_control_key(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = json.loads((site / "state.json").read_text())
+    (site / "state.yaml").write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in state.items()))
+    assert make(capsys, site, "--desired", site / "state.yaml", "--control-key", site / "control.pem")[0] == 0
+    status, result = verify(capsys, site, site / "b.tar")
+    assert (status, result["generation"]) == (0, 5)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
-from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
+from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, PolicyError, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config, metrics_unavailable, mode_unavailable
 from meridian_node_agent.control_client import ControlClient, ControlPlaneError
@@ -30,6 +30,7 @@ __all__ = [
     "cmd_run",
     "cmd_status",
     "format_status",
+    "policy_for_run",
     "serve_metrics",
 ]
 
@@ -109,11 +110,9 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
-    """The agent wired with the real client, applier and observer."""
-    from meridian_node_agent.cycle import Agent
-    from meridian_node_agent.observe import Observer
-
+def policy_for_run(config: AgentConfig) -> Policy:
+    """The host policy ``run`` works under, refused when it cannot be read or when it (or this build)
+    does not allow the configured mode."""
     try:
         policy = load_policy(config.policy)
     except PolicyError as exc:
@@ -121,6 +120,15 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
     refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode, config.apply.via)
     if refusal:
         raise UsageError(f"mode: {refusal}")
+    return policy
+
+
+def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
+    """The agent wired with the real client, applier and observer."""
+    from meridian_node_agent.cycle import Agent
+    from meridian_node_agent.observe import Observer
+
+    policy = policy_for_run(config)
     if config.control_plane is None:
         raise UsageError(f"mode {config.mode} is run from bundles, not by 'run'")
     identity = NodeIdentity(config.identity_dir)

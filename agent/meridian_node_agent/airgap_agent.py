@@ -20,21 +20,24 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation, format_rfc3339
-from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, PolicyError, load_policy
+from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.policy import Policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
 from meridian_node_agent.airgap_inbox import BundleOutcome, BundleResult, InboxProcessor
 from meridian_node_agent.airgap_outbox import JournalSummary, Outbox, keyid_of
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
+from meridian_node_agent.config import AgentConfig, ConfigError, load_config
 from meridian_node_agent.identity import NodeIdentity
 from meridian_node_agent.logs import EventLogger
 from meridian_node_agent.oplog import OpLog
 from meridian_node_agent.usage import UsageError
+
+if TYPE_CHECKING:
+    from meridian_node_agent.cycle import ObservePort
 
 __all__ = [
     "OBSERVATION_REFRESH_SECONDS",
@@ -48,21 +51,6 @@ __all__ = [
 ]
 
 OBSERVATION_REFRESH_SECONDS = 3600.0
-
-
-class _Observer(Protocol):
-    def observe(
-        self,
-        *,
-        node_id: str,
-        mode: str,
-        epoch: int,
-        applied_generation: int,
-        last_run: dict[str, Any] | None,
-        now: datetime,
-    ) -> Observation: ...
-
-    def forget(self) -> None: ...
 
 
 class PassResult:
@@ -83,7 +71,7 @@ class AirGapAgent:
         self,
         config: AgentConfig,
         policy: Policy,
-        observer: _Observer,
+        observer: ObservePort,
         outbox: Outbox,
         *,
         log: EventLogger | None = None,
@@ -279,15 +267,10 @@ def node_signing_key(config: AgentConfig) -> ec.EllipticCurvePrivateKey:
 def build_airgap_agent(config: AgentConfig, *, log: EventLogger | None = None) -> AirGapAgent:
     """The air-gapped agent as ``meridian-node run`` builds it: refused with every problem named first."""
     from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerEngineError
+    from meridian_node_agent.agent_cli import policy_for_run
     from meridian_node_agent.observe import DockerEngines, Observer, no_engines
 
-    try:
-        policy = load_policy(config.policy)
-    except PolicyError as exc:
-        raise UsageError(str(exc)) from exc
-    refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode, config.apply.via)
-    if refusal:
-        raise UsageError(f"mode: {refusal}")
+    policy = policy_for_run(config)
     problems = check_airgap_config(config, policy)
     if problems:
         raise UsageError("; ".join(problems))

@@ -66,24 +66,34 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     verb.set_defaults(handler=cmd_apply_spooled)
 
 
-def cmd_apply_spooled(args: argparse.Namespace) -> int:
+def open_root_side(config_path: str, *, unit: str, nothing_done: str) -> tuple[AgentConfig, RootDir] | None:
+    """The config and root's checked directory for a root unit (``unit`` names it in messages), or None
+    after printing why this node is not one the unit serves or its directory is unsafe."""
     try:
-        config = load_config(args.config)
+        config = load_config(config_path)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
     if config.apply.via != "systemd":
-        # Not this unit's node: there is no agent waiting for an answer, and no directory of root's to use.
+        # Not a root unit's node: no agent waits for an answer, and there is no directory of root's to use.
         print(
-            f"error: config {args.config} says apply.via: {config.apply.via}; the apply unit only serves "
-            "apply.via: systemd; nothing was applied",
+            f"error: config {config_path} says apply.via: {config.apply.via}; the {unit} only serves "
+            f"apply.via: systemd; {nothing_done}",
             file=sys.stderr,
         )
-        return 1
+        return None
     try:
         root = prepare_root_dir(Path(config.apply.state_dir), agent_dir=Path(config.state_dir))
     except (BoundaryError, OSError) as exc:
-        print(f"error: {exc}; nothing was applied", file=sys.stderr)
+        print(f"error: {exc}; {nothing_done}", file=sys.stderr)
+        return None
+    return config, root
+
+
+def cmd_apply_spooled(args: argparse.Namespace) -> int:
+    opened = open_root_side(args.config, unit="apply unit", nothing_done="nothing was applied")
+    if opened is None:
         return 1
+    config, root = opened
     try:
         # Held for the whole run: the observe unit leaves engines.json alone until this run has answered.
         with apply_lock(root, wait=True):

@@ -25,15 +25,12 @@ import argparse
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker_api import DockerApi, DockerApiError
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerUnavailableError
-from meridian_node_agent.apply_cli import refresh_inventory
-from meridian_node_agent.apply_root import BoundaryError, apply_lock, prepare_root_dir
-from meridian_node_agent.config import ConfigError, load_config
-from meridian_node_agent.usage import UsageError
+from meridian_node_agent.apply_cli import open_root_side, refresh_inventory
+from meridian_node_agent.apply_root import apply_lock
 
 __all__ = ["VERB", "ReadOnlyDockerApi", "add_parsers", "cmd_observe_engines", "connect_read_only"]
 
@@ -87,23 +84,15 @@ def cmd_observe_engines(
     connect: Callable[[], Any] = connect_read_only,
     clock: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from exc
-    if config.apply.via != "systemd":
-        print(
-            f"error: config {args.config} says apply.via: {config.apply.via}; the observe unit only serves "
-            "apply.via: systemd (in-process, the agent inspects Docker itself); disable it with "
-            "'systemctl disable --now meridian-node-apply-observe.timer'",
-            file=sys.stderr,
-        )
+    # In-process, the agent inspects Docker itself: the unit has nothing to do there.
+    opened = open_root_side(
+        args.config,
+        unit="observe unit (disable it: systemctl disable --now meridian-node-apply-observe.timer)",
+        nothing_done="engines.json was not rewritten",
+    )
+    if opened is None:
         return 1
-    try:
-        root = prepare_root_dir(Path(config.apply.state_dir), agent_dir=Path(config.state_dir))
-    except (BoundaryError, OSError) as exc:
-        print(f"error: {exc}; engines.json was not rewritten", file=sys.stderr)
-        return 1
+    config, root = opened
     with apply_lock(root, wait=False) as held:
         if not held:
             print("an apply is running; it rewrites engines.json when it answers")

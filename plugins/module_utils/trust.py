@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
 from ansible_collections.meridian.node.plugins.module_utils.contracts import describe_validation_error
 from ansible_collections.meridian.node.plugins.module_utils.dsse import PAYLOAD_TYPES, pae, require_cryptography
@@ -54,6 +54,7 @@ __all__ = [
     "VerifiedEnvelope",
     "VerifiedManifest",
     "VerifiedState",
+    "missing_libraries",
     "signature_limit",
     "verify_artifact_manifest",
     "verify_bundle",
@@ -126,6 +127,13 @@ class VerifiedBundle:
     signers: tuple[str, ...]
     payload_sha256: str
     desired: VerifiedState
+
+
+def missing_libraries() -> list[tuple[str, str]]:
+    """(package, import traceback) for each library that checking signed documents needs and that did not
+    import on this host: a module reports them with ``missing_required_lib`` before it reads anything."""
+    found = (("pydantic", contracts.PYDANTIC_IMPORT_ERROR), ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR))
+    return [(package, error) for package, error in found if error is not None]
 
 
 def signature_limit(trusted_keys: int, threshold: int) -> int:

@@ -129,7 +129,6 @@ from typing import Optional
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import ArtifactError
 from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import ArtifactStoreError
@@ -145,6 +144,7 @@ from ansible_collections.meridian.node.plugins.module_utils.bundle_stage import 
 )
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust import missing_libraries
 
 
 def main() -> None:
@@ -160,12 +160,8 @@ def main() -> None:
         required_if=[("state", "unpacked", ("bundle", "node_id")), ("state", "absent", ("directory",))],
         supports_check_mode=True,
     )
-    for package, error in (
-        ("pydantic", contracts.PYDANTIC_IMPORT_ERROR),
-        ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR),
-    ):
-        if error is not None:
-            module.fail_json(msg=missing_required_lib(package), exception=error)
+    for package, error in missing_libraries():
+        module.fail_json(msg=missing_required_lib(package), exception=error)
     params = module.params
     try:
         policy = load_policy(params["policy"])

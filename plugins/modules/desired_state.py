@@ -137,7 +137,6 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse
 from ansible_collections.meridian.node.plugins.module_utils.desired_state import (
     EnvelopeInputError,
     read_envelope,
@@ -145,7 +144,7 @@ from ansible_collections.meridian.node.plugins.module_utils.desired_state import
 )
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStoreError
-from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection
+from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection, missing_libraries
 
 
 def main() -> None:
@@ -160,12 +159,8 @@ def main() -> None:
         },
         supports_check_mode=True,
     )
-    for package, error in (
-        ("pydantic", contracts.PYDANTIC_IMPORT_ERROR),
-        ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR),
-    ):
-        if error is not None:
-            module.fail_json(msg=missing_required_lib(package), exception=error)
+    for package, error in missing_libraries():
+        module.fail_json(msg=missing_required_lib(package), exception=error)
     params = module.params
     try:
         outcome = reconcile_desired_state(

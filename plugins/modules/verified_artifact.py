@@ -183,7 +183,7 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts, dsse, policy
+from ansible_collections.meridian.node.plugins.module_utils import policy
 from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import ArtifactError, FetchConfig
 from ansible_collections.meridian.node.plugins.module_utils.artifact_store import (
     ArtifactStoreError,
@@ -191,7 +191,11 @@ from ansible_collections.meridian.node.plugins.module_utils.artifact_store impor
     ensure_artifact,
     remove_artifact,
 )
-from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection, verify_artifact_manifest
+from ansible_collections.meridian.node.plugins.module_utils.trust import (
+    Rejection,
+    missing_libraries,
+    verify_artifact_manifest,
+)
 
 _MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 
@@ -213,12 +217,8 @@ def main() -> None:
         },
         supports_check_mode=True,
     )
-    for package, error in (
-        ("pydantic", contracts.PYDANTIC_IMPORT_ERROR),
-        ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR),
-    ):
-        if error is not None:
-            module.fail_json(msg=missing_required_lib(package), exception=error)
+    for package, error in missing_libraries():
+        module.fail_json(msg=missing_required_lib(package), exception=error)
     try:
         result = run(module.params, check_mode=module.check_mode, diff=module._diff, warn=module.warn)
     except (policy.PolicyError, Rejection, ArtifactError, ArtifactStoreError, ManifestInputError) as exc:

@@ -756,3 +756,13 @@ def test_every_rejection_code_comes_from_a_real_signed_envelope(policy: Policy, 
     error = rejected(code, lambda: SCENARIOS[code](policy))
     assert error.message
     assert str(error) == f"{code.value}: {error.message}"
+
+
+def test_missing_libraries_names_each_library_that_did_not_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert trust.missing_libraries() == []
+    monkeypatch.setattr(contracts, "PYDANTIC_IMPORT_ERROR", "Traceback: No module named 'pydantic'")
+    monkeypatch.setattr(dsse, "CRYPTOGRAPHY_IMPORT_ERROR", "Traceback: No module named 'cryptography'")
+    assert trust.missing_libraries() == [
+        ("pydantic", "Traceback: No module named 'pydantic'"),
+        ("cryptography", "Traceback: No module named 'cryptography'"),
+    ]

@@ -100,7 +100,10 @@ class OutboxRecord(_Strict):
     def _one_content(self) -> OutboxRecord:
         carried = [name for name in ("observation", "journal") if getattr(self, name) is not None]
         if carried != [self.record_kind]:
-            raise ValueError(f"a {self.record_kind} record carries exactly its 'record_kind' field; it has {carried}")
+            raise ValueError(
+                f"record_kind {self.record_kind!r} needs exactly the field {self.record_kind!r} beside it; this "
+                f"record carries {carried}"
+            )
         if self.observation is not None and self.observation.node_id != self.node_id:
             raise ValueError(f"the observation is about node {self.observation.node_id!r}, the record {self.node_id!r}")
         return self

@@ -1,5 +1,8 @@
 """Generate the JSON Schemas under contracts/v1 from the contract models, or check them for drift.
 
+The kinds are ``contracts.SCHEMAS`` (the collection's, importable on managed hosts) plus the agent-side
+wire documents whose models live in the agent: the air-gap ``OutboxRecord`` (``airgap_outbox``).
+
     python -m meridian_node_agent.schemas --write   # regenerate (``make schemas``)
     python -m meridian_node_agent.schemas --check   # exit 1 and name the files that differ
 """
@@ -10,10 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import SCHEMAS
+from pydantic import BaseModel
+
+from ansible_collections.meridian.node.plugins.module_utils import contracts
+from meridian_node_agent.airgap_outbox import OutboxRecord
 
 CONTRACTS_DIR = Path(__file__).resolve().parents[2] / "contracts" / "v1"
 SCHEMA_BASE_URI = "https://meridian.node/contracts/v1/"
+
+# Every versioned kind, schema stem -> model: what is generated, checked for drift and fixture-tested.
+SCHEMAS: dict[str, type[BaseModel]] = {**contracts.SCHEMAS, "outbox-record": OutboxRecord}
 
 
 def render(stem: str) -> str:

@@ -831,7 +831,8 @@ class ServingProjection(_Strict):
     endpoints: list[ServingEndpoint] = Field(default_factory=list)
 
 
-# Every document kind under contracts/v1, by the file stem its schema is written to.
+# The collection's document kinds under contracts/v1, by the file stem its schema is written to (the
+# agent adds its own, the air-gap outbox record: meridian_node_agent.schemas.SCHEMAS).
 SCHEMAS: dict[str, type[BaseModel]] = {
     "desired-state": DesiredState,
     "artifact-manifest": ArtifactManifest,

@@ -9,7 +9,6 @@ import pytest
 import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
-    SCHEMAS,
     JsonError,
     ValidationError,
     describe_validation_error,
@@ -18,6 +17,8 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
 from meridian_node_agent import schemas
 
 FIXTURES = schemas.CONTRACTS_DIR / "fixtures"
+# Every versioned kind: the collection's (contracts.SCHEMAS) and the agent's (the air-gap outbox record).
+SCHEMAS = schemas.SCHEMAS
 
 
 def _load(path: Path) -> Any:

@@ -14,8 +14,9 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_
 from ansible_collections.meridian.node.tests.packaging.packaging_env import CHECKOUT, AgentVenv, run
 
 PRIVATE_COLLECTION = "meridian_node_agent/collection/ansible_collections/meridian/node"
-# The devserver's web stack (the `devserver` extra) and the Prometheus client (the `metrics` extra).
-EXTRAS_ONLY = {"fastapi", "starlette", "uvicorn", "h11", "anyio", "prometheus-client"}
+# The devserver's web stack (the `devserver` extra) and the Prometheus client (the `metrics` extra). Not h11:
+# uvicorn uses it, but so does the agent's control-plane link (control_http), so the agent depends on it.
+EXTRAS_ONLY = {"fastapi", "starlette", "uvicorn", "anyio", "prometheus-client"}
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ def test_agent_install_brings_no_web_framework(agent_venv: AgentVenv) -> None:
     listed = run([agent_venv.python, "-m", "pip", "list", "--format", "json"], env=agent_venv.env())
     installed = {entry["name"].lower(): entry["version"] for entry in json.loads(listed.stdout)}
     assert installed["meridian-node"] == _galaxy_version()
-    assert {"ansible-core", "ansible-runner", "pydantic", "cryptography"} <= installed.keys()
+    assert {"ansible-core", "ansible-runner", "pydantic", "cryptography", "h11"} <= installed.keys()
     assert sorted(EXTRAS_ONLY & installed.keys()) == []
 
 

@@ -314,12 +314,31 @@ def format_status(
         ("apply retry", _retry_text((status or {}).get("apply_retry"))),
         ("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none"),
         ("engines", _engines_text((status or {}).get("engines") or [])),
+        *([("air gap", _air_gap_text((status or {}).get("air_gap")))] if config.mode == "air-gapped" else []),
         ("certificate", _certificate_text(certificate, now or datetime.now(UTC))),
         ("cert renewal", _renewal_text(config, certificate, (status or {}).get("certificate") or {})),
         ("status updated", _text((status or {}).get("updated_at"))),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _air_gap_text(air_gap: dict[str, Any] | None) -> str:
+    """The inbox's last bundle, the generation applied from bundles and the outbox's last record number."""
+    if not air_gap:
+        return "no pass yet (the agent has not written status.json)"
+    bundle = air_gap.get("last_bundle") or {}
+    last = "no bundle taken yet"
+    if bundle:
+        last = f"last bundle {bundle.get('name')} {bundle.get('result')}"
+        if bundle.get("reason"):
+            last += f" ({bundle['reason']}: {bundle.get('message')})"
+    sequence = air_gap.get("outbox_sequence")
+    return (
+        f"inbox {air_gap.get('inbox')} taken by {air_gap.get('taken_by')}; {last}; applied generation "
+        f"{air_gap.get('applied_generation')}; outbox {air_gap.get('outbox')} at record "
+        f"{'none yet' if sequence is None else sequence}"
+    )
 
 
 def _supervision_text(engines: dict[str, Any]) -> str:

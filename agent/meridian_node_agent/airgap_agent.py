@@ -1,18 +1,25 @@
 """``meridian-node run`` in ``mode: air-gapped``: the inbox loop and the outbox, with no control plane.
 
-Runs on: the agent side, with ``apply.via: in-process`` (docs/AIR_GAP.md: under the split, root's inbox unit
-takes the bundles; that unit is not built yet, and ``config.mode_unavailable`` refuses the combination).
+Runs on: the agent side. With ``apply.via: in-process`` the agent takes the inbox itself; under the split
+(``apply.via: systemd``) root's inbox unit takes it (``airgap_root``, docs/AIR_GAP.md) and the agent reads
+the outcomes root publishes in ``public/``, observes (engines from root's ``engines.json``, as online) and
+writes the outbox: it never reads the inbox.
 
-A pass: take every complete bundle in the inbox (``airgap_inbox``), write each run's journal summary to the
-outbox, then observe and write an observation when it differs from the last one written, or when
-``OBSERVATION_REFRESH_SECONDS`` after the last one (the far side then still sees a live node, without an
-unchanged record every few seconds piling up between two trips of the removable media).
-Between passes the loop sleeps on inotify on the inbox, at most ``air_gap.poll_seconds``.
+A pass: take every complete bundle in the inbox (``airgap_inbox``; under the split: read root's new
+outcomes), write each run's journal summary to the outbox, then observe and write an observation when it
+differs from the last one written, or when ``OBSERVATION_REFRESH_SECONDS`` after the last one (the far side
+then still sees a live node, without an unchanged record every few seconds piling up between two trips of
+the removable media).
+Between passes the loop sleeps on inotify on the inbox (under the split: on root's ``public/``), at most
+``air_gap.poll_seconds``. Each pass rewrites ``status.json`` (the inbox's last bundle, root's record, the
+outbox's sequence) for ``meridian-node status``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import stat
 import sys
@@ -26,14 +33,16 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
-from meridian_node_agent.airgap_inbox import BundleOutcome, BundleResult, InboxProcessor
+from meridian_node_agent.airgap_inbox import BundleResult, InboxProcessor, close_interrupted
 from meridian_node_agent.airgap_outbox import JournalSummary, Outbox, keyid_of
+from meridian_node_agent.airgap_root import OutcomesError, read_outcomes
+from meridian_node_agent.apply_spool import PUBLIC_DIR
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config
 from meridian_node_agent.identity import NodeIdentity
 from meridian_node_agent.logs import EventLogger
-from meridian_node_agent.oplog import OpLog
 from meridian_node_agent.usage import UsageError
 
 if TYPE_CHECKING:
@@ -41,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OBSERVATION_REFRESH_SECONDS",
+    "ROOT_SEEN_FILE",
     "AirGapAgent",
     "PassResult",
     "add_parsers",
@@ -48,14 +58,19 @@ __all__ = [
     "check_airgap_config",
     "cmd_outbox_key",
     "node_signing_key",
+    "root_inbox_problems",
 ]
 
 OBSERVATION_REFRESH_SECONDS = 3600.0
+# Under the split: the last outcome of root's the agent journaled, and root's record as root published it.
+ROOT_SEEN_FILE = "airgap-root-seen.json"
+# The same file the online agent writes (cycle.STATUS_FILE), read by ``meridian-node status``.
+STATUS_FILE = "status.json"
 
 
 class PassResult:
-    def __init__(self, bundles: list[BundleOutcome], written: list[Path], *, failed: bool = False) -> None:
-        self.bundles = bundles
+    def __init__(self, bundles: list[Any], written: list[Path], *, failed: bool = False) -> None:
+        self.bundles = bundles  # BundleOutcome in-process, airgap_root.RootOutcome under the split
         self.written = written
         self.failed = failed
 
@@ -67,6 +82,10 @@ class PassResult:
 
 
 class AirGapAgent:
+    """The air-gapped loop. In-process it takes the inbox itself; under the split (``apply.via: systemd``)
+    root's inbox unit takes it and the agent only reads root's outcomes (``airgap_root``), observes and writes
+    the outbox: it cannot read the inbox, and nothing it writes reaches root."""
+
     def __init__(
         self,
         config: AgentConfig,
@@ -89,18 +108,25 @@ class AirGapAgent:
         self.monotonic = monotonic
         self.observer = observer
         self.outbox = outbox
-        self.record = StateStore(Path(config.state_dir))
-        self.processor = InboxProcessor(
-            inbox=Path(self.air_gap.inbox),
-            policy=policy,
-            node_id=config.node_id,
-            record_dir=Path(config.state_dir),
-            keep_runs=config.journal.keep_runs,
-            clock=self.clock,
-            log=self.log,
-            applier=applier,
-        )
+        self.state_dir = Path(config.state_dir)
+        self.split = config.apply.via == "systemd"
+        self.record = StateStore(self.state_dir)
+        self.root_public = Path(config.apply.state_dir) / PUBLIC_DIR
+        self.seen_path = self.state_dir / ROOT_SEEN_FILE
+        self.processor: InboxProcessor | None = None
+        if not self.split:
+            self.processor = InboxProcessor(
+                inbox=Path(self.air_gap.inbox),
+                policy=policy,
+                node_id=config.node_id,
+                record_dir=self.state_dir,
+                keep_runs=config.journal.keep_runs,
+                clock=self.clock,
+                log=self.log,
+                applier=applier,
+            )
         self.last_run: dict[str, Any] | None = None
+        self.last_bundle: dict[str, Any] | None = None
         self._observed: str | None = None
         self._observed_at: float | None = None
 
@@ -108,9 +134,12 @@ class AirGapAgent:
         """Pass until stopped (or once). 0 when the last pass took every bundle cleanly, 1 otherwise."""
         from meridian_node_agent.apply_unit import watch_directory
 
-        self.close_interrupted()
+        if not self.split:
+            close_interrupted(self.state_dir, self.log)
         passes = 0
-        with watch_directory(Path(self.air_gap.inbox)) as watch:
+        # Under the split the inbox is root's and unreadable here: root's outcomes arrive by rename in public/.
+        watched = self.root_public if self.split else Path(self.air_gap.inbox)
+        with watch_directory(watched) as watch:
             while True:
                 try:
                     result = self.run_pass()
@@ -129,59 +158,115 @@ class AirGapAgent:
                     watch.wait(self.air_gap.poll_seconds)
 
     def close_interrupted(self) -> None:
-        """An apply the oplog shows started and never finished (a crash mid-bundle) is closed as
-        interrupted: its bundle is still in the inbox (it is filed only after the run), so the next pass
-        takes it again, and the record decides afresh whether it still applies."""
-        oplog = OpLog(Path(self.config.state_dir) / "oplog.jsonl")
-        pending = oplog.pending()
-        if pending is None:
-            return
-        oplog.append(
-            op=pending.op,
-            generation=pending.generation,
-            epoch=pending.epoch,
-            payload_sha256=pending.payload_sha256,
-            run_ident=pending.run_ident,
-            result="interrupted",
-            reason="the agent stopped during the run; the bundle stays in the inbox and is taken again",
-        )
-        self.log.warning("interrupted-apply-closed", run_ident=pending.run_ident, generation=pending.generation)
+        """In-process: close an apply the agent's oplog shows started and never finished (``airgap_inbox``)."""
+        close_interrupted(self.state_dir, self.log)
 
     def run_pass(self) -> PassResult:
+        if self.processor is None:
+            return self._root_pass()
         outcomes = self.processor.process_once()
         written: list[Path] = []
         for outcome in outcomes:
+            if outcome.result == BundleResult.LEFT:
+                continue
+            self.last_bundle = _bundle_status(
+                outcome.name, outcome.result.value, outcome.reason, outcome.message, outcome.generation
+            )
             if outcome.run is None:
                 continue
             run = outcome.run
-            self.observer.forget()  # the apply changed what there is to observe
-            self.last_run = {
+            summary = {
                 "ident": run.ident,
                 "generation": run.generation,
                 "status": run.status if run.status in ("successful", "failed", "canceled", "timeout") else "failed",
                 "changed": run.changed,
                 "failed": run.failed,
+                "failures": run.failures[:5],
+                "started_at": format_rfc3339(run.started_at),
                 "finished_at": format_rfc3339(run.finished_at),
             }
-            summary = JournalSummary.model_validate(
-                {
-                    **self.last_run,
-                    "bundle_id": outcome.bundle_id,
-                    "failures": run.failures[:5],
-                    "started_at": format_rfc3339(run.started_at),
-                }
-            )
-            written.append(self.outbox.write("journal", summary, epoch=self.record.load().epoch, now=self.clock()))
-        written.extend(self._observe())
+            written.append(self._journal(summary, outcome.bundle_id, self.record.load().epoch))
+        applied = self.record.load()
+        written.extend(self._observe(applied.generation, applied.epoch))
+        self._write_status(applied.generation, applied.epoch)
         return PassResult(outcomes, written)
 
-    def _observe(self) -> list[Path]:
-        applied = self.record.load()
+    def _root_pass(self) -> PassResult:
+        """Under the split: journal each outcome root published since the last one seen, then observe."""
+        seen = self._seen()
+        try:
+            document = read_outcomes(self.root_public, node_id=self.config.node_id)
+        except OutcomesError as exc:
+            # Refused whole: nothing in it is journaled, and the observation carries the last record known.
+            self.log.error("root-outcomes-refused", reason=str(exc))
+            observed = self._observe(seen["generation"], seen["epoch"])
+            self._write_status(seen["generation"], seen["epoch"])
+            return PassResult([], observed, failed=True)
+        if document is None:
+            observed = self._observe(seen["generation"], seen["epoch"])
+            self._write_status(seen["generation"], seen["epoch"])
+            return PassResult([], observed)
+        last = seen["sequence"]
+        if document.outcomes and document.outcomes[-1].sequence < last:
+            # Root's file started over (its directory was rebuilt): journal what it lists now.
+            self.log.warning("root-outcomes-restarted", seen=last, highest=document.outcomes[-1].sequence)
+            last = 0
+        fresh = [outcome for outcome in document.outcomes if outcome.sequence > last]
+        written: list[Path] = []
+        for outcome in fresh:
+            self.last_bundle = _bundle_status(
+                outcome.name, outcome.result, outcome.reason, outcome.message, outcome.generation
+            )
+            if outcome.run is not None:
+                summary = outcome.run.model_dump()
+                written.append(self._journal(summary, outcome.bundle_id, document.applied.epoch))
+        generation, epoch = document.applied.generation, document.applied.epoch
+        # Recorded after the journal files: a crash in between writes a run's journal twice (harmless to the
+        # importer, which keeps journals per run), never loses one.
+        newest = fresh[-1].sequence if fresh else (document.outcomes[-1].sequence if document.outcomes else last)
+        if (newest, generation, epoch) != (seen["sequence"], seen["generation"], seen["epoch"]) or fresh:
+            bundle = self.last_bundle if fresh else seen.get("last_bundle")
+            record = {"sequence": newest, "generation": generation, "epoch": epoch, "last_bundle": bundle}
+            atomic_write(self.seen_path, json.dumps(record).encode() + b"\n", mode=0o600)
+        if self.last_bundle is None:
+            self.last_bundle = seen.get("last_bundle")
+        written.extend(self._observe(generation, epoch))
+        self._write_status(generation, epoch)
+        return PassResult(fresh, written)
+
+    def _seen(self) -> dict[str, Any]:
+        """What the agent last took from root's outcomes (its own file: a damaged one is an error, no reset)."""
+        try:
+            raw = self.seen_path.read_bytes()
+        except FileNotFoundError:
+            return {"sequence": 0, "generation": 0, "epoch": 0, "last_bundle": None}
+        try:
+            record = json.loads(raw)
+            if not (
+                isinstance(record, dict)
+                and all(isinstance(record.get(k), int) and record[k] >= 0 for k in ("sequence", "generation", "epoch"))
+            ):
+                raise ValueError("fields sequence, generation, epoch must be integers >= 0")
+        except ValueError as exc:
+            raise UsageError(
+                f"{self.seen_path} is damaged ({exc}); remove it and every outcome root still lists is journaled again"
+            ) from exc
+        return record
+
+    def _journal(self, summary: dict[str, Any], bundle_id: str | None, epoch: int) -> Path:
+        self.observer.forget()  # the apply changed what there is to observe
+        self.last_run = {
+            key: summary[key] for key in ("ident", "generation", "status", "changed", "failed", "finished_at")
+        }
+        journal = JournalSummary.model_validate({**summary, "bundle_id": bundle_id})
+        return self.outbox.write("journal", journal, epoch=epoch, now=self.clock())
+
+    def _observe(self, generation: int, epoch: int) -> list[Path]:
         observation = self.observer.observe(
             node_id=self.config.node_id,
             mode=self.config.mode,
-            epoch=applied.epoch,
-            applied_generation=applied.generation,
+            epoch=epoch,
+            applied_generation=generation,
             last_run=self.last_run,
             now=self.clock(),
         )
@@ -190,24 +275,58 @@ class AirGapAgent:
         fresh = self._observed_at is not None and now - self._observed_at < OBSERVATION_REFRESH_SECONDS
         if fingerprint == self._observed and fresh:
             return []
-        path = self.outbox.write("observation", observation, epoch=applied.epoch, now=self.clock())
+        path = self.outbox.write("observation", observation, epoch=epoch, now=self.clock())
         self._observed = fingerprint
         self._observed_at = now
         return [path]
 
+    def _write_status(self, generation: int, epoch: int) -> None:
+        """``status.json`` in air-gapped mode: what ``meridian-node status`` shows of the inbox and outbox."""
+        document = {
+            "mode": self.config.mode,
+            "applied_generation": generation,
+            "lease_epoch": epoch,
+            "last_run": self.last_run,
+            "updated_at": format_rfc3339(self.clock()),
+            "air_gap": {
+                "inbox": self.air_gap.inbox,
+                "taken_by": "root (meridian-node-airgap.service)" if self.split else "the agent",
+                "last_bundle": self.last_bundle,
+                "applied_generation": generation,
+                "outbox": self.air_gap.outbox,
+                "outbox_sequence": self.outbox.last_sequence(),
+            },
+        }
+        atomic_write(self.state_dir / STATUS_FILE, json.dumps(document, sort_keys=True).encode() + b"\n", mode=0o640)
+
+
+def _bundle_status(
+    name: str, result: str, reason: str | None, message: str | None, generation: int | None
+) -> dict[str, Any]:
+    return {"name": name, "result": result, "reason": reason, "message": message, "generation": generation}
+
 
 def check_airgap_config(config: AgentConfig, policy: Policy) -> list[str]:
     """Problems with an air-gapped config's paths (inbox, outbox, the policy's scratch), each naming the
-    path, what is wrong and the fix."""
+    path, what is wrong and the fix. Under the split the inbox and scratch are root's (``root_inbox_problems``)."""
     if config.air_gap is None:
         return ["mode air-gapped needs an 'air_gap' section"]
     problems = []
     euid = os.geteuid()
     inbox, outbox = Path(config.air_gap.inbox), Path(config.air_gap.outbox)
-    problems.extend(_directory_problems("air_gap.inbox", inbox, euid))
-    problems.extend(_directory_problems("air_gap.outbox", outbox, euid, may_be_missing=True))
     scratch = Path(policy.air_gap.scratch_dir)
-    problems.extend(_directory_problems("policy air_gap.scratch_dir", scratch, euid, may_be_missing=True, private=True))
+    if config.apply.via == "systemd":
+        problems.extend(root_inbox_problems(config, scratch))
+        # The agent's own outbox: owned by the agent's user (the owner of its directory; check-config may run
+        # as root, before or after the agent's first start).
+        agent_uid = _owner_uid(Path(config.state_dir), euid)
+        problems.extend(_directory_problems("air_gap.outbox", outbox, agent_uid, may_be_missing=True))
+    else:
+        problems.extend(_directory_problems("air_gap.inbox", inbox, euid))
+        problems.extend(_directory_problems("air_gap.outbox", outbox, euid, may_be_missing=True))
+        problems.extend(
+            _directory_problems("policy air_gap.scratch_dir", scratch, euid, may_be_missing=True, private=True)
+        )
     state = os.path.normpath(config.state_dir)
     for name, path in (("air_gap.inbox", inbox), ("air_gap.outbox", outbox)):
         if os.path.normpath(path) == state:
@@ -217,6 +336,50 @@ def check_airgap_config(config: AgentConfig, policy: Policy) -> list[str]:
             f"air_gap.inbox and air_gap.outbox are one directory ({inbox}): bundles and records must not mix"
         )
     return problems
+
+
+def root_inbox_problems(config: AgentConfig, scratch: Path) -> list[str]:
+    """Under the split: the inbox checked as root's inbox unit checks it (``airgap_root.check_root_inbox``:
+    root's, every directory above it too, not writable by the agent's group, outside the agent's directory),
+    and the scratch directory root's and outside the agent's directory. Only ``lstat`` is needed: the agent
+    can run it without reading the inbox."""
+    from meridian_node_agent.airgap_root import check_root_inbox
+    from meridian_node_agent.apply_root import BoundaryError
+
+    assert config.air_gap is not None
+    problems = []
+    agent_dir = Path(config.state_dir)
+    try:
+        agent_gid: int | None = agent_dir.lstat().st_gid
+    except FileNotFoundError:
+        agent_gid = None if os.geteuid() == 0 else os.getegid()
+    try:
+        check_root_inbox(Path(config.air_gap.inbox), agent_dir=agent_dir, agent_gid=agent_gid)
+    except BoundaryError as exc:
+        problems.append(f"air_gap.inbox (read by root's meridian-node-airgap.service): {exc}")
+    agent_real = os.path.realpath(agent_dir)
+    scratch_real = os.path.realpath(scratch)
+    if os.path.commonpath([agent_real, scratch_real]) in (agent_real, scratch_real):
+        problems.append(
+            f"policy air_gap.scratch_dir {scratch} overlaps the agent's directory {agent_real}: under the split "
+            "root unpacks bundles there, so it must be root's (default /var/lib/meridian-node-apply/bundle-scratch)"
+        )
+    else:
+        with contextlib.suppress(FileNotFoundError):  # made by root's reader on first use
+            info = scratch.lstat()
+            if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != 0:
+                problems.append(
+                    f"policy air_gap.scratch_dir {scratch} is not a directory of root's: root's reader refuses it; "
+                    "remove it and root makes it (0700) on first use"
+                )
+    return problems
+
+
+def _owner_uid(directory: Path, default: int) -> int:
+    try:
+        return directory.lstat().st_uid
+    except FileNotFoundError:
+        return default
 
 
 def _directory_problems(
@@ -268,7 +431,7 @@ def build_airgap_agent(config: AgentConfig, *, log: EventLogger | None = None) -
     """The air-gapped agent as ``meridian-node run`` builds it: refused with every problem named first."""
     from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine, DockerEngineError
     from meridian_node_agent.agent_cli import policy_for_run
-    from meridian_node_agent.observe import DockerEngines, Observer, no_engines
+    from meridian_node_agent.observe import DockerEngines, InventoryEngines, Observer, no_engines
 
     policy = policy_for_run(config)
     problems = check_airgap_config(config, policy)
@@ -276,12 +439,16 @@ def build_airgap_agent(config: AgentConfig, *, log: EventLogger | None = None) -
         raise UsageError("; ".join(problems))
     assert config.air_gap is not None
     engines: Any = no_engines
-    try:
-        engines = DockerEngines(
-            DockerEngine.from_env(timeout=5), state_dir=Path(config.state_dir), owner=f"agent:{config.node_id}"
-        )
-    except DockerEngineError as exc:
-        (log or EventLogger()).warning("engines-not-observed", reason=str(exc))
+    if config.apply.via == "systemd":
+        # No Docker access under the split: the engines root lists for this node, probed by the agent.
+        engines = InventoryEngines(root_dir=Path(config.apply.state_dir), node_id=config.node_id, log=log)
+    else:
+        try:
+            engines = DockerEngines(
+                DockerEngine.from_env(timeout=5), state_dir=Path(config.state_dir), owner=f"agent:{config.node_id}"
+            )
+        except DockerEngineError as exc:
+            (log or EventLogger()).warning("engines-not-observed", reason=str(exc))
     observer = Observer(
         store_path=policy.store.path,
         engines=engines,

@@ -40,6 +40,7 @@ from ansible_collections.meridian.node.plugins.module_utils.policy import Policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
 from meridian_node_agent.apply import Applier, ApplyResult
 from meridian_node_agent.logs import EventLogger
+from meridian_node_agent.oplog import OpLog
 
 __all__ = [
     "BUNDLE_PLAYBOOK",
@@ -52,6 +53,7 @@ __all__ = [
     "InboxEntry",
     "InboxProcessor",
     "classify_entry",
+    "close_interrupted",
     "scan_inbox",
 ]
 
@@ -146,9 +148,57 @@ def scan_inbox(inbox: Path) -> list[InboxEntry]:
     return sorted(found, key=lambda entry: entry.name)
 
 
+def untrusted_entry(name: str, info: os.stat_result, untrusted_uid: int) -> InboxEntry | None:
+    """Why root must not take the regular file ``name`` (its ``lstat``), or None: under the split an entry
+    the agent's user owns, or one with another hard link, is bytes the agent may change while root reads
+    them (through its own link, or as the file's owner), so it is refused however well it is signed."""
+    if info.st_uid == untrusted_uid:
+        return InboxEntry(
+            name,
+            EntryKind.REFUSED,
+            "untrusted-entry",
+            f"inbox entry {name!r} is owned by uid {info.st_uid}, the agent's user, who must not hand root a "
+            "bundle: copy it in as root or as an operator",
+        )
+    if info.st_nlink != 1:
+        return InboxEntry(
+            name,
+            EntryKind.REFUSED,
+            "untrusted-entry",
+            f"inbox entry {name!r} has {info.st_nlink} hard links, so its bytes can be changed through another "
+            "name: copy the bundle in (cp, then mv into place) rather than linking it",
+        )
+    return None
+
+
+def close_interrupted(record_dir: Path, log: EventLogger) -> None:
+    """An apply the oplog in ``record_dir`` shows started and never finished (a crash mid-bundle) is closed
+    as interrupted: its bundle is still in the inbox (it is filed only after the run), so the next pass takes
+    it again, and the record decides afresh whether it still applies."""
+    oplog = OpLog(Path(record_dir) / "oplog.jsonl")
+    pending = oplog.pending()
+    if pending is None:
+        return
+    oplog.append(
+        op=pending.op,
+        generation=pending.generation,
+        epoch=pending.epoch,
+        payload_sha256=pending.payload_sha256,
+        run_ident=pending.run_ident,
+        result="interrupted",
+        reason="the applier stopped during the run; the bundle stays in the inbox and is taken again",
+    )
+    log.warning("interrupted-apply-closed", run_ident=pending.run_ident, generation=pending.generation)
+
+
 class InboxProcessor:
     """Takes the inbox's bundles, one pass at a time. ``record_dir`` holds the applier's record (and its
-    journal and oplog); ``applier`` makes the ``Applier`` for one bundle (tests pass their own)."""
+    journal and oplog); ``applier`` makes the ``Applier`` for one bundle (tests pass their own).
+
+    Under the split (root's inbox unit): ``untrusted_uid`` is the agent's user, whose files are refused
+    (``untrusted_entry``), and ``file_group`` the group ``processed/``, ``rejected/`` and the reason files get
+    (the inbox's, so the operators who copy bundles in can read the outcome).
+    """
 
     def __init__(
         self,
@@ -161,8 +211,12 @@ class InboxProcessor:
         clock: Callable[[], datetime] | None = None,
         log: EventLogger | None = None,
         applier: Callable[..., Any] | None = None,
+        untrusted_uid: int | None = None,
+        file_group: int = -1,
     ) -> None:
         self.inbox = Path(inbox)
+        self.untrusted_uid = untrusted_uid
+        self.file_group = file_group
         self.policy = policy
         self.node_id = node_id
         self.record_dir = Path(record_dir)
@@ -189,6 +243,12 @@ class InboxProcessor:
         for entry in scan_inbox(self.inbox):
             if entry.kind in (EntryKind.OURS, EntryKind.IN_PROGRESS):
                 continue
+            if entry.kind == EntryKind.BUNDLE and self.untrusted_uid is not None:
+                try:
+                    info = (self.inbox / entry.name).lstat()
+                except FileNotFoundError:
+                    continue
+                entry = untrusted_entry(entry.name, info, self.untrusted_uid) or entry
             if entry.kind == EntryKind.REFUSED:
                 outcome = BundleOutcome(entry.name, BundleResult.REJECTED, entry.reason, entry.message)
             else:
@@ -306,7 +366,15 @@ class InboxProcessor:
     def _file(self, outcome: BundleOutcome) -> BundleOutcome:
         """Move the entry to processed/ or rejected/ and write its reason file beside it; never overwrite."""
         folder = self.inbox / (REJECTED_DIR if outcome.result == BundleResult.REJECTED else PROCESSED_DIR)
-        folder.mkdir(mode=0o750, exist_ok=True)
+        try:
+            folder.mkdir(mode=0o750)
+            if self.file_group != -1:
+                os.chown(folder, -1, self.file_group, follow_symlinks=False)
+        except FileExistsError:
+            if not folder.is_dir() or folder.is_symlink():
+                raise NotADirectoryError(
+                    f"{folder} is not a directory: remove it, the inbox files bundles there"
+                ) from None
         now = self.clock()
         target = folder / outcome.name
         if os.path.lexists(target) or os.path.lexists(f"{target}.reason.json"):
@@ -322,7 +390,12 @@ class InboxProcessor:
             "run_ident": None if outcome.run is None else outcome.run.ident,
             "at": format_rfc3339(now),
         }
-        atomic_write(Path(f"{target}.reason.json"), json.dumps(reason, indent=2).encode() + b"\n", mode=0o640)
+        atomic_write(
+            Path(f"{target}.reason.json"),
+            json.dumps(reason, indent=2).encode() + b"\n",
+            mode=0o640,
+            group=self.file_group,
+        )
         return replace(outcome, filed_as=target)
 
 

@@ -144,6 +144,15 @@ class Outbox:
         self.key = key
         self.keyid = keyid_of(key.public_key())
 
+    def last_sequence(self) -> int | None:
+        """The last sequence number used, or None before the first record (or when the counter is damaged:
+        ``next_sequence`` says so when a record is written)."""
+        try:
+            text = self.counter.read_text()
+        except FileNotFoundError:
+            return None
+        return int(text) if re.fullmatch(r"[0-9]{1,12}\n", text) else None
+
     def next_sequence(self) -> int:
         """Advance the durable counter and return the new number (fsync'd before any file uses it)."""
         try:

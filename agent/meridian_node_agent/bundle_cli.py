@@ -121,9 +121,22 @@ def build_bundle(out: Path, inputs: BundleInputs) -> dict[str, Any]:
         raise UsageError(f"--desired is a state for node {state.node_id!r}, not for --node {inputs.node_id!r}")
     members: list[tuple[str, str]] = []
     manifests: list[tuple[contracts.ArtifactManifest, str]] = []
+    pinned = {(ref.name, ref.version): base64.b64decode(ref.manifest.payload) for ref in state.artifacts}
     for manifest_path, directory in inputs.artifacts:
         manifest = _manifest_of(manifest_path)
         where = f"artifacts/{manifest.name}/{manifest.version}"
+        # The host refuses both (bundle_reader: artifact-mismatch): say so before writing anything.
+        key = (manifest.name, manifest.version)
+        if key not in pinned:
+            raise UsageError(
+                f"--artifact {manifest_path}: the desired state names no artifact {manifest.name} {manifest.version}; "
+                "a bundle carries only the artifacts its state asks for"
+            )
+        if pinned[key] != _manifest_body(manifest_path):
+            raise UsageError(
+                f"--artifact {manifest_path} is not the manifest the desired state pins for {manifest.name} "
+                f"{manifest.version}: pass the manifest the state was published with"
+            )
         members.append((f"{where}/manifest.json", str(manifest_path)))
         members.extend((f"{where}/files/{entry.path}", str(directory / entry.path)) for entry in manifest.files)
         manifests.append((manifest, where))
@@ -219,6 +232,12 @@ def _manifest_of(path: Path) -> contracts.ArtifactManifest:
     except contracts.JsonError as exc:
         raise UsageError(f"--artifact manifest {path} is not JSON: {exc}") from None
     return _signed_body(envelope, "artifact-manifest", contracts.ArtifactManifest, f"--artifact manifest {path}")
+
+
+def _manifest_body(path: Path) -> bytes:
+    """The signed body of the manifest envelope at ``path`` (``_manifest_of`` has checked its shape)."""
+    envelope = contracts.read_json(_read_small(path, "--artifact manifest"))
+    return base64.b64decode(contracts.Envelope.model_validate(envelope).payload)
 
 
 def _signed_body(envelope: Any, kind: str, model: type[_Body], what: str) -> _Body:

@@ -27,6 +27,7 @@ VERB_MODULES = {
     "run": "agent_cli",
     "status": "agent_cli",
     "apply-spooled": "apply_cli",
+    "airgap-inbox": "airgap_root",
     "observe-engines": "apply_observe",
 }
 

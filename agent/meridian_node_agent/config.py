@@ -38,18 +38,13 @@ def mode_unavailable(mode: str, via: str | None = None) -> str | None:
     """Why ``mode`` cannot run in this version, or None when it can; ``via`` is the agent's ``apply.via``.
 
     The root apply unit asks without ``via``: an air-gapped node's bundles come through the inbox, taken by
-    whoever applies (docs/AIR_GAP.md), never as a request spooled by the agent.
+    whoever applies (docs/AIR_GAP.md: the agent in-process, root's ``meridian-node-airgap`` unit under the
+    split), never as a request spooled by the agent.
     """
-    if mode == "air-gapped" and via != "in-process":
-        if via is None:
-            return (
-                "mode air-gapped takes bundles from its inbox; the root apply unit takes no spooled request in "
-                "this mode (a request there did not come from this node's agent)"
-            )
+    if mode == "air-gapped" and via is None:
         return (
-            f"mode air-gapped is not available yet with apply.via {via}: root's inbox unit "
-            "(meridian-node-airgap.path) is not built, and the inbox must not be read with the agent's "
-            "privileges under the split (docs/AIR_GAP.md); use apply.via: in-process"
+            "mode air-gapped takes bundles from its inbox; the root apply unit takes no spooled request in "
+            "this mode (a request there did not come from this node's agent)"
         )
     why = UNBUILT_MODES.get(mode)
     if why is None:

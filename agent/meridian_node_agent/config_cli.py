@@ -47,8 +47,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         if problems:
             return 1
         assert config.air_gap is not None
+        taker = (
+            "taken by root's meridian-node-airgap.path/.service"
+            if config.apply.via == "systemd"
+            else f"re-scanned every {config.air_gap.poll_seconds:g} s"
+        )
         print(
-            f"air gap: bundles from {config.air_gap.inbox} (re-scanned every {config.air_gap.poll_seconds:g} s), "
+            f"air gap: bundles from {config.air_gap.inbox} ({taker}), "
             f"records to {config.air_gap.outbox}, scratch {policy.air_gap.scratch_dir}"
         )
     missing = None if config.metrics is None else metrics_unavailable(config.metrics.listen)

@@ -29,6 +29,7 @@ to the attack surface for no gain (docs/AIR_GAP.md).
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import io
@@ -229,7 +230,7 @@ def _read_checked(
                 "is incomplete - copy it again from the original",
                 missing[0],
             )
-        manifests = _check_artifacts(verified.bundle, kept, policy)
+        manifests = _check_artifacts(verified.bundle, kept, policy, verified.desired.state)
         files = {} if incoming is None or work is None else _materialise(work, incoming, seen)
     return verified, manifests, total, files
 
@@ -365,7 +366,8 @@ def _bound_extended_headers(handle: io.FileIO, offset: int) -> None:
     for _attempt in range(_MAX_HEADER_CHAIN):
         handle.seek(offset)
         block = handle.read(tarfile.BLOCKSIZE)
-        if len(block) < tarfile.BLOCKSIZE or block[156:157] not in _EXTENDED_TYPES:
+        if len(block) < tarfile.BLOCKSIZE or block[156:157] not in _EXTENDED_TYPES or not _checksum_ok(block):
+            # Not a header (a gzip file's bytes can hold anything at offset 156): tarfile refuses it.
             return
         size = _header_size(block[124:136])
         if size is None:
@@ -381,6 +383,21 @@ def _bound_extended_headers(handle: io.FileIO, offset: int) -> None:
     raise BundleRefused(
         BundleProblem.NOT_A_TAR, f"more than {_MAX_HEADER_CHAIN} extended tar headers in a row at offset {offset}"
     )
+
+
+def _checksum_ok(block: bytes) -> bool:
+    """The header's own checksum (octal, over the block with the checksum field read as spaces) matches."""
+    digits = block[148:156].split(b"\0", 1)[0].strip(b" ")
+    try:
+        stored = int(digits, 8)
+    except ValueError:
+        return False
+    # POSIX: the sum of the header's bytes, the checksum field's eight counted as spaces; some old tars
+    # summed signed bytes, which tarfile accepts too.
+    rest = block[:148] + block[156:512]
+    unsigned = sum(rest) + 8 * 0x20
+    signed_sum = sum(byte - 256 if byte > 127 else byte for byte in rest) + 8 * 0x20
+    return stored in (unsigned, signed_sum)
 
 
 def _header_size(value: bytes) -> Optional[int]:
@@ -595,11 +612,13 @@ def _check_end(handle: io.FileIO, offset: int, size: int, path: str) -> None:
 
 
 def _check_artifacts(
-    bundle: contracts.Bundle, kept: Mapping[str, bytes], policy: Policy
+    bundle: contracts.Bundle, kept: Mapping[str, bytes], policy: Policy, state: contracts.DesiredState
 ) -> tuple[trust.VerifiedManifest, ...]:
     """Each ``artifacts/<name>/<version>/`` holds ``manifest.json`` (signed by the artifact keys, naming
-    that name and version) and, under ``files/``, exactly the files it lists, with the same sizes and
-    digests: the authority cannot ship model bytes the artifact keys did not sign."""
+    that name and version, and the very manifest the control-signed state pins for that artifact) and, under
+    ``files/``, exactly the files it lists, with the same sizes and digests: the authority cannot ship model
+    bytes the artifact keys did not sign, nor an artifact (or another manifest of it) control did not ask for."""
+    pinned = {(ref.name, ref.version): _payload_sha256(ref.manifest.payload) for ref in state.artifacts}
     groups: dict[tuple[str, str], dict[str, contracts.BundleFile]] = {}
     manifests: dict[tuple[str, str], str] = {}
     for entry in bundle.files:
@@ -635,6 +654,21 @@ def _check_artifacts(
                 f"{member} is signed for {document.name} {document.version}, but lies under {where}",
                 member,
             )
+        if key not in pinned:
+            raise BundleRefused(
+                BundleProblem.ARTIFACT,
+                f"{member}: the desired state inside names no artifact {name} {version}; a bundle carries only "
+                "the artifacts its control-signed state asks for",
+                member,
+            )
+        if pinned[key] != manifest.payload_sha256:
+            raise BundleRefused(
+                BundleProblem.ARTIFACT,
+                f"{member} is not the manifest the desired state pins for {name} {version}: its payload sha256 is "
+                f"{manifest.payload_sha256}, the state's {pinned[key]}; make the bundle with the manifest the state "
+                "was published with",
+                member,
+            )
         listed = groups.get(key, {})
         for file in document.files:
             shipped = listed.get(file.path)
@@ -655,6 +689,11 @@ def _check_artifacts(
             )
         verified.append(manifest)
     return tuple(verified)
+
+
+def _payload_sha256(payload: str) -> str:
+    # The contract has checked it is canonical base64.
+    return hashlib.sha256(base64.b64decode(payload)).hexdigest()
 
 
 # --- scratch ---------------------------------------------------------------------------------------------

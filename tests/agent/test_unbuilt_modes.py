@@ -56,8 +56,10 @@ def _config(root: Path, mode: str, *, via: str = "in-process") -> Path:
     return path
 
 
-# air-gapped is built with apply.via in-process; under the split root's inbox unit is not (docs/AIR_GAP.md).
-@pytest.mark.parametrize(("mode", "via"), [("kubernetes-integrated", "in-process"), ("air-gapped", "systemd")])
+# air-gapped is built both ways now (root's inbox unit under the split: tests/airgap/test_airgap_root.py).
+@pytest.mark.parametrize(
+    ("mode", "via"), [("kubernetes-integrated", "in-process"), ("kubernetes-integrated", "systemd")]
+)
 def test_check_config_and_run_refuse_a_mode_that_is_not_built(
     tmp_path: Path, mode: str, via: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ the envelope again with the host's own clock.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -28,7 +29,10 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
 from meridian_node_agent.bundle_cli import BundleInputs, build_bundle
 from meridian_node_agent.config import AgentConfig, load_config
 
-__all__ = ["AirGapNode", "make_airgap_node", "state_bundle"]
+__all__ = ["AGENT_UID", "AirGapNode", "InPlaceWriter", "grow_while_read", "make_airgap_node", "state_bundle"]
+
+# The agent's user in split nodes made here (tests run as root): no such account is needed, only the number.
+AGENT_UID = 4242
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,12 @@ def make_airgap_node(
     node_id: str = NODE_ID,
     control_public_key: Path | None = None,
     policy_extra: Mapping[str, Any] | None = None,
+    split: bool = False,
 ) -> AirGapNode:
-    """A node in mode air-gapped, apply.via in-process; ``control_public_key`` trusts a devserver's key."""
+    """A node in mode air-gapped, apply.via in-process; ``control_public_key`` trusts a devserver's key.
+
+    ``split``: apply.via systemd instead, root's directory ``root/apply`` (scratch inside it, as by default)
+    and the inbox root's, 0700; the agent's directory ``root/agent`` exists, owned by ``AGENT_UID``."""
     etc = root / "etc"
     policy = write_policy(
         etc,
@@ -89,7 +97,7 @@ def make_airgap_node(
         air_gap_authority=[AUTHORITY],
         extra={
             "store": {"path": str(root / "store"), "max_bytes": "1G"},
-            "air_gap": {"scratch_dir": str(root / "scratch")},
+            "air_gap": {"scratch_dir": str(root / "apply" / "bundle-scratch" if split else root / "scratch")},
             "agent": {"allowed_modes": ["observe-only", "managed-host", "air-gapped"]},
             **(policy_extra or {}),
         },
@@ -101,19 +109,21 @@ def make_airgap_node(
         policy.write_text(yaml.safe_dump(document, sort_keys=False))
     for name in ("inbox", "made"):
         (root / name).mkdir(mode=0o750)
+    config_document: dict[str, Any] = {
+        "node_id": node_id,
+        "mode": "air-gapped",
+        "policy": str(policy),
+        "state_dir": str(root / "agent"),
+        "air_gap": {"inbox": str(root / "inbox"), "outbox": str(root / "outbox"), "poll_seconds": 1},
+        "log": {"format": "text", "level": "warning"},
+    }
+    if split:
+        config_document["apply"] = {"via": "systemd", "state_dir": str(root / "apply")}
+        (root / "inbox").chmod(0o700)
+        (root / "agent").mkdir(mode=0o750)
+        os.chown(root / "agent", AGENT_UID, AGENT_UID)
     config = root / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "node_id": node_id,
-                "mode": "air-gapped",
-                "policy": str(policy),
-                "state_dir": str(root / "agent"),
-                "air_gap": {"inbox": str(root / "inbox"), "outbox": str(root / "outbox"), "poll_seconds": 1},
-                "log": {"format": "text", "level": "warning"},
-            }
-        )
-    )
+    config.write_text(yaml.safe_dump(config_document))
     return AirGapNode(root=root, config_path=config, node_id=node_id)
 
 
@@ -155,3 +165,50 @@ def state_bundle(
         ),
     )
     return out
+
+
+class InPlaceWriter:
+    """A copy under the final name (the writer ignores the rename rule), one chunk per ``step``: the test
+    decides when each chunk lands."""
+
+    def __init__(self, target: Path, data: bytes, steps: int) -> None:
+        self.target, self.data = target, data
+        self.cuts = [len(data) * (n + 1) // steps for n in range(steps)]
+        self.written = 0
+
+    @property
+    def done(self) -> bool:
+        return self.written == len(self.data)
+
+    def step(self) -> None:
+        if self.done:
+            return
+        cut = next(c for c in self.cuts if c > self.written)
+        with self.target.open("ab") as handle:
+            handle.write(self.data[self.written : cut])
+        self.written = cut
+
+
+def grow_while_read(monkeypatch: Any, writer: InPlaceWriter) -> None:
+    """Make the bundle reader's every read of a file let ``writer`` copy one more chunk: the file grows while
+    the reader holds it open, driven by the reads themselves (no sleeps, no threads)."""
+    import io
+    import types
+
+    from ansible_collections.meridian.node.plugins.module_utils import bundle_reader
+
+    class GrowingFile(io.FileIO):
+        def read(self, size: int = -1) -> bytes:  # type: ignore[override]
+            chunk = super().read(size)
+            writer.step()
+            return chunk or b""
+
+        def readinto(self, buffer: Any) -> int:
+            count = super().readinto(buffer)
+            writer.step()
+            return count or 0
+
+    proxy = types.ModuleType("io")
+    proxy.__dict__.update(vars(io))
+    proxy.FileIO = GrowingFile  # type: ignore[attr-defined]
+    monkeypatch.setattr(bundle_reader, "io", proxy)

@@ -95,7 +95,8 @@ def good_bundle(site: Site, *, generation: int = 2, name: str = "good.tar") -> P
         version="1.0.0",
         files=[_manifest_entry("weights.bin", WEIGHTS), _manifest_entry("config.json", CONFIG)],
     )
-    (source / "manifest.json").write_text(json.dumps(envelope("artifact-manifest", manifest, [ARTIFACT])))
+    manifest_envelope = envelope("artifact-manifest", manifest, [ARTIFACT])
+    (source / "manifest.json").write_text(json.dumps(manifest_envelope))
     playbooks = source / "playbooks"
     playbooks.mkdir(exist_ok=True)
     (playbooks / "site.yml").write_text("- hosts: localhost\n  tasks: []\n")
@@ -105,7 +106,14 @@ def good_bundle(site: Site, *, generation: int = 2, name: str = "good.tar") -> P
     build_bundle(
         out,
         BundleInputs(
-            desired_envelope=envelope("desired-state", desired_state(generation=generation), [CONTROL]),
+            desired_envelope=envelope(
+                "desired-state",
+                desired_state(
+                    generation=generation,
+                    artifacts=[{"name": "tiny-model", "version": "1.0.0", "manifest": manifest_envelope}],
+                ),
+                [CONTROL],
+            ),
             node_id=NODE_ID,
             authority_keys=[AUTHORITY.private],
             expires=timedelta(days=1),

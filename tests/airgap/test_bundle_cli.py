@@ -36,9 +36,6 @@ def site(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
         f"air_gap: {{scratch_dir: {tmp_path / 'scratch'}}}\n"
     )
     now = datetime.now(UTC)
-    state = desired_state(generation=5, issued_at=format_rfc3339(now - timedelta(minutes=1)),
-                          expires_at=format_rfc3339(now + timedelta(hours=1)))
-    (tmp_path / "state.json").write_text(json.dumps(state))
     model = tmp_path / "model"
     model.mkdir()
     weights = b"weights" * 1000
@@ -48,6 +45,11 @@ def site(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     signing = run(capsys, "sign", "--key", tmp_path / "artifact.pem", "--type", "artifact-manifest",
                   "--out", tmp_path / "manifest.json", tmp_path / "manifest-body.json")
     assert signing[0] == 0, signing[2]
+    # The state pins the manifest the bundle carries: the host refuses an artifact the state does not name.
+    pinned = {"name": "m", "version": "1", "manifest": json.loads((tmp_path / "manifest.json").read_text())}
+    state = desired_state(generation=5, issued_at=format_rfc3339(now - timedelta(minutes=1)),
+                          expires_at=format_rfc3339(now + timedelta(hours=1)), artifacts=[pinned])
+    (tmp_path / "state.json").write_text(json.dumps(state))
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "apply.yml").write_text("- hosts: localhost\n  tasks: []\n")
     (tmp_path / "meridian-node-1.0.0.tar.gz").write_bytes(b"collection")
@@ -151,3 +153,14 @@ def test_state_in_yaml_is_signed_with_the_control_key(site: Path, capsys: pytest
     assert make(capsys, site, "--desired", site / "state.yaml", "--control-key", site / "control.pem")[0] == 0
     status, result = verify(capsys, site, site / "b.tar")
     assert (status, result["generation"]) == (0, 5)
+
+
+def test_an_artifact_the_state_does_not_pin_makes_no_bundle(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = json.loads((site / "state.json").read_text())
+    (site / "unpinned.json").write_text(json.dumps({**state, "artifacts": []}))
+
+    status, _, err = make(capsys, site, "--desired", site / "unpinned.json", "--control-key", site / "control.pem")
+
+    assert status == 2
+    assert "the desired state names no artifact m 1" in err
+    assert not (site / "b.tar").exists()

@@ -33,6 +33,7 @@ from ansible_collections.meridian.node.plugins.module_utils.bundle_reader import
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339, read_json
 from ansible_collections.meridian.node.plugins.module_utils.trust import AppliedState, RejectionCode
 from ansible_collections.meridian.node.tests.airgap.bundle_fixtures import (
+    ARTIFACT,
     AUTHORITY,
     AUTHORITY_2,
     CONFIG,
@@ -307,6 +308,18 @@ def test_gzip_compressed_bundle_is_not_a_tar(site: Site) -> None:
     refused(site, packed, BundleProblem.NOT_A_TAR)
 
 
+def test_a_gzip_file_whose_bytes_look_like_a_huge_extended_header_is_still_not_a_tar(site: Site) -> None:
+    # Compressed bytes are arbitrary: about one gzip file in seventy has an extended-header type at offset 156
+    # (the typeflag's place) and a size field beyond the cap. Without a valid header checksum it is no header.
+    data = bytearray(gzip.compress(good_bundle(site).read_bytes()))
+    data[156:157] = b"x"
+    data[124:136] = b"\xff" * 12
+    data[148:156] = b"0000000\0"  # a checksum field that parses, with the wrong value
+    forged = site.root / "forged.tar.gz"
+    forged.write_bytes(bytes(data))
+    refused(site, forged, BundleProblem.NOT_A_TAR)
+
+
 # --- damaged files -----------------------------------------------------------------------------------------
 
 
@@ -447,6 +460,41 @@ def test_artifact_files_without_their_manifest_are_refused(site: Site) -> None:
         body[:] = [(info, data) for info, data in body if info.name != name]
 
     assert "holds files but no manifest.json" in refused(site, _rebuilt(site, drop), BundleProblem.ARTIFACT).message
+
+
+def test_an_artifact_manifest_other_than_the_one_the_state_pins_is_refused_before_anything_is_staged(
+    site: Site,
+) -> None:
+    # Everything inside is consistent and signed by the artifact keys: other weights, their manifest, the
+    # listing. Only control's state pins another manifest for tiny-model 1.0.0, and that is what decides.
+    evil = b"weights control never asked for\n"
+    manifest = "artifacts/tiny-model/1.0.0/manifest.json"
+    weights = "artifacts/tiny-model/1.0.0/files/weights.bin"
+    other = artifact_manifest(
+        name="tiny-model",
+        version="1.0.0",
+        files=[listed("weights.bin", evil), listed("config.json", CONFIG)],
+    )
+    other_envelope = json.dumps(envelope("artifact-manifest", other, [ARTIFACT])).encode()
+    replaced = {manifest: other_envelope, weights: evil}
+
+    def swap(payload: dict[str, Any], body: list[Member]) -> None:
+        files = payload["files"]
+        payload["files"] = [listed(e["path"], replaced[e["path"]]) if e["path"] in replaced else e for e in files]
+        body[:] = [regular(info.name, replaced[info.name]) if info.name in replaced else (info, d) for info, d in body]
+
+    error = refused(site, _rebuilt(site, swap), BundleProblem.ARTIFACT)
+    assert error.member == manifest
+    assert "is not the manifest the desired state pins for tiny-model 1.0.0" in error.message
+    assert hashlib.sha256(base64.b64decode(json.loads(other_envelope)["payload"])).hexdigest() in error.message
+
+
+def test_an_artifact_the_state_does_not_name_is_refused(site: Site) -> None:
+    def unpin(payload: dict[str, Any], body: list[Member]) -> None:
+        payload["desired_state"] = envelope("desired-state", desired_state(generation=2), [CONTROL])
+
+    error = refused(site, _rebuilt(site, unpin), BundleProblem.ARTIFACT)
+    assert "the desired state inside names no artifact tiny-model 1.0.0" in error.message
 
 
 # --- the file itself and scratch ---------------------------------------------------------------------------

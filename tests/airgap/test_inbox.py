@@ -17,7 +17,13 @@ import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.bundle_reader import unpack_bundle
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
-from ansible_collections.meridian.node.tests.airgap.airgap_env import AirGapNode, make_airgap_node, state_bundle
+from ansible_collections.meridian.node.tests.airgap.airgap_env import (
+    AirGapNode,
+    InPlaceWriter,
+    grow_while_read,
+    make_airgap_node,
+    state_bundle,
+)
 from meridian_node_agent import airgap_inbox
 from meridian_node_agent.airgap_inbox import LOCK_FILE, BundleResult, InboxProcessor
 
@@ -190,3 +196,35 @@ def test_a_bundle_written_in_place_and_still_growing_is_left_not_rejected(
     assert "truncated" in (left.message or "")
     assert taken.result == BundleResult.APPLIED
     assert node.filed("rejected") == {}
+
+
+
+def test_a_bundle_growing_while_it_is_read_is_never_taken_half_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writer ignores the rename rule and copies under NAME.tar. Each time the reader reads from the file,
+    # the copy goes one chunk further (grow_while_read): every pass but the last sees a file still moving.
+    node = make_airgap_node(tmp_path)
+    data = state_bundle(node, "g1.tar", generation=1).read_bytes()
+    writer = InPlaceWriter(node.inbox / "g1.tar", data, steps=5)
+    writer.step()
+    grow_while_read(monkeypatch, writer)
+    processor = _processor(node)
+
+    passes = []
+    while True:
+        complete_before = writer.done
+        [outcome] = processor.process_once()
+        passes.append((complete_before, outcome.result, outcome.reason))
+        if outcome.result != BundleResult.LEFT:
+            break
+        assert StateStore(node.state_dir).load().generation == 0  # nothing of a moving file was applied
+        assert os.listdir(tmp_path / "scratch") == []  # nor kept
+        assert len(passes) < 20, passes
+
+    assert all(result == BundleResult.LEFT for _, result, _ in passes[:-1]), passes
+    assert {reason for _, _, reason in passes[:-1]} == {"changed-while-read"}
+    assert len(passes) >= 2  # the first pass saw the copy in progress
+    assert passes[-1] == (True, BundleResult.APPLIED, None)  # taken only once complete before the read began
+    assert node.filed("rejected") == {}
+    assert (node.inbox / "processed" / "g1.tar").read_bytes() == data

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.tests.agent_loop.node_env import publish
 from ansible_collections.meridian.node.tests.devserver.devserver_process import running
@@ -39,6 +38,7 @@ from ansible_collections.meridian.node.tests.e2e.e2e_env import (
 )
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.helpers.systemd_host import CHECKOUT, SystemdHost
+from ansible_collections.meridian.node.tests.helpers.systemd_site import enroll, install_site
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -131,9 +131,6 @@ def site(
                 "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORT_RANGE)},
                 "agent": {"allowed_modes": ["managed-host"]},
             }
-            host.put_file("/etc/meridian/keys/control.pem", server.control_public_key.read_bytes(), mode=0o644)
-            host.put_file("/etc/meridian/policy.yaml", yaml.safe_dump(policy).encode(), mode=0o644)
-            host.put_file("/etc/meridian-node/ca.pem", server.ca_bundle.read_bytes(), mode=0o644)
             config = {
                 "node_id": node_id,
                 "mode": "managed-host",
@@ -142,17 +139,18 @@ def site(
                 "supervision": {"settle_seconds": 1, "backoff_initial_seconds": 2, "backoff_max_seconds": 8},
                 "log": {"format": "json", "level": "info"},
             }
-            host.put_file(
-                "/etc/meridian-node/config.yaml", yaml.safe_dump(config).encode(), mode=0o640, owner="root:meridian"
+            install_site(
+                host,
+                policy=policy,
+                config=config,
+                keys={"control.pem": server.control_public_key.read_bytes()},
+                ca_bundle=server.ca_bundle.read_bytes(),
             )
             # install_meridian_node copies the .service and .path units; the timer is installed here the same way.
             host.put_file(f"/etc/systemd/system/{TIMER}", (CHECKOUT / "systemd" / TIMER).read_bytes(), mode=0o644)
             host.put_file(f"/etc/systemd/system/{TIMER}.d/fast.conf", FAST_TIMER, mode=0o644)
             host.exec(["systemctl", "daemon-reload"])
-            host.exec(["install", "-d", "-o", "meridian", "-g", "meridian", "-m", "0750", AGENT_DIR])
-            token = server.new_token_for(f"t-{node_id}", node_id)
-            host.exec(["runuser", "-u", "meridian", "--", BIN, "enroll", "--token", token, "--ca-bundle",
-                       "/etc/meridian-node/ca.pem"])  # fmt: skip
+            enroll(host, server.new_token_for(f"t-{node_id}", node_id))
             generation = publish(server, node_id, document={"engines": [engine_spec(engine, image, port)]})
             host.exec(["systemctl", "enable", "--now", PATH_UNIT, AGENT_UNIT, TIMER])
             site = Site(host, node_id, engine, port, generation, docker_client)

@@ -27,7 +27,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils import dsse
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
@@ -44,6 +43,7 @@ from ansible_collections.meridian.node.tests.e2e.e2e_env import (
 )
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.helpers.systemd_host import SystemdHost
+from ansible_collections.meridian.node.tests.helpers.systemd_site import enroll, install_site
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -162,9 +162,6 @@ def site(
         standin_vllm(docker_client, standin_base_image) as image,
     ):
         try:
-            host.put_file("/etc/meridian/keys/control.pem", server.control_public_key.read_bytes(), mode=0o644)
-            host.put_file("/etc/meridian/policy.yaml", yaml.safe_dump(_policy(PORT_RANGE)).encode(), mode=0o644)
-            host.put_file("/etc/meridian-node/ca.pem", server.ca_bundle.read_bytes(), mode=0o644)
             config = {
                 "node_id": node_id,
                 "mode": "managed-host",
@@ -172,15 +169,14 @@ def site(
                 "apply": {"via": "systemd", "timeout_seconds": 300},
                 "log": {"format": "json", "level": "info"},
             }
-            host.put_file(
-                "/etc/meridian-node/config.yaml", yaml.safe_dump(config).encode(), mode=0o640, owner="root:meridian"
+            install_site(
+                host,
+                policy=_policy(PORT_RANGE),
+                config=config,
+                keys={"control.pem": server.control_public_key.read_bytes()},
+                ca_bundle=server.ca_bundle.read_bytes(),
             )
-            host.exec([BIN, "check-config"])
-            # What systemd's StateDirectory= makes at the first start, made first so that enrolling can write.
-            host.exec(["install", "-d", "-o", "meridian", "-g", "meridian", "-m", "0750", AGENT_DIR])
-            token = server.new_token_for(f"t-{node_id}", node_id)
-            host.exec(["runuser", "-u", "meridian", "--", BIN, "enroll", "--token", token, "--ca-bundle",
-                       "/etc/meridian-node/ca.pem"])  # fmt: skip
+            enroll(host, server.new_token_for(f"t-{node_id}", node_id))
             publish(server, node_id)  # generation 1: nothing to run
             host.exec(["systemctl", "enable", "--now", PATH_UNIT, AGENT_UNIT])
             with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT):
@@ -302,8 +298,10 @@ def test_a_request_that_is_not_a_plain_file_of_the_agents_is_refused(
     site.host.exec(["systemctl", "reset-failed", APPLY_UNIT], check=False)
     try:
         site.as_meridian(plant)
-        # The path unit fires on the rename; start the service too, in case a plant was not a change it sees.
-        site.host.exec(["systemctl", "start", APPLY_UNIT], check=False, timeout=60)
+        # The path unit fires on the rename, possibly half-way through a two-step plant, and a start while that
+        # run is active only joins it. So start it twice: the second run begins after the plant is whole.
+        for _run in range(2):
+            site.host.exec(["systemctl", "start", APPLY_UNIT], check=False, timeout=60)
         journal = site.host.journal(APPLY_UNIT)
         assert f"refusing {REQUEST if 'spool.old' not in plant else SPOOL}: {reason}" in journal, journal[-3000:]
         assert site.answer() == answer_before  # no request was read, so nothing was answered

@@ -10,8 +10,13 @@ Prints:
    Both playbooks loop over the items in one task; the time of a playbook whose task loops the same number
    of times over ``ansible.builtin.meta: noop`` is printed too, and the ratio without that start-up cost.
    Our module also probes each engine's readiness once per run; docker_container does not.
+   Beside it, the same no-op through one ``meridian.node.engine_set`` task listing the same --count engines
+   (the same containers: the same settings hash the same), as a ratio to docker_container (target <= 0.25).
+   The four playbooks run in interleaved rounds (baseline, engine_instance, engine_set, docker_container, then
+   again), so a machine that slows down or speeds up during the run weighs on all of them alike.
 2. create-to-ready seconds for one stand-in engine through ``engine_instance.converge`` (create, start,
-   wait until its readiness probe passes), median of --repeat.
+   wait until its readiness probe passes), median of --repeat; and for --count new engines through one
+   ``engine_set.converge_set`` call (created, started and waited for side by side), as a multiple of the one.
 
 community.docker comes from the ``ansible`` wheel on PyPI (Galaxy is unreachable here): the wheel is
 downloaded once with pip into ``.build/bench-wheels`` and only ``community/docker`` is extracted into
@@ -24,6 +29,7 @@ import json
 import os
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +43,7 @@ from timing import median_seconds
 
 from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import Options, converge
+from ansible_collections.meridian.node.plugins.module_utils.engine_set import SetOptions, converge_set
 from ansible_collections.meridian.node.tests.helpers.engine_harness import BIND, PORTS, free_ports, run_playbook
 from ansible_collections.meridian.node.tests.helpers.standin_image import ensure_base_image, ensure_engine_image
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
@@ -91,10 +98,11 @@ class Bench:
                 "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
             },
         )
-        ports = free_ports(2 * count + 1)
+        ports = free_ports(3 * count + 1)
         self.ours = [self._spec(f"{self.prefix}-ours-{i}", ports[i]) for i in range(count)]
         self.theirs_ports = ports[count : 2 * count]
         self.ready_port = ports[-1]
+        self.set_ports = ports[2 * count : 3 * count]
         self.collections = f"{community_docker()}:{BUILD / 'collections'}"
 
     def _spec(self, name: str, port: int) -> dict[str, Any]:
@@ -138,6 +146,15 @@ class Bench:
         path.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [task]}]))
         return path
 
+    def set_playbook(self) -> Path:
+        """One engine_set task converging the same engines as the engine_instance loop."""
+        shared = {"policy": str(self.policy), "state_dir": str(self.state_dir)}
+        engines = [{k: v for k, v in spec.items() if k not in shared} for spec in self.ours]
+        path = self.root / "engine_set.yml"
+        task = {"name": "converge", "meridian.node.engine_set": {"engines": engines, **shared}, "register": "converged"}
+        path.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [task]}]))
+        return path
+
     def run(self, playbook: Path) -> str:
         proc = run_playbook(playbook, temp_dir=self.root / "ansible-tmp", collections=self.collections)
         if proc.returncode != 0:
@@ -169,6 +186,27 @@ class Bench:
         finally:
             engine.close()
 
+    def set_create_to_ready(self, repeat: int) -> float:
+        """Create-to-ready of --count new engines through ``engine_set.converge_set`` (one call, in process)."""
+        specs = [self._spec(f"{self.prefix}-set-{i}", port) for i, port in enumerate(self.set_ports)]
+        options = SetOptions(policy_path=str(self.policy), state_dir=str(self.state_dir))
+        gone = [{"name": spec["name"], "state": "absent"} for spec in specs]
+        engine = DockerEngine.from_env()
+        try:
+
+            def once() -> None:
+                result = converge_set(specs, options, check_mode=False, engine=engine)
+                if not all(r.get("ready") is True for r in result["engines"].values()):
+                    raise SystemExit(f"bench: the set did not go from nothing to ready: {result}")
+
+            samples = []
+            for _ in range(repeat):
+                samples.append(median_seconds(once, 1))
+                converge_set(gone, options, check_mode=False, engine=engine)
+            return sorted(samples)[len(samples) // 2]
+        finally:
+            engine.close()
+
     def inprocess_noop(self, repeat: int) -> float:
         """The same no-op through ``engine_instance.converge`` in this process: the module without Ansible and
         without its imports."""
@@ -189,6 +227,17 @@ class Bench:
         for container in self.client.containers.list(all=True, filters={"name": self.prefix}):
             if container.name.startswith(self.prefix):
                 container.remove(force=True)
+
+
+def interleaved_medians(runs: dict[str, Any], repeat: int) -> dict[str, float]:
+    """The median wall time of each of ``runs``, measured in ``repeat`` rounds that run each once, in turn."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def import_seconds(modules: list[str], repeat: int) -> float:
@@ -224,26 +273,47 @@ def main() -> None:
             theirs = bench.playbook("community.docker.docker_container", bench.theirs())
             bench.run(theirs)
             baseline = bench.playbook("ansible.builtin.meta", list(range(args.count)))
+            as_set = bench.set_playbook()
             bench.noop_run(ours)
+            bench.noop_run(as_set)
             bench.noop_run(theirs)
-            t_base = median_seconds(lambda: bench.run(baseline), args.repeat)
-            t_ours = median_seconds(lambda: bench.noop_run(ours), args.repeat)
-            t_theirs = median_seconds(lambda: bench.noop_run(theirs), args.repeat)
+            medians = interleaved_medians(
+                {
+                    "base": lambda: bench.run(baseline),
+                    "ours": lambda: bench.noop_run(ours),
+                    "set": lambda: bench.noop_run(as_set),
+                    "theirs": lambda: bench.noop_run(theirs),
+                },
+                args.repeat,
+            )
+            t_base, t_ours, t_set, t_theirs = (medians[k] for k in ("base", "ours", "set", "theirs"))
             t_inproc = bench.inprocess_noop(args.repeat)
             ready = bench.create_to_ready(args.repeat)
+            set_ready = bench.set_create_to_ready(args.repeat)
         finally:
             bench.cleanup()
-    print(f"no-op converge of {args.count} running engines, one ansible-playbook run, median of {args.repeat}:")
-    print(f"  meridian.node.engine_instance      {t_ours:7.2f} s")
+    print(
+        f"no-op converge of {args.count} running engines, one ansible-playbook run, "
+        f"median of {args.repeat} interleaved rounds:"
+    )
+    print(f"  meridian.node.engine_instance      {t_ours:7.2f} s  ({args.count} loop items)")
+    print(f"  meridian.node.engine_set           {t_set:7.2f} s  (one task)")
     print(f"  community.docker.docker_container  {t_theirs:7.2f} s")
     print(f"  ansible.builtin.meta noop (start-up) {t_base:5.2f} s")
     print(f"  ratio ours/theirs                  {t_ours / t_theirs:7.2f}  (target <= 1.0)")
     print(f"  ratio without start-up             {(t_ours - t_base) / max(t_theirs - t_base, 1e-9):7.2f}")
+    print(f"  ratio engine_set/theirs            {t_set / t_theirs:7.2f}  (target <= 0.25)")
+    print(f"  ratio engine_set/theirs w/o start-up {(t_set - t_base) / max(t_theirs - t_base, 1e-9):5.2f}")
+    print(f"  ratio engine_set/engine_instance   {t_set / t_ours:7.2f}")
     print(f"  engine_instance.converge in process, no Ansible  {t_inproc:5.2f} s for all {args.count}")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(COLLECTIONS), os.environ.get("PYTHONPATH", "")])
     ours_import, theirs_import = import_seconds(OUR_IMPORTS, args.repeat), import_seconds(THEIR_IMPORTS, args.repeat)
     print(f"  module imports per task: ours {ours_import:.2f} s, docker_container {theirs_import:.2f} s")
     print(f"create-to-ready of one stand-in engine (converge: create, start, wait-ready): {ready:.2f} s")
+    print(
+        f"create-to-ready of {args.count} stand-in engines in one engine_set.converge_set call: {set_ready:.2f} s "
+        f"({set_ready / ready:.2f}x the one engine)"
+    )
     sys.stdout.flush()
 
 

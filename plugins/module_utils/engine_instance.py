@@ -87,18 +87,26 @@ __all__ = [
     "LABEL_MIN_VRAM",
     "LABEL_OWNER",
     "LABEL_SPEC",
+    "RETIRING",
     "Device",
     "EngineInstanceError",
+    "EngineRun",
     "Options",
     "Reservation",
+    "apply_engine",
     "artifact_dir",
     "build_spec",
+    "check_placement",
     "check_policy",
     "converge",
     "engine_settings",
     "label_spec",
+    "load_engine_policy",
+    "own_reservation",
     "placement_problem",
+    "prepare_engine",
     "public_spec",
+    "report_engine",
     "reservations_from",
     "resolve_devices",
 ]
@@ -341,8 +349,15 @@ def placement_problem(
     gpu_facts: Mapping[str, Any] | None,
     others: Sequence[Reservation],
     replaced: Reservation | None = None,
+    freed: Sequence[Reservation] = (),
+    arriving: Sequence[Reservation] = (),
 ) -> tuple[str, str] | None:
-    """None when the GPUs exist and have room, else ``(check, message with the numbers)``. Pure."""
+    """None when the GPUs exist and have room, else ``(check, message with the numbers)``. Pure.
+
+    ``others`` reserve room whatever their state. ``replaced`` and ``freed`` are containers removed before
+    this engine starts: what NVML counts them as using is credited to the free VRAM. ``arriving`` are other
+    engines created in the same run (``engine_set``): NVML does not count them yet, so they are taken off it.
+    """
     if not gpus:
         if min_vram_mib:
             return "placement-vram", (
@@ -372,16 +387,27 @@ def placement_problem(
         reserved = sum(
             other.min_vram_mib for other in others if device.key in {_device_key(g, gpu_facts) for g in other.gpus}
         )
-        credit = 0
-        if replaced is not None and device.key in {_device_key(g, gpu_facts) for g in replaced.gpus}:
-            credit = replaced.min_vram_mib
-        free = min(device.total_mib, device.free_mib + credit)
+        leaving = [*([replaced] if replaced is not None else []), *freed]
+        credit = sum(
+            gone.min_vram_mib for gone in leaving if device.key in {_device_key(g, gpu_facts) for g in gone.gpus}
+        )
+        coming = sum(
+            new.min_vram_mib for new in arriving if device.key in {_device_key(g, gpu_facts) for g in new.gpus}
+        )
+        free = min(device.total_mib, device.free_mib + credit) - coming
         room = min(free, device.total_mib - reserved)
         if room < min_vram_mib:
             return "placement-vram", (
                 f"engine {name!r} needs {min_vram_mib} MiB on GPU {device.requested_as!r} ({device.key}) "
                 f"but only {max(room, 0)} MiB is available: {device.free_mib} MiB free of {device.total_mib} MiB"
-                + (f" (+{credit} MiB of the container it replaces)" if credit else "")
+                + (
+                    f" (+{credit} MiB of the container it replaces)"
+                    if credit and not freed
+                    else f" (+{credit} MiB of the containers removed before it starts)"
+                    if credit
+                    else ""
+                )
+                + (f" (-{coming} MiB for the other engines created with it)" if coming else "")
                 + f", {reserved} MiB reserved by other meridian.node engines"
             )
     return None
@@ -430,8 +456,11 @@ def label_spec(container: ContainerInfo) -> dict[str, Any]:
 
 
 @dataclass
-class _Run:
-    """What one converge run knows; ``result`` grows as actions are done, so a failure can report it."""
+class EngineRun:
+    """What one engine's converge knows; ``result`` grows as actions are done, so a failure can report it.
+
+    ``engine_instance`` makes one; ``engine_set`` makes one per engine and applies them side by side.
+    """
 
     name: str
     options: Options
@@ -444,6 +473,8 @@ class _Run:
     probe_host: str = "127.0.0.1"
     pending: str | None = None  # check mode only: why the settings (and placement) could not be computed
     done: list[str] = field(default_factory=list)
+    spec: EngineSpec | None = None  # None for state absent
+    bind: str = "127.0.0.1"  # the policy's bind address the engine is published on
 
     def result(self, **extra: Any) -> dict[str, Any]:
         container = None
@@ -475,38 +506,54 @@ def converge(
 
     Raises ``EngineInstanceError`` (with ``check`` and the partial result) for every refusal and failure.
     """
-    name = str(params["name"])
     read_gpus = gpu_facts or _read_gpus
     try:
-        run = _prepare(name, params, options, engine, read_gpus, check_mode=check_mode)
+        run = prepare_engine(params, options, engine, check_mode=check_mode)
+        # A run pending its artifact (check mode) has no settings to place: it says so in its result instead.
+        if Action.CREATE in run.plan.actions and run.spec is not None and run.settings is not None:
+            _check_placement(run, run.spec, read_gpus)
         if check_mode or not run.plan.actions:
-            return _report(run, check_mode)
-        return _apply(run, sleep, clock)
+            return report_engine(run, check_mode)
+        return apply_engine(run, sleep, clock)
     except DockerEngineError as exc:
         raise EngineInstanceError(str(exc), check="docker") from exc
     except DrainStateError as exc:
         raise EngineInstanceError(str(exc), check="drain-state") from exc
 
 
-def _prepare(
-    name: str,
+def load_engine_policy(path: str) -> Policy:
+    """The host policy without its keys (engines need no trust material); a bad one fails with check policy."""
+    try:
+        return load_policy(path, keys=False)
+    except PolicyError as exc:
+        raise EngineInstanceError(str(exc), check="policy") from exc
+
+
+def prepare_engine(
     params: Mapping[str, Any],
     options: Options,
     engine: DockerEngine,
-    read_gpus: Callable[[], Mapping[str, Any]],
     *,
     check_mode: bool = False,
-) -> _Run:
+    policy: Policy | None = None,
+    containers: Mapping[str, ContainerInfo] | None = None,
+) -> EngineRun:
+    """Every read-only step before placement: spec, policy, volumes, driver settings, Docker's view, the plan.
+
+    ``policy`` and ``containers`` (every container by name, from one listing) let ``engine_set`` read them
+    once for all its engines; without them they are read here. Placement is the caller's next step, for a
+    plan that creates (``Action.CREATE``), because what else a new engine must share the host with is the
+    caller's knowledge. Raises ``EngineInstanceError`` naming the check.
+    """
+    name = str(params["name"])
     if options.state == "absent":
-        observed, current = _observe(engine, name)
+        observed, current = _observe(engine, name, containers)
         plan = _plan(name, options, "", {}, observed)
-        return _Run(name, options, engine, plan, "", current)
+        return EngineRun(name, options, engine, plan, "", current)
 
     spec = build_spec(params, options.replace_strategy)
-    try:
-        policy = load_policy(options.policy_path, keys=False)
-    except PolicyError as exc:
-        raise EngineInstanceError(str(exc), check="policy") from exc
+    if policy is None:
+        policy = load_engine_policy(options.policy_path)
     check_policy(policy, spec)
     store_path = options.store_path or policy.store.path
     try:
@@ -522,7 +569,7 @@ def _prepare(
             except EngineInstanceError as exc:
                 if not check_mode:
                     raise
-                return _pending_artifact_run(name, spec, options, engine, str(exc))
+                return _pending_artifact_run(name, spec, options, engine, str(exc), containers)
             files = _model_files(model_dir)
         # The volumes as resolved on the host: what is mounted (and hashed) is what was checked.
         mounted = dataclasses.replace(spec, volumes=volumes)
@@ -533,28 +580,34 @@ def _prepare(
     settings = engine_settings(spec, launch, bind_address=bind, owner=options.owner)
     config_hash = settings.config_hash()
 
-    observed, current = _observe(engine, name)
+    observed, current = _observe(engine, name, containers)
     if observed is not None and current is not None and observed.owned and observed.config_hash == config_hash:
         # The hash label says what the container was created from, not what it is now: `docker update`
         # keeps every label, and a container recreated by hand can carry ours. What it runs is read back.
         observed = dataclasses.replace(observed, drifted=engine.settings_drift(current, settings))
     plan = _plan(name, options, config_hash, public_spec(spec), observed)
-    run = _Run(name, options, engine, plan, config_hash, current, driver, settings, loopback_for(bind))
-    if Action.CREATE in plan.actions:
-        _check_placement(run, spec, bind, read_gpus)
-    return run
+    return EngineRun(
+        name, options, engine, plan, config_hash, current, driver, settings, loopback_for(bind), spec=spec, bind=bind
+    )
 
 
-def _pending_artifact_run(name: str, spec: EngineSpec, options: Options, engine: DockerEngine, why: str) -> _Run:
+def _pending_artifact_run(
+    name: str,
+    spec: EngineSpec,
+    options: Options,
+    engine: DockerEngine,
+    why: str,
+    containers: Mapping[str, ContainerInfo] | None,
+) -> EngineRun:
     """Check mode before the artifact is in the store: the real run makes it present first (a
     ``verified_artifact`` task, which check mode did not run), so the settings cannot be known yet.
 
     A new engine would be created; an existing one would be replaced, since the promoted version is
     part of its settings. Placement is not checked: it needs the settings. The result says so.
     """
-    observed, current = _observe(engine, name)
+    observed, current = _observe(engine, name, containers)
     plan = _plan(name, options, _PENDING, public_spec(spec), observed)
-    return _Run(name, options, engine, plan, "", current, pending=f"{why}; placement was not checked")
+    return EngineRun(name, options, engine, plan, "", current, pending=f"{why}; placement was not checked", spec=spec)
 
 
 def engine_settings(
@@ -573,8 +626,10 @@ def engine_settings(
     return dataclasses.replace(base, labels={**base.labels, **labels})
 
 
-def _observe(engine: DockerEngine, name: str) -> tuple[Observed | None, ContainerInfo | None]:
-    container = engine.find(name)
+def _observe(
+    engine: DockerEngine, name: str, containers: Mapping[str, ContainerInfo] | None = None
+) -> tuple[Observed | None, ContainerInfo | None]:
+    container = engine.find(name) if containers is None else containers.get(name)
     if container is None:
         return None, None
     return (
@@ -603,7 +658,47 @@ def _plan(name: str, options: Options, config_hash: str, spec: dict[str, Any], o
         raise EngineInstanceError(str(exc), check="ownership") from exc
 
 
-def _check_placement(run: _Run, spec: EngineSpec, bind: str, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
+def _check_placement(run: EngineRun, spec: EngineSpec, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
+    """engine_instance's placement: the engine alone against what the host has now."""
+
+    def port_taken(port: int) -> str | None:
+        # The port of the container being replaced is ours: it is freed before the new one starts.
+        if run.current is not None and any(p.host_port == port for p in run.current.ports):
+            return None
+        return run.engine.port_in_use(run.bind, port)
+
+    check_placement(
+        run,
+        spec,
+        gpu_facts=read_gpus() if spec.gpus else None,
+        others=reservations_from(run.engine.list_owned(), exclude=spec.name),
+        replaced=own_reservation(run),
+        port_taken=port_taken,
+    )
+
+
+def own_reservation(run: EngineRun) -> Reservation | None:
+    """The VRAM reservation of the container ``run`` replaces, if it has one."""
+    if run.current is None:
+        return None
+    found = reservations_from([run.current])
+    return found[0] if found else None
+
+
+def check_placement(
+    run: EngineRun,
+    spec: EngineSpec,
+    *,
+    gpu_facts: Mapping[str, Any] | None,
+    others: Sequence[Reservation],
+    replaced: Reservation | None = None,
+    freed: Sequence[Reservation] = (),
+    arriving: Sequence[Reservation] = (),
+    port_taken: Callable[[int], str | None],
+) -> None:
+    """For a plan that creates the container: the image is safe, the GPUs exist and have room (see
+    ``placement_problem``), the port is free (``port_taken`` says by whom it is not), the NVIDIA runtime is
+    there when GPUs are asked for. The first refusal raises, naming the check; nothing is changed."""
     image = run.engine.resolve_image(spec.image)
     spoofing = sorted(set(image.labels) & set(RESERVED_LABELS))
     if spoofing:
@@ -612,26 +707,21 @@ def _check_placement(run: _Run, spec: EngineSpec, bind: str, read_gpus: Callable
             "containers pass as meridian.node's; rebuild it without them",
             check="image",
         )
-    replaced = None
-    if run.current is not None:
-        replaced_list = reservations_from([run.current])
-        replaced = replaced_list[0] if replaced_list else None
     problem = placement_problem(
         name=spec.name,
         gpus=spec.gpus,
         min_vram_mib=spec.min_vram_mib,
-        gpu_facts=read_gpus() if spec.gpus else None,
-        others=reservations_from(run.engine.list_owned(), exclude=spec.name),
+        gpu_facts=gpu_facts,
+        others=others,
         replaced=replaced,
+        freed=freed,
+        arriving=arriving,
     )
     if problem is not None:
         raise EngineInstanceError(problem[1], check=problem[0])
-    # The port of the container being replaced is ours: it is freed before the new one starts.
-    ours = run.current is not None and any(p.host_port == spec.port for p in run.current.ports)
-    if not ours:
-        taken = run.engine.port_in_use(bind, spec.port)
-        if taken is not None:
-            raise EngineInstanceError(f"engine {spec.name!r}: {taken}", check="placement-port")
+    taken = port_taken(spec.port)
+    if taken is not None:
+        raise EngineInstanceError(f"engine {spec.name!r}: {taken}", check="placement-port")
     if spec.gpus and not run.engine.has_nvidia_runtime():
         raise EngineInstanceError(
             f"engine {spec.name!r} asks for GPUs {list(spec.gpus)} but this host's Docker Engine has no NVIDIA "
@@ -641,7 +731,8 @@ def _check_placement(run: _Run, spec: EngineSpec, bind: str, read_gpus: Callable
         )
 
 
-def _report(run: _Run, check_mode: bool) -> dict[str, Any]:
+def report_engine(run: EngineRun, check_mode: bool) -> dict[str, Any]:
+    """The result of a run that changes nothing (check mode, or nothing to do): probed when it runs."""
     ready: bool | None = None
     detail: str | None = None
     if not check_mode and run.current is not None and run.current.running and run.driver is not None:
@@ -651,26 +742,41 @@ def _report(run: _Run, check_mode: bool) -> dict[str, Any]:
     return run.result(planned=check_mode and bool(run.plan.actions), ready=ready, probe=detail, **pending)
 
 
-def _probe(run: _Run) -> ProbeVerdict:
+def _probe(run: EngineRun) -> ProbeVerdict:
     if run.driver is None or run.settings is None or run.settings.port is None:
         raise RuntimeError(f"engine {run.name!r}: probing needs the driver and the published port")
     return probe_readiness(run.driver, run.probe_host, run.settings.port.host_port, timeout=_PROBE_TIMEOUT_S)
 
 
-def _existing(run: _Run, action: str) -> ContainerInfo:
+def _existing(run: EngineRun, action: str) -> ContainerInfo:
     # The planner only orders drain/stop/remove/start/wait-ready where a container exists.
     if run.current is None:
         raise RuntimeError(f"engine {run.name!r}: the plan asks to {action} but there is no container")
     return run.current
 
 
-def _apply(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]) -> dict[str, Any]:
+RETIRING = frozenset({Action.DRAIN, Action.STOP, Action.REMOVE})
+
+
+def apply_engine(
+    run: EngineRun,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    *,
+    retire_only: bool = False,
+) -> dict[str, Any]:
+    """Do the plan's actions not done yet, in order; returns the result. Raises ``EngineInstanceError``.
+
+    With ``retire_only`` it stops before the first action that builds (create, start, wait-ready) and returns
+    the partial result; a later call carries on from there. ``engine_set`` retires engines that hand their
+    port or GPU to each other first, then builds them.
+    """
     verdict: ProbeVerdict | None = None
-    drained = False
-    for action in run.plan.actions:
+    for action in run.plan.actions[len(run.done) :]:
+        if retire_only and action not in RETIRING:
+            return run.result()
         if action is Action.DRAIN:
             _drain(run, sleep, clock)
-            drained = True
         elif action is Action.STOP:
             current = _existing(run, "stop")
             run.engine.stop(current, timeout=driver_of(current).facts.stop_timeout_s)
@@ -689,7 +795,9 @@ def _apply(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]
         elif action is Action.WAIT_READY:
             verdict = _wait_ready(run, sleep, clock)
         run.done.append(str(action))
-    if run.options.state == "absent" or drained:
+    if retire_only:
+        return run.result()
+    if run.options.state == "absent" or str(Action.DRAIN) in run.done:
         clear_draining(run.options.state_dir, run.name)
     if run.current is not None:
         run.current = run.engine.container(run.current.id)
@@ -700,7 +808,7 @@ def _apply(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]
     )
 
 
-def _drain(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+def _drain(run: EngineRun, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
     """Mark the old engine draining, then wait until nothing is in flight; on timeout restore and fail."""
     old = _existing(run, "drain")
     mark_draining(run.options.state_dir, run.name, reason=f"replacing with {run.config_hash}")
@@ -725,7 +833,7 @@ def _drain(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]
     )
 
 
-def _wait_ready(run: _Run, sleep: Callable[[float], None], clock: Callable[[], float]) -> ProbeVerdict:
+def _wait_ready(run: EngineRun, sleep: Callable[[float], None], clock: Callable[[], float]) -> ProbeVerdict:
     """Probe until ready; on timeout (or an exited container) stop it and fail with the verdict and logs."""
     container = _existing(run, "wait-ready")
     deadline = clock() + run.options.ready_timeout_s

@@ -376,52 +376,14 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_instance impo
     Options,
     converge,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engine_spec import DRIVERS
+from ansible_collections.meridian.node.plugins.module_utils.engine_options import ENGINE_SPEC_OPTIONS, SPEC_REQUIRED_IF
 from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YAML_IMPORT_ERROR
-
-_SPEC_REQUIRED = ["driver", "image", "model", "port"]
 
 
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
-            "name": {"type": "str", "required": True},
-            "state": {"type": "str", "default": "started", "choices": ["present", "started", "stopped", "absent"]},
-            "driver": {"type": "str", "choices": list(DRIVERS)},
-            "image": {"type": "str"},
-            "model": {
-                "type": "dict",
-                "options": {"artifact": {"type": "str"}, "name": {"type": "str"}},
-                "mutually_exclusive": [["artifact", "name"]],
-                "required_one_of": [["artifact", "name"]],
-            },
-            "served_model_name": {"type": "str"},
-            "gpus": {"type": "list", "elements": "str", "default": []},
-            "min_vram_mib": {"type": "int", "default": 0},
-            "port": {"type": "int"},
-            "args": {"type": "list", "elements": "str", "default": []},
-            "env": {"type": "dict", "default": {}, "no_log": True},
-            "restart_policy": {
-                "type": "str",
-                "default": "unless-stopped",
-                "choices": ["no", "on-failure", "unless-stopped"],
-            },
-            "shm_size_mib": {"type": "int"},
-            "ipc_mode": {"type": "str", "default": "private", "choices": ["private", "host"]},
-            "ulimits": {"type": "dict", "default": {}},
-            "volumes": {
-                "type": "list",
-                "elements": "dict",
-                "default": [],
-                "options": {"source": {"type": "str", "required": True}, "target": {"type": "str", "required": True}},
-            },
-            "labels": {"type": "dict", "default": {}},
-            "health_path": {"type": "str"},
-            "replace_strategy": {
-                "type": "str",
-                "default": "drain-then-replace",
-                "choices": ["drain-then-replace", "stop-then-start"],
-            },
+            **ENGINE_SPEC_OPTIONS,
             "wait_ready": {"type": "bool", "default": True},
             "ready_timeout": {"type": "int", "default": 600},
             "drain_timeout": {"type": "int", "default": 300},
@@ -431,7 +393,7 @@ def main() -> None:
             "store_path": {"type": "path"},
             "owner": {"type": "str"},
         },
-        required_if=[("state", state, _SPEC_REQUIRED) for state in ("present", "started", "stopped")],
+        required_if=SPEC_REQUIRED_IF,
         supports_check_mode=True,
     )
     if YAML_IMPORT_ERROR is not None:

@@ -110,7 +110,10 @@ def test_an_engine_whose_command_exits_at_once_is_retried_on_a_growing_backoff_s
     assert [e.reason for e in attempts[1:]] == [f"retry after {n} failed apply(s)" for n in range(1, len(attempts))]
     container = container_named(docker_client, name)
     assert container is not None and container.status != "running"
-    assert container.attrs["State"]["ExitCode"] == 1  # how the stand-in ends, as it did on every attempt
+    # How the stand-in ends on every attempt: it refuses the engine and exits 1. The last attempt's stop can
+    # land while Docker's restart policy has just started it again, which ends that run with SIGTERM (143).
+    assert container.attrs["State"]["ExitCode"] in (1, 143), container.attrs["State"]
+    assert "STANDIN_ENGINE must be one of" in container.logs().decode(errors="replace")
 
     agent.write_status()
     assert cli_main(["--config", str(config_path), "status", "--json"]) == 0
@@ -118,7 +121,7 @@ def test_an_engine_whose_command_exits_at_once_is_retried_on_a_growing_backoff_s
     assert (retry["generation"], retry["failures"]) == (generation, len(attempts))
     assert retry["state"] in ("backing-off", "retry-due")
     assert retry["backoff_seconds"] == min(8, 2 * 2 ** (len(attempts) - 1))
-    assert retry["error"] == "; ".join(first.run.failures)
+    assert retry["error"] == "; ".join(first.run.failures)[:500]  # the status keeps the first 500 characters
     next_at: datetime = parse_rfc3339(retry["next_attempt_at"])
     assert 0 <= (next_at - parse_rfc3339(retry["last_failed_at"])).total_seconds() <= retry["backoff_seconds"] + 1
     assert cli_main(["--config", str(config_path), "status"]) == 0

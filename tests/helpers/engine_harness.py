@@ -112,11 +112,26 @@ class Host:
 
     def play(self, steps: Sequence[tuple[str, Mapping[str, Any], bool]], nvml: str | None = None) -> dict[str, Any]:
         """Run ``(label, module params, check_mode)`` steps in order; every step's registered result by label."""
+        return self.play_module("meridian.node.engine_instance", steps, nvml=nvml)[0]
+
+    def play_module(
+        self,
+        module: str,
+        steps: Sequence[tuple[str, Mapping[str, Any], bool]],
+        *,
+        nvml: str | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> tuple[dict[str, Any], str]:
+        """Run ``module`` once per ``(label, params, check_mode)`` step in one playbook, with ``--diff``.
+
+        Returns every step's registered result by label, and the playbook's output. ``nvml`` names a fake NVML
+        scenario (tests/fakes/nvml_scenarios) for engines that ask for GPUs.
+        """
         out = self.root / f"results-{secrets.token_hex(4)}.json"
         tasks: list[dict[str, Any]] = [
             {
                 "name": label,
-                "meridian.node.engine_instance": dict(params),
+                module: dict(params),
                 "check_mode": check,
                 "register": f"step_{index}",
                 "ignore_errors": True,
@@ -136,10 +151,12 @@ class Host:
         extra_env = {}
         if nvml is not None:
             extra_env = {"PYTHONPATH": str(REPO / "tests" / "fakes"), "MERIDIAN_FAKE_NVML_SCENARIO": nvml}
-        proc = run_playbook(playbook, temp_dir=self.root / "ansible-tmp", extra_env=extra_env, extra_args=["--diff"])
+        proc = run_playbook(
+            playbook, temp_dir=self.root / "ansible-tmp", extra_env=extra_env, extra_args=["--diff", *extra_args]
+        )
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         results: dict[str, Any] = json.loads(out.read_text())
-        return results
+        return results, proc.stdout + proc.stderr
 
     def container(self, name: str) -> Any:
         """The container called exactly ``name``, or None."""

@@ -334,3 +334,24 @@ def test_role_refuses_bad_engine_variables_by_name_before_touching_a_host(
     assert SECRET not in output
     assert fleet.container("h1") is None
     assert fleet.container("h2") is None, "the rollout went on after the first batch failed"
+
+
+def test_role_prunes_only_its_owners_dropped_engines_and_only_when_asked(fleet: Fleet) -> None:
+    # The "hosts" share one Docker Engine: each gets its own owner, as each real host's engines would be its own.
+    owned = {"engines_owner": "ops-{{ inventory_hostname }}"}
+    status, output = fleet.rollout({alias: fleet.spec(alias) for alias in HOSTS}, extra_vars=owned)
+    assert status == 0, output[-6000:]
+    new_ports = dict(zip(HOSTS, distinct_ports(len(HOSTS)), strict=True))
+    renamed = {alias: fleet.spec(alias, name=f"{fleet.names[alias]}-b", port=new_ports[alias]) for alias in HOSTS}
+
+    status, output = fleet.rollout(renamed, extra_vars=owned)
+    assert status == 0, output[-6000:]
+    assert all(fleet.container(alias).status == "running" for alias in HOSTS), "pruned without engines_prune"
+
+    status, output = fleet.rollout(renamed, extra_vars={**owned, "engines_prune": True}, verbose=True)
+    assert status == 0, output[-6000:]
+    for alias in HOSTS:
+        assert fleet.container(alias) is None, f"{alias}: the dropped engine was kept"
+        renamed_engine = fleet.hosts[alias].container(renamed[alias]["name"])
+        assert renamed_engine is not None and renamed_engine.status == "running", alias
+    assert SECRET not in output

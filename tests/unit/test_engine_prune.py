@@ -1,25 +1,19 @@
 """Pruning order: which dropped engines must leave before converging (they hold a port or GPU a desired engine
-needs), as a table; then the filter plugin the reconcile playbook calls, through Ansible's own templating."""
+needs), as a table. engine_set orders its pruning with it; tests/e2e/test_e2e_prune_order.py checks the order
+a real reconcile run keeps."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
-from ansible.errors import AnsibleFilterError
 
-from ansible_collections.meridian.node.plugins.filter.engines_to_prune import FilterModule, engines_to_prune
 from ansible_collections.meridian.node.plugins.module_utils.engine_prune import gpus_may_overlap, prune_order
 
 GPU_A = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
 GPU_B = "GPU-11111111-2222-3333-4444-555555555555"
 MIG_1 = "MIG-5c89852c-d268-c3f3-1b07-005d5ae1dc3f"
 MIG_2 = "MIG-00000000-d268-c3f3-1b07-005d5ae1dc3f"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def running(name: str, port: int | None, gpus: tuple[str, ...] = (), vram: int = 0) -> dict[str, Any]:
@@ -173,54 +167,3 @@ def test_dropped_engine_holding_what_a_desired_engine_needs_is_pruned_first(
 def test_gpu_ids_of_different_kinds_count_as_the_same_device(left: list[str], right: list[str], overlap: bool) -> None:
     assert gpus_may_overlap(left, right) is overlap
     assert gpus_may_overlap(right, left) is overlap
-
-
-def test_filter_returns_both_lists_and_is_registered_under_its_name() -> None:
-    assert FilterModule().filters()["engines_to_prune"] is engines_to_prune
-    assert engines_to_prune([running("a", 9001), running("c", 9003)], [desired("b", 9001)]) == {
-        "first": ["a"],
-        "later": ["c"],
-    }
-
-
-def test_filter_given_something_that_is_no_engine_list_says_what_to_pass() -> None:
-    with pytest.raises(AnsibleFilterError, match="engine_info's 'engines'"):
-        engines_to_prune([{"port": 1}], [])
-
-
-def test_filter_is_found_by_ansible_under_its_fully_qualified_name(tmp_path: Path) -> None:
-    variables = {
-        "owned": [running("a", 9001, ("0",), 100), running("c", 9003)],
-        "wanted": [desired("b", 9002, (GPU_A,), 100)],
-    }
-    (tmp_path / "vars.json").write_text(json.dumps(variables))
-    env = {
-        **os.environ,
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".build" / "collections"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_LOCALHOST_WARNING": "0",
-        "ANSIBLE_INVENTORY_UNPARSED_WARNING": "0",
-    }
-
-    proc = subprocess.run(
-        [
-            str(REPO / ".venv" / "bin" / "ansible"),
-            "localhost",
-            "-c",
-            "local",
-            "-e",
-            f"@{tmp_path / 'vars.json'}",
-            "-m",
-            "ansible.builtin.copy",
-            "-a",
-            f"content={{{{ owned | meridian.node.engines_to_prune(wanted) | to_json }}}} dest={tmp_path / 'out.json'}",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
-
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads((tmp_path / "out.json").read_text()) == {"first": ["a"], "later": ["c"]}

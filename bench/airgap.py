@@ -70,11 +70,14 @@ def make_bundle(directory: Path, size: int, shards: int) -> tuple[Path, Path, da
     manifest = {"apiVersion": "meridian.node/v1", "kind": "ArtifactManifest", "name": "bench", "version": "1",
                 "files": files}
     manifest_path = directory / "manifest.json"
-    manifest_path.write_text(json.dumps(dsse.sign(dsse.PAYLOAD_TYPES["artifact-manifest"],
-                                                  json.dumps(manifest).encode(), [keys["artifact"]])))
+    manifest_envelope = dsse.sign(dsse.PAYLOAD_TYPES["artifact-manifest"], json.dumps(manifest).encode(),
+                                  [keys["artifact"]])
+    manifest_path.write_text(json.dumps(manifest_envelope))
     now = datetime.now(UTC).replace(microsecond=0)
     state = {"apiVersion": "meridian.node/v1", "kind": "DesiredState", "node_id": NODE, "generation": 1,
-             "lease_epoch": 0, "issued_at": format_rfc3339(now), "expires_at": format_rfc3339(now + timedelta(days=1))}
+             "lease_epoch": 0, "issued_at": format_rfc3339(now), "expires_at": format_rfc3339(now + timedelta(days=1)),
+             # A bundle carries only the artifacts its state pins, with the same manifest.
+             "artifacts": [{"name": "bench", "version": "1", "manifest": manifest_envelope}]}
     out = directory / "bundle.tar"
     build_bundle(out, BundleInputs(
         desired_envelope=dsse.sign(dsse.PAYLOAD_TYPES["desired-state"], json.dumps(state).encode(), [keys["control"]]),

@@ -1,5 +1,6 @@
 """Shared fixtures. Docker-backed tests skip without an engine, except in CI, where they must fail."""
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,18 @@ def docker_client() -> Iterator[Any]:
         pytest.skip(message)
     yield client
     client.close()
+
+
+@pytest.fixture(autouse=True)
+def _agent_logger_as_found() -> Iterator[None]:
+    """Undo what a test's ``configure_logging`` did to the agent's logger (a handler on a stream pytest closes
+    after that test, ``propagate`` off so that caplog sees nothing), so that no later test depends on the order."""
+    logger = logging.getLogger("meridian_node_agent")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
 
 
 # The stand-in engine base image (built once per machine, cached): see tests/helpers/standin_image.py.

@@ -223,13 +223,15 @@ class ControlClient:
 
     def enroll(self, node_id: str, token: str, csr_pem: str) -> EnrollmentResponse:
         request = EnrollmentRequest(node_id=node_id, token=token, csr_pem=csr_pem)
-        answer = self._call("POST", "/v1/enroll", body=request)
+        # Not sent twice: the token is single-use, so a repeat after a lost answer could only be refused.
+        answer = self._call("POST", "/v1/enroll", body=request, repeatable=False)
         return self._parse(answer, EnrollmentResponse, "enrollment response")
 
     def renew_certificate(self, node_id: str, csr_pem: str) -> EnrollmentResponse:
         """A new certificate for the CSR's key, authenticated with the current one (which stays valid)."""
         request = CertificateRenewalRequest(node_id=node_id, csr_pem=csr_pem)
-        answer = self._call("POST", f"/v1/nodes/{_segment(node_id)}/certificate", body=request)
+        # Not sent twice: each renewal issues a certificate, and the one a lost answer carried is never used.
+        answer = self._call("POST", f"/v1/nodes/{_segment(node_id)}/certificate", body=request, repeatable=False)
         response = self._parse(answer, EnrollmentResponse, "certificate renewal response")
         if response.node_id != node_id:
             raise ControlPlaneUnavailable(f"the control plane renewed the certificate of node {response.node_id!r}")
@@ -296,6 +298,7 @@ class ControlClient:
         params: dict[str, str] | None = None,
         read_timeout: float | None = None,
         expect: tuple[int, ...] = (200,),
+        repeatable: bool = True,
     ) -> _Answer:
         url = self.base_url + path
         target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
@@ -305,7 +308,7 @@ class ControlClient:
             data = body.model_dump_json().encode("utf-8")
             send_headers["Content-Type"] = "application/json"
         try:
-            received = self._exchange(method, target, send_headers, data, read_timeout or self.timeout)
+            received = self._exchange(method, target, send_headers, data, read_timeout or self.timeout, repeatable)
         except ControlPlaneError:
             self.close()
             raise
@@ -348,17 +351,24 @@ class ControlClient:
         raise ControlPlaneUnavailable(f"{method} {url}: unexpected HTTP {answer.status} ({_snippet(answer.body)})")
 
     def _exchange(
-        self, method: str, target: str, headers: dict[str, str], body: bytes | None, read_timeout: float
+        self,
+        method: str,
+        target: str,
+        headers: dict[str, str],
+        body: bytes | None,
+        read_timeout: float,
+        repeatable: bool = True,
     ) -> Reply:
         """One request and its answer on the kept-alive connection, sent once more on a new connection if
-        the server closed the old one before answering (its idle timeout raced the request)."""
+        the server closed the old one before answering (its idle timeout raced the request) and the request
+        is ``repeatable``."""
         link = self._open(read_timeout)
         try:
             reply = link.exchange(
                 method, target, host=self._host_header, headers=headers, body=body, max_body=self.max_response_bytes
             )
         except (ClosedBeforeAnswer, ConnectionResetError, BrokenPipeError):
-            if not link.exchanges or link.answer_started:
+            if not repeatable or not link.exchanges or link.answer_started:
                 raise
             # Not a byte of answer on a connection that had carried requests: the server ended it as idle
             # (uvicorn after 5 s) as this request left, before reading it. A heartbeat, a fetch or an

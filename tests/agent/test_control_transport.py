@@ -247,6 +247,19 @@ def test_server_closing_the_kept_alive_connection_as_the_request_arrives_is_sent
     assert [index for index, _request in server.requests] == [0, 0, 1]
 
 
+def test_a_renewal_cut_off_by_the_idle_race_is_not_sent_again(node: Node, serve: list[ScriptedServer]) -> None:
+    # Each renewal issues a certificate: a second request after a lost answer would issue another one.
+    server = scripted(serve, node, [answer(node.lease_json), Close()], [answer(node.lease_json)])
+    csr = "-----BEGIN CERTIFICATE REQUEST-----\nnot read by the scripted server\n"
+    with client_for(server, node) as client:
+        client.heartbeat(NODE_ID)
+        with pytest.raises(ControlPlaneUnavailable, match="closed before any answer"):
+            client.renew_certificate(NODE_ID, csr)
+
+    assert server.connections == 1
+    assert [index for index, _request in server.requests] == [0, 0]
+
+
 def test_second_close_before_an_answer_is_unavailable_not_retried_again(
     node: Node, serve: list[ScriptedServer]
 ) -> None:

@@ -241,6 +241,8 @@ def answer_one(
         payload_sha256=verified.payload_sha256,
         secrets=[value for engine in state.engines for value in engine.env.values()],
         ident=ident,
+        # From root's verification above, never from the request: the agent's word skips nothing here.
+        lists_artifacts=bool(state.artifacts),
     )
     return ApplyAnswer.from_result(result, verified.payload_sha256, state.lease_epoch)
 

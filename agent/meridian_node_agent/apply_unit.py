@@ -155,6 +155,7 @@ class SystemdApplier:
         payload_sha256: str,
         secrets: Iterable[str] = (),  # the root side finds them itself, in the envelope it verified
         reason: str | None = None,
+        lists_artifacts: bool = True,  # not sent: root decides it from its own verification of the envelope
     ) -> ApplyResult:
         self.record_late_answer()
         started_at = self.clock()

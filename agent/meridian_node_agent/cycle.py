@@ -117,6 +117,7 @@ class ApplyPort(Protocol):
         payload_sha256: str,
         secrets: Any = (),
         reason: str | None = None,
+        lists_artifacts: bool = True,
     ) -> ApplyResult: ...
 
 
@@ -480,6 +481,7 @@ class Agent:
                 payload_sha256=verified.payload_sha256,
                 secrets=secrets,
                 reason=reason,
+                lists_artifacts=bool(state.artifacts),
             )
         except Exception as exc:  # noqa: BLE001 - any failure to apply is reported as one, never a crash loop
             result = ApplyResult(

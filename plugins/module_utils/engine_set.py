@@ -7,7 +7,8 @@ everything was checked.
 
 1. Read once: the policy, every container (one listing), and the desired state when it comes as a signed
    envelope (verified here with ``desired_state.reconcile_desired_state``; this side never trusts the
-   agent). NVML is read only when a new engine asks for GPUs.
+   agent), whose every artifact must already be in the store as signed (``_check_artifacts``). NVML is read
+   only when a new engine asks for GPUs.
 2. Prepare every engine side by side (the drift check inspects each container): spec, policy, volumes,
    driver settings, ownership, plan. Then, for every engine to be created, placement against the host *and*
    the set (``engine_set_plan``), and the dropped engines of ``owner`` split by ``engine_prune.prune_order``.
@@ -16,7 +17,8 @@ everything was checked.
 4. Act: drain and remove the dropped engines in a listed engine's way; converge the engines wave by wave
    (``engine_set_plan.waves``), up to ``parallel`` at a time, each one's actions in ``engine_instance``'s
    order (drain before replacing, its own timeouts); then, if every engine converged, drain and remove the
-   other dropped engines and, for an envelope with ``record``, record its generation as applied.
+   other dropped engines and, for an envelope with ``record``, record its generation as applied, as step 1
+   verified it.
 
 An engine that fails does not stop the others under way; the engines that wait on it are not started.
 Environment values never leave: they are masked in every string of the result.
@@ -137,11 +139,13 @@ def run_engine_set(
     envelope: bytes | None = None
     if envelope_path:
         envelope, verified = _verify(params, check_mode=check_mode)
+        store_warnings = _check_artifacts(verified, params, check_mode=check_mode)
         owner = owner or f"agent:{params['node_id']}"
         prune = True if prune is None else prune
         specs = _envelope_engines(verified)
         reason = f"generation {verified['generation']} no longer lists it"
     else:
+        store_warnings = []
         specs = [dict(spec) for spec in params.get("engines") or []]
         reason = f"the engine set of owner {owner!r} no longer lists it"
     if prune and not owner:
@@ -183,11 +187,13 @@ def run_engine_set(
                     result["changed"] = True  # it would record
                 else:
                     try:
-                        result["recorded"] = _record(envelope, params)
+                        result["recorded"] = _record(verified, params)
                     except EngineSetError as exc:
                         exc.result.update(result, generation=verified["generation"], recorded=False)
                         raise _masked_error(exc, secrets) from None
                     result["changed"] = result["changed"] or result["recorded"]
+        if store_warnings:
+            result["warnings"] = [*store_warnings, *result.get("warnings", [])]
         masked: dict[str, Any] = _mask(result, secrets)
         return masked
     finally:
@@ -239,33 +245,89 @@ def _verify(params: Mapping[str, Any], *, check_mode: bool) -> tuple[bytes, dict
     return data, outcome.result
 
 
-def _record(envelope: bytes, params: Mapping[str, Any]) -> bool:
-    """Record the generation as applied, with desired_state's own code (which verifies the bytes again)."""
-    from ansible_collections.meridian.node.plugins.module_utils.desired_state import reconcile_desired_state
-    from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError
-    from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStoreError
-    from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection
+def _record(verified: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
+    """Record the generation as applied, as the verification at the start of this run accepted it.
 
+    Not verified a second time: that verification decides (a state that expires, or whose epoch is overtaken,
+    while its engines converge was still the state to apply when the run began), and verifying again cost as
+    much as the first time. ``StateStore`` still refuses, under its lock, a generation below the recorded one
+    or the recorded one with other bytes, so a newer apply that recorded meanwhile is never undone.
+    """
+    from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
+
+    store = StateStore(str(params.get("state_dir") or "/var/lib/meridian-node-apply"))
     try:
-        outcome = reconcile_desired_state(
-            envelope,
-            policy_path=str(params.get("policy") or "/etc/meridian/policy.yaml"),
-            node_id=str(params["node_id"]),
-            state_dir=str(params.get("state_dir") or "/var/lib/meridian-node-apply"),
-            record=True,
-            check_mode=False,
-        )
-    except Rejection as exc:
-        raise EngineSetError(
-            f"every engine converged, but recording desired state {params['envelope']} failed: {exc}",
-            result={"rejection": exc.code.value, "check": "record"},
-        ) from None
-    except (PolicyError, StateStoreError) as exc:
+        store.record_applied(int(verified["generation"]), int(verified["lease_epoch"]), str(verified["payload_sha256"]))
+    except (StateStoreError, ValueError) as exc:
         raise EngineSetError(
             f"every engine converged, but recording desired state {params['envelope']} failed: {exc}",
             result={"check": "record"},
         ) from None
-    return bool(outcome.result.get("recorded"))
+    return True
+
+
+def _check_artifacts(verified: Mapping[str, Any], params: Mapping[str, Any], *, check_mode: bool) -> list[str]:
+    """Refuse a state that lists an artifact the store does not hold as its signed manifest says; the warnings.
+
+    The reconcile playbook makes the artifacts present in a step before this one, and skips that step when its
+    caller says the state lists none (``meridian_state_artifacts``). The caller is not trusted: each listed
+    artifact must be recorded in the store with the manifest's files, intact, and be the promoted version, or
+    nothing changes. In check mode the artifact step only planned, so a missing artifact is a warning.
+    """
+    artifacts = verified.get("artifacts") or []
+    if not artifacts:
+        return []
+    import json
+
+    from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import ArtifactStoreError
+    from ansible_collections.meridian.node.plugins.module_utils.artifact_store import Store
+    from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
+    from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection, verify_artifact_manifest
+
+    policy_path = str(params.get("policy") or "/etc/meridian/policy.yaml")
+    generation = verified["generation"]
+    problems: list[str] = []
+    try:
+        policy = load_policy(policy_path)
+        store = Store(params["store_path"]) if params.get("store_path") else Store.for_policy(policy.store)
+        for artifact in artifacts:
+            name, version = str(artifact["name"]), str(artifact["version"])
+            what = f"artifact {name!r} version {version!r}"
+            try:
+                # The same bytes verified_artifact is handed (the manifest as a dict, serialised).
+                manifest = verify_artifact_manifest(json.dumps(artifact["manifest"]).encode("utf-8"), policy).manifest
+            except Rejection as exc:
+                problems.append(f"{what}: its manifest is rejected ({exc.code.value}): {exc.message}")
+                continue
+            observed = store.observe(name, version)
+            record = observed.versions.get((name, version))
+            files = tuple((entry.path, entry.sha256, entry.size) for entry in manifest.files)
+            if record is None:
+                problems.append(f"{what} is not in the store {store.root}")
+            elif record.files != files:
+                problems.append(f"{what} is in the store {store.root} with other files than its signed manifest lists")
+            elif not observed.intact:
+                problems.append(
+                    f"{what} in the store {store.root} no longer matches its record (files or blobs changed)"
+                )
+            elif observed.current.get(name) != version:
+                current = observed.current.get(name)
+                problems.append(f"{what} is not the promoted version in the store {store.root} (current: {current})")
+    except (PolicyError, ArtifactStoreError, OSError) as exc:
+        problems.append(f"the store could not be read: {exc}")
+    if not problems:
+        return []
+    why = (
+        f"generation {generation} lists artifacts the store does not hold as signed: {'; '.join(problems)}. "
+        "The reconcile playbook's artifact step (meridian.node.verified_artifact) makes them present, and is "
+        "skipped when the caller says the state lists none (meridian_state_artifacts: false)"
+    )
+    if check_mode:
+        return [f"{why}; a real run would fail here"]
+    raise EngineSetError(
+        f"nothing was changed: {why}; run the apply again with that step (meridian_state_artifacts unset or true)",
+        result={"check": "artifact", "generation": generation, "recorded": False, "engines": {}, "pruned": []},
+    )
 
 
 def _envelope_engines(verified: Mapping[str, Any]) -> list[dict[str, Any]]:

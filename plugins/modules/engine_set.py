@@ -180,6 +180,9 @@ options:
     description:
       - Path to a desired-state DSSE envelope, byte for byte as signed; the engines are its engines, environment
         values included. Verified here as M(meridian.node.desired_state) verifies it. Needs O(node_id).
+      - Every artifact the state lists must already be in the store as its signed manifest says - recorded with the
+        manifest's files, intact, and the promoted version (M(meridian.node.verified_artifact) makes it so);
+        otherwise the module fails before any change, naming the artifact. In check mode that is a warning.
     type: path
   node_id:
     description:
@@ -190,6 +193,8 @@ options:
       - Only with O(envelope). Record the state's generation as applied once every engine converged; a failure
         records nothing. An already-applied generation still converges (repairs drift) and reports
         RV(recorded=false).
+      - The verification at the start of the run decides; the record refuses only a generation below the one
+        recorded meanwhile, or the same generation with other bytes.
     type: bool
     default: false
   owner:

@@ -20,6 +20,7 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     NODE_ID,
     desired_state,
     encode,
+    local_artifact,
     make_key,
     signed,
     write_policy,
@@ -29,6 +30,8 @@ from meridian_node_agent.oplog import OpLog
 
 CONTROL = make_key()
 STRANGER = make_key()
+ARTIFACT = make_key()
+WEIGHTS = b"tiny weights\n" * 64
 
 
 def _state(generation: int, *, ttl: timedelta = timedelta(hours=1), **overrides: Any) -> dict[str, Any]:
@@ -47,9 +50,30 @@ def _sha(payload: dict[str, Any]) -> str:
 
 @pytest.fixture
 def policy(tmp_path: Path) -> Path:
-    return write_policy(
-        tmp_path / "etc", control=[CONTROL], extra={"store": {"path": str(tmp_path / "store"), "max_bytes": "1G"}}
+    store = {"path": str(tmp_path / "store"), "max_bytes": "1G", "local_sources": [str(tmp_path / "models")]}
+    return write_policy(tmp_path / "etc", control=[CONTROL], artifact=[ARTIFACT], extra={"store": store})
+
+
+def _with_artifact(tmp_path: Path, generation: int) -> dict[str, Any]:
+    """A state listing one artifact (signed manifest, files in a local source directory) and no engines."""
+    ref = local_artifact(tmp_path / "models" / "tiny-model", WEIGHTS, ARTIFACT)
+    return _state(generation, artifacts=[ref])
+
+
+def _ran_and_skipped(journal: Path) -> tuple[list[str], list[str]]:
+    """The collection's tasks that ran and those skipped, by module, in order."""
+    events = sorted(
+        (json.loads(path.read_text()) for path in (journal / "job_events").glob("*.json")),
+        key=lambda event: int(event["counter"]),
     )
+    ran, skipped = [], []
+    for event in events:
+        action = str((event.get("event_data") or {}).get("task_action", "")).removeprefix("meridian.node.")
+        if event["event"] in ("runner_on_ok", "runner_on_failed"):
+            ran.append(action)
+        elif event["event"] == "runner_on_skipped":
+            skipped.append(action)
+    return ran, skipped
 
 
 def _applier(tmp_path: Path, policy: Path, keep_runs: int = 20) -> Applier:
@@ -129,6 +153,47 @@ def test_playbook_refuses_a_state_signed_by_an_untrusted_key(tmp_path: Path, pol
     assert result.status == "failed"
     assert "threshold-not-met" in result.failures[0]
     assert not (tmp_path / "state" / "applied.json").exists()
+
+
+def test_an_agent_saying_no_artifacts_for_a_state_with_one_gets_a_failed_apply_that_changes_nothing(
+    tmp_path: Path, policy: Path
+) -> None:
+    payload = _with_artifact(tmp_path, 1)
+    envelope_bytes = signed("desired-state", payload, [CONTROL])
+    applier = _applier(tmp_path, policy)
+
+    lied = applier.apply(envelope_bytes, generation=1, epoch=1, payload_sha256=_sha(payload), lists_artifacts=False)
+
+    assert lied.status == "failed"
+    assert _ran_and_skipped(lied.journal) == (["engine_set"], ["desired_state", "verified_artifact"])
+    [failure] = lied.failures
+    assert "artifact 'tiny-model' version '1.0.0' is not in the store" in failure, failure
+    assert "artifact step" in failure and "meridian_state_artifacts" in failure, failure
+    assert not (tmp_path / "state" / "applied.json").exists()
+    assert not (tmp_path / "store" / "artifacts").exists()
+
+    # Told the truth, the same envelope runs the artifact step and applies.
+    honest = applier.apply(envelope_bytes, generation=1, epoch=1, payload_sha256=_sha(payload))
+
+    assert honest.status == "successful", honest.failures
+    assert _ran_and_skipped(honest.journal) == (["desired_state", "verified_artifact", "engine_set"], [])
+    assert (tmp_path / "store" / "artifacts" / "tiny-model" / "1.0.0" / "weights.bin").read_bytes() == WEIGHTS
+    assert StateStore(tmp_path / "state").load().generation == 1
+
+
+def test_a_state_without_artifacts_runs_only_the_engine_set_task(tmp_path: Path, policy: Path) -> None:
+    payload = _state(1)
+    result = _applier(tmp_path, policy).apply(
+        signed("desired-state", payload, [CONTROL]),
+        generation=1,
+        epoch=1,
+        payload_sha256=_sha(payload),
+        lists_artifacts=False,
+    )
+
+    assert result.status == "successful", result.failures
+    assert _ran_and_skipped(result.journal) == (["engine_set"], ["desired_state", "verified_artifact"])
+    assert StateStore(tmp_path / "state").load().generation == 1
 
 
 # The module's core, without Ansible around it.

@@ -28,6 +28,7 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     NODE_ID,
     desired_state,
     encode,
+    local_artifact,
     make_key,
     signed,
     write_policy,
@@ -120,10 +121,15 @@ def test_state_applied_through_the_split_leaves_the_same_records_as_in_process(t
     assert (root_dir / STATE_FILE).read_bytes() == (local_dir / STATE_FILE).read_bytes()
     assert not (split_dir / STATE_FILE).exists()
     # Each side keeps its own oplog of the same operation, under the agent's ident.
-    assert _oplog(split_dir) == _oplog(root_dir) == _oplog(local_dir) == [
-        ("apply", 1, 1, _sha(payload), "started"),
-        ("apply", 1, 1, _sha(payload), "successful"),
-    ]
+    assert (
+        _oplog(split_dir)
+        == _oplog(root_dir)
+        == _oplog(local_dir)
+        == [
+            ("apply", 1, 1, _sha(payload), "started"),
+            ("apply", 1, 1, _sha(payload), "successful"),
+        ]
+    )
     assert [e.run_ident for e in OpLog(split_dir / "oplog.jsonl").read()] == [remote.ident] * 2
     assert [e.run_ident for e in OpLog(root_dir / "oplog.jsonl").read()] == [remote.ident] * 2
     # The journal is ansible-runner's artifacts under the agent's ident, in root's directory.
@@ -216,9 +222,7 @@ def test_root_side_refuses_a_request_whose_ident_claims_another_generation(tmp_p
     # oplog would disagree about what ran, so root does not run it.
     config_path, config = _node(tmp_path / "node")
     state_dir = Path(config.state_dir)
-    write_request(
-        state_dir / SPOOL_DIR, "gen-9-20261129T120000.000000Z", signed("desired-state", _state(3), [CONTROL])
-    )
+    write_request(state_dir / SPOOL_DIR, "gen-9-20261129T120000.000000Z", signed("desired-state", _state(3), [CONTROL]))
 
     run = apply_spooled(config_path)
 
@@ -226,6 +230,32 @@ def test_root_side_refuses_a_request_whose_ident_claims_another_generation(tmp_p
     answer = _answer(config)
     assert answer is not None and "another generation" in answer.failures[0]
     assert not (Path(config.apply.state_dir) / STATE_FILE).exists()
+
+
+def test_root_side_runs_the_artifact_step_for_a_state_with_an_artifact_from_its_own_verification(
+    tmp_path: Path,
+) -> None:
+    # The request carries only the envelope: whether the state lists artifacts (and so whether the playbook's
+    # artifact step runs) is root's own reading of it, not the agent's.
+    config_path, config = _node(tmp_path / "node")
+    artifact_key = make_key()
+    models = tmp_path / "models"
+    store = {"path": str(tmp_path / "node" / "store"), "max_bytes": "1G", "local_sources": [str(models)]}
+    write_policy(tmp_path / "node" / "etc", control=[CONTROL], artifact=[artifact_key], extra={"store": store})
+    weights = b"root-side weights\n" * 32
+    artifact = local_artifact(models / "tiny-model", weights, artifact_key)
+    payload = {**_state(4), "artifacts": [artifact]}
+    write_request(
+        Path(config.state_dir) / SPOOL_DIR, "gen-4-20261129T120000.000000Z", signed("desired-state", payload, [CONTROL])
+    )
+
+    run = apply_spooled(config_path)
+
+    assert run.returncode == 0, run.stdout + run.stderr
+    answer = _answer(config)
+    assert answer is not None and answer.status == "successful", answer
+    assert (tmp_path / "node" / "store" / "artifacts" / "tiny-model" / "1.0.0" / "weights.bin").read_bytes() == weights
+    assert json.loads((Path(config.apply.state_dir) / STATE_FILE).read_text())["generation"] == 4
 
 
 def test_an_answer_to_another_request_is_not_taken_as_ours_and_a_silent_root_side_times_out(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@ Engine and the stand-in vLLM image.
   not the ansible-runner journal, not the oplog, the status file, the spool's neighbours, the agent's log or the
   observation it reports. The applier scrubs such values out of the journal after a run, a second line of
   defence; the test withholds them from that scrub, so what it checks is that the run never wrote them.
-- A state that only changes engines costs two module calls (verify, then the whole engine set), however many
-  engines it lists or drops; an unchanged, drift-free cycle runs no playbook at all.
+- A state without artifacts costs one module call (the whole engine set, which verifies the envelope itself),
+  however many engines it lists or drops; one with an artifact three (verify, the artifact, the engine set); an
+  unchanged, drift-free cycle runs no playbook at all.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from ansible_collections.meridian.node.tests.agent_loop.node_env import publish
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
@@ -30,6 +32,10 @@ from ansible_collections.meridian.node.tests.e2e.e2e_env import (
     make_e2e_node,
 )
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
+from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
+    local_artifact,
+    make_key,
+)
 from meridian_node_agent.apply import ApplyResult
 from meridian_node_agent.cycle import Agent, Outcome
 
@@ -69,6 +75,12 @@ def _module_calls(journal: Path) -> list[str]:
         ):
             calls.append(action)
     return calls
+
+
+def _skipped(journal: Path) -> list[str]:
+    return [
+        str(event["event_data"]["task_action"]) for event in _events(journal) if event["event"] == "runner_on_skipped"
+    ]
 
 
 def _files_holding(root: Path, needle: bytes) -> list[str]:
@@ -126,7 +138,7 @@ def test_engine_secret_reaches_the_container_and_never_the_journal_oplog_status_
     assert token not in (run.journal / "stdout").read_text()
 
 
-def test_engine_only_changes_run_two_module_calls_and_an_unchanged_cycle_runs_no_playbook(
+def test_engine_only_changes_run_one_module_call_and_an_unchanged_cycle_runs_no_playbook(
     server: DevServer, tmp_path: Path, node_id: str, docker_client: Any, image: LocalImage, prefix: str
 ) -> None:
     node = make_e2e_node(server, tmp_path / "node", node_id)
@@ -151,17 +163,12 @@ def test_engine_only_changes_run_two_module_calls_and_an_unchanged_cycle_runs_no
     publish(server, node_id, document={"engines": [changed[0]]})
     third = _run_once(agent)
 
-    expected = [f"{COLLECTION}desired_state", f"{COLLECTION}engine_set"]
+    expected = [f"{COLLECTION}engine_set"]
     assert [_module_calls(run.journal) for run in (first, second, third)] == [expected] * 3
     assert (second.changed, third.changed) == (1, 1)  # the one engine_set task, whatever it did
     assert {n: container_named(docker_client, n) is not None for n in (a, b, c)} == {a: True, b: False, c: False}
-    # The artifact task had nothing to loop over: skipped, not run.
-    skipped = [
-        str(event["event_data"]["task_action"])
-        for event in _events(third.journal)
-        if event["event"] == "runner_on_skipped"
-    ]
-    assert skipped == [f"{COLLECTION}verified_artifact"]
+    # The state lists no artifacts: the verify and artifact tasks were skipped, not run.
+    assert _skipped(third.journal) == [f"{COLLECTION}desired_state", f"{COLLECTION}verified_artifact"]
 
     runs, oplog = node.node.journal_runs(), node.node.oplog_lines()
     assert len(runs) == 3
@@ -169,3 +176,30 @@ def test_engine_only_changes_run_two_module_calls_and_an_unchanged_cycle_runs_no
         outcome = agent.cycle()
         assert (outcome.outcome, outcome.run) == (Outcome.UNCHANGED, None)
     assert (node.node.journal_runs(), node.node.oplog_lines()) == (runs, oplog)
+
+
+def test_a_state_with_an_artifact_runs_verify_artifact_then_engine_set(
+    server: DevServer, tmp_path: Path, node_id: str, docker_client: Any, image: LocalImage, prefix: str
+) -> None:
+    node = make_e2e_node(server, tmp_path / "node", node_id)
+    artifact_key = make_key()
+    models = tmp_path / "models"
+    policy_path = node.node.root / "policy.yaml"
+    policy = yaml.safe_load(policy_path.read_text())
+    (node.node.root / "keys" / "artifact.pem").write_bytes(artifact_key.public_pem)
+    policy["trust"]["artifact"] = {"threshold": 1, "public_keys": ["keys/artifact.pem"]}
+    policy["store"]["local_sources"] = [str(models)]
+    policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    weights = b"e2e weights\n" * 64
+    artifact = local_artifact(models / "tiny-model", weights, artifact_key)
+    name = f"{prefix}-with-model"
+    publish(
+        server, node_id, document={"artifacts": [artifact], "engines": [engine_spec(name, image, free_engine_port())]}
+    )
+
+    run = _run_once(node.agent())
+
+    calls = ["desired_state", "verified_artifact", "engine_set"]
+    assert _module_calls(run.journal) == [f"{COLLECTION}{call}" for call in calls]
+    assert (node.node.root / "store" / "artifacts" / "tiny-model" / "1.0.0" / "weights.bin").read_bytes() == weights
+    assert container_named(docker_client, name) is not None

@@ -7,6 +7,7 @@ Every container carries the test's random prefix and is removed afterwards, pass
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,9 +18,12 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
+from ansible_collections.meridian.node.plugins.module_utils.artifact_store import Store, ensure_artifact
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.engine_instance import LABEL_OWNER
+from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
+from ansible_collections.meridian.node.plugins.module_utils.trust import verify_artifact_manifest
 from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     BIND,
     PORTS,
@@ -31,7 +35,9 @@ from ansible_collections.meridian.node.tests.helpers.engine_harness import (
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     NODE_ID,
+    artifact_manifest,
     desired_state,
+    envelope,
     make_key,
     signed,
     write_policy,
@@ -392,6 +398,63 @@ def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
     for text in (json.dumps(results), output, json.dumps(second), more):
         assert SECRET not in text
     assert "ESTABLISH LOCAL CONNECTION" in more, "not -vvv output"
+
+
+def test_envelope_whose_artifact_is_not_promoted_is_refused_before_any_change_and_only_warned_in_check_mode(
+    tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
+) -> None:
+    # The reconcile playbook skips its artifact step when its caller says the state lists no artifacts; engine_set
+    # itself must then find each listed artifact in the store as signed, or change nothing.
+    key, artifact_key = make_key(), make_key()
+    host = Host(tmp_path, docker_client)
+    models = tmp_path / "models"
+    host.policy = write_policy(
+        tmp_path / "signed-policy",
+        control=[key],
+        artifact=[artifact_key],
+        extra={
+            "images": {"allowed_repositories": ["meridian-node/standin"]},
+            "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
+            "store": {"path": str(host.store), "local_sources": [str(models)]},
+        },
+    )
+    weights = b"engine-set weights\n" * 16
+    (models / "m").mkdir(parents=True)
+    (models / "m" / "weights.bin").write_bytes(weights)
+    manifest = artifact_manifest(
+        name="m", files=[{"path": "weights.bin", "size": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}]
+    )
+    manifest_envelope = envelope("artifact-manifest", manifest, [artifact_key])
+    store = Store.for_policy(load_policy(host.policy).store)
+    verified = verify_artifact_manifest(json.dumps(manifest_envelope).encode(), load_policy(host.policy))
+    # In the store, intact, but not the promoted version.
+    ensure_artifact(
+        store, verified.manifest, manifest_sha256=verified.payload_sha256, source=str(models / "m"), promote=False
+    )
+    name = f"{prefix}-x"
+    now = datetime.now(UTC)
+    payload = desired_state(
+        generation=1,
+        issued_at=format_rfc3339(now - timedelta(minutes=1)),
+        expires_at=format_rfc3339(now + timedelta(hours=1)),
+        artifacts=[{"name": "m", "version": "1.0.0", "manifest": manifest_envelope}],
+        engines=[engine(vllm, name, free_ports(1)[0])],
+    )
+    path = tmp_path / "state.json"
+    path.write_bytes(signed("desired-state", payload, [key]))
+    params = {"envelope": str(path), "node_id": NODE_ID, "record": True}
+
+    results, output = play(host, [("check", params, True), ("apply", params, False)])
+
+    assert not results["check"].get("failed"), results["check"].get("msg")
+    assert "artifact 'm' version '1.0.0' is not the promoted version" in output
+    apply = results["apply"]
+    assert apply["failed"] is True and apply["check"] == "artifact", apply
+    assert "artifact 'm' version '1.0.0' is not the promoted version" in apply["msg"]
+    assert "meridian_state_artifacts" in apply["msg"]
+    assert (apply["generation"], apply["recorded"]) == (1, False)
+    assert host.container(name) is None
+    assert StateStore(host.state_dir).load().generation == 0
 
 
 def test_refused_envelope_changes_nothing(tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str) -> None:

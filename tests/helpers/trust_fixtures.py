@@ -14,6 +14,7 @@ Times are fixed (``NOW``): tests pass ``now=NOW`` instead of reading the clock.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -138,6 +139,22 @@ def artifact_manifest(**overrides: Any) -> dict[str, Any]:
     }
     payload.update(overrides)
     return payload
+
+
+def local_artifact(source: Path, weights: bytes, key: SigningKey) -> dict[str, Any]:
+    """A desired state's ArtifactRef for ``tiny-model`` 1.0.0: ``weights`` written as ``source/weights.bin``
+    (a directory the policy's ``store.local_sources`` must list) and a manifest of it signed by ``key``."""
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "weights.bin").write_bytes(weights)
+    manifest = artifact_manifest(
+        files=[{"path": "weights.bin", "size": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}]
+    )
+    return {
+        "name": "tiny-model",
+        "version": "1.0.0",
+        "manifest": envelope("artifact-manifest", manifest, [key]),
+        "source": str(source),
+    }
 
 
 def bundle(desired_state_envelope: Mapping[str, Any], **overrides: Any) -> dict[str, Any]:

@@ -101,12 +101,19 @@ def play(
 
 
 def events(client: Any, since: datetime, names: Sequence[str]) -> list[tuple[int, str, str]]:
-    """(time in ns, action, container name) of Docker's create/start/destroy events for ``names``, in order."""
+    """(time in ns, action, container name) of Docker's create/start/destroy events for ``names`` at or after
+    ``since``, in order.
+
+    The API's ``since`` is whole seconds (docker-py truncates), so the query starts a second early and the
+    daemon's own nanosecond times cut the window: an event of the play before ``since`` must not count.
+    """
+    since_ns = int(since.timestamp() * 1_000_000_000)
     until = datetime.now(UTC) + timedelta(seconds=1)
     seen = []
-    for event in client.events(since=since, until=until, decode=True, filters={"type": "container"}):
+    query = client.events(since=since - timedelta(seconds=1), until=until, decode=True, filters={"type": "container"})
+    for event in query:
         name = (event.get("Actor") or {}).get("Attributes", {}).get("name")
-        if name in names and event.get("Action") in ("create", "start", "destroy"):
+        if name in names and event.get("Action") in ("create", "start", "destroy") and event["timeNano"] >= since_ns:
             seen.append((int(event["timeNano"]), str(event["Action"]), str(name)))
     return sorted(seen)
 
@@ -188,7 +195,7 @@ def test_two_engines_swapping_ports_retire_together_then_start_on_each_others_po
     a, b = f"{prefix}-a", f"{prefix}-b"
     play(host, [("apply", {"engines": [engine(vllm, a, ports[0]), engine(vllm, b, ports[1])]}, False)])
 
-    since = datetime.now(UTC) - timedelta(seconds=1)
+    since = datetime.now(UTC)
     swapped = {"engines": [engine(vllm, a, ports[1]), engine(vllm, b, ports[0])]}
     results, _ = play(host, [("apply", swapped, False), ("again", swapped, False)])
     seen = events(docker_client, since, [a, b])
@@ -196,6 +203,9 @@ def test_two_engines_swapping_ports_retire_together_then_start_on_each_others_po
     apply = results["apply"]
     assert not apply.get("failed"), apply.get("msg")
     assert all(apply["engines"][name]["ready"] is True for name in (a, b))
+    assert sorted((action, name) for _time, action, name in seen if action != "start") == sorted(
+        [("destroy", a), ("destroy", b), ("create", a), ("create", b)]
+    ), seen
     last_destroy = max(time for time, action, _name in seen if action == "destroy")
     first_create = min(time for time, action, _name in seen if action == "create")
     assert last_destroy < first_create, "a new engine was created while the other still held its port"
@@ -220,7 +230,7 @@ def test_dropped_engine_holding_a_wanted_port_is_pruned_before_the_new_one_start
     stranger = f"{prefix}-theirs"
     play(host, [("apply", {"engines": [engine(vllm, stranger, free_ports(1)[0])], "owner": "someone-else"}, False)])
 
-    since = datetime.now(UTC) - timedelta(seconds=1)
+    since = datetime.now(UTC)
     after = [engine(vllm, new, ports[0]), engine(vllm, kept, ports[2])]
     results, _ = play(
         host, [("check", {"engines": after, **owned}, True), ("apply", {"engines": after, **owned}, False)]

@@ -10,7 +10,11 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
    the same change applied by ``ansible-pull`` (ansible-core from .venv) from a local git repo
    (``-U file:///...``, ``-C main``) running a playbook with ``meridian.node.engine_instance`` and the same
    spec on localhost, from the start of ``git commit`` (the change reaching the repo) until the engine answers
-   ready. Medians, and the ratio agent / ansible-pull (target <= 0.7).
+   ready. Medians, and the ratio agent / ansible-pull (target <= 0.7). On both sides readiness is watched
+   beside the run the same way (``ReadyWatch``): probing starts at Docker's start event for the container,
+   because a probe sent while Docker is still starting it stalls in Docker's port proxy and delays what it
+   measures. Where each side's last 1-engine sample went follows: the agent's steps from its oplog, its
+   ansible-runner journal and Docker's events; ansible-pull's from Docker's events.
 2. publish-to-all-ready of a state with 8 stand-in engines through the agent, against the one-engine figure
    of 1. Medians, and the ratio 8 engines / 1 engine (target <= 1.3).
    1 and 2 are measured in the same --repeat rounds, the three samples of a round in an order that rotates
@@ -49,8 +53,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -166,6 +171,61 @@ def wait_all_ready(ports: Sequence[int], deadline: float = READY_DEADLINE) -> fl
     fail(f"the engines on ports {waiting} did not answer ready within {deadline:.0f} s")
 
 
+class ReadyWatch:
+    """When each of the named containers first answers ready, probing only once Docker reported its start.
+
+    A probe that reaches a published port while Docker is still starting the container hangs in Docker's
+    port proxy until TCP retries the backend (here ~0.85 s after the start instead of ~0.15 s), so probing
+    from the publish onwards would delay the very readiness it measures. Both sides of the comparison are
+    watched this way, side by side with the run: one thread follows Docker's start events, another polls the
+    health endpoint of each started container every 20 ms.
+    """
+
+    def __init__(self, client: Any, engines: Mapping[str, int]) -> None:
+        self.engines = dict(engines)
+        self.since = time.time()
+        self.started: set[str] = set()
+        self.ready: dict[str, float] = {}
+        self.errors: list[BaseException] = []
+        self.done = threading.Event()
+        self._stream = client.events(
+            since=int(self.since) - 1, decode=True, filters={"type": "container", "event": "start"}
+        )
+        self._threads = [threading.Thread(target=self._follow, daemon=True), threading.Thread(target=self._poll)]
+        for thread in self._threads:
+            thread.start()
+
+    def _follow(self) -> None:
+        try:
+            for event in self._stream:
+                name = (event.get("Actor") or {}).get("Attributes", {}).get("name")
+                if name in self.engines and int(event["timeNano"]) / 1e9 >= self.since:
+                    self.started.add(name)
+        except Exception as exc:  # noqa: BLE001 - reported by wait(); closing the stream there ends up here too
+            if not self.done.is_set():
+                self.errors.append(exc)
+
+    def _poll(self) -> None:
+        end = time.monotonic() + READY_DEADLINE
+        while len(self.ready) < len(self.engines) and time.monotonic() < end and not self.done.is_set():
+            for name in [n for n in list(self.started) if n not in self.ready]:
+                if http_get(BIND, self.engines[name], "/health", timeout=1.0).status == 200:
+                    self.ready[name] = time.perf_counter()
+            time.sleep(0.02)
+
+    def wait(self, deadline: float = READY_DEADLINE) -> float:
+        """The perf_counter time the last of the engines first answered ready."""
+        self._threads[1].join(deadline)
+        self.done.set()
+        self._stream.close()
+        if self.errors:
+            fail(f"following Docker's events failed: {self.errors[0]!r}")
+        missing = sorted(set(self.engines) - set(self.ready))
+        if missing:
+            fail(f"the engines {missing} did not answer ready within {deadline:.0f} s")
+        return max(self.ready.values())
+
+
 def wait_gone(ports: Sequence[int], deadline: float = 60.0) -> None:
     """Until nothing answers on any of ``ports``."""
     end = time.monotonic() + deadline
@@ -260,8 +320,55 @@ class PublishFigures:
     publish_s: float  # median seconds of the publish command itself
     one_run: str  # the journal runs of the last round's applies
     fleet_run: str
+    one_timeline: list[tuple[str, float]]  # the last round's 1-engine sample: (step, seconds from its start)
+    pull_timeline: list[tuple[str, float]]  # and ansible-pull's
     rss_kib: int  # the idle agent afterwards
     hwm_kib: int
+
+
+def container_events(client: Any, name: str, since: float) -> dict[str, float]:
+    """The wall-clock times of the first create and start Docker reports for container ``name`` at or after
+    ``since`` (a ``time.time()``), from the daemon's own nanosecond event stamps."""
+    seen: dict[str, float] = {}
+    query = client.events(since=int(since) - 1, until=int(time.time()) + 1, decode=True, filters={"type": "container"})
+    for event in query:
+        action, at = event.get("Action"), int(event["timeNano"]) / 1e9
+        named = (event.get("Actor") or {}).get("Attributes", {}).get("name") == name
+        if named and action in ("create", "start") and at >= since and action not in seen:
+            seen[str(action)] = at
+    return seen
+
+
+def agent_timeline(
+    setup: Setup, client: Any, ident: str, wall0: float, published: float, ready: float
+) -> list[tuple[str, float]]:
+    """Where one publish-to-ready went: each step's wall-clock time, as seconds after the publish began."""
+    oplog = [json.loads(line) for line in (setup.root / "state" / "oplog.jsonl").read_text().splitlines() if line]
+    started = [entry["at"] for entry in oplog if entry.get("run_ident") == ident and entry.get("result") == "started"]
+    events = [
+        json.loads(path.read_text())
+        for path in (setup.root / "state" / "journal" / ident / "job_events").glob("*.json")
+    ]
+    events.sort(key=lambda event: event["counter"])
+
+    def created(kind: str, task_prefix: str = "") -> float | None:
+        for event in events:
+            task = str((event.get("event_data") or {}).get("task", ""))
+            if event["event"] == kind and task.startswith(task_prefix) and "created" in event:
+                return datetime.fromisoformat(event["created"]).timestamp()
+        return None
+
+    docker_seen = container_events(client, setup.engine, wall0)
+    steps = [
+        ("the publish command exits", published),
+        ("the agent starts the apply (oplog)", datetime.fromisoformat(started[0]).timestamp() if started else None),
+        ("ansible-playbook's first event", created("playbook_on_start")),
+        ("the engine task starts", created("playbook_on_task_start", "Converge the engines")),
+        ("Docker creates the container", docker_seen.get("create")),
+        ("Docker starts it", docker_seen.get("start")),
+        ("the engine answers ready", ready),
+    ]
+    return [(step, at - wall0) for step, at in steps if at is not None]
 
 
 class PullPeer:
@@ -300,17 +407,19 @@ class PullPeer:
             "site.yml",
         ]
 
-    def sample(self) -> float:
-        """Seconds from ``git commit`` of a new revision until the engine it converges answers ready."""
+    def sample(self, client: Any) -> float:
+        """Seconds from ``git commit`` of a new revision until the engine it converges answers ready (watched
+        side by side with ansible-pull, as the agent's engines are)."""
         self.revision += 1
         (self.repo / "site.yml").write_text(pull_playbook(self.setup, self.state_dir, self.revision))
+        watch = ReadyWatch(client, {self.setup.engine: self.setup.port})
         start = time.perf_counter()
         git(self.repo, "add", "site.yml")
         git(self.repo, "commit", "-q", "-m", f"revision {self.revision}")
         done = subprocess.run(self.command, env=self.env, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             fail(f"ansible-pull exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        return wait_ready(self.setup.port) - start
+        return watch.wait() - start
 
 
 def publish_to_ready(setup: Setup, client: Any, repeat: int) -> PublishFigures:
@@ -321,19 +430,38 @@ def publish_to_ready(setup: Setup, client: Any, repeat: int) -> PublishFigures:
     pull: list[float] = []
     publishes: list[float] = []
     runs = {"one": "", "fleet": ""}
+    timelines: dict[str, list[tuple[str, float]]] = {"one": [], "pull": []}
     peer = PullPeer(setup)
     all_ports = [setup.port, *setup.fleet_ports]
 
     with agent_process(setup) as process:
 
         def agent_sample(engines: list[dict[str, Any]], key: str) -> float:
-            start = time.perf_counter()
+            watch = ReadyWatch(client, {engine["name"]: engine["port"] for engine in engines})
+            wall0, start = time.time(), time.perf_counter()
             generation = publish(setup, {"engines": engines, "artifacts": []})
-            publishes.append(time.perf_counter() - start)
-            ready = wait_all_ready([engine["port"] for engine in engines])
+            published = time.perf_counter()
+            publishes.append(published - start)
+            ready = watch.wait()
             wait_applied(setup, process, generation)
             runs[key] = applied_run(setup)
+            if key == "one":
+                timelines["one"] = agent_timeline(
+                    setup, client, runs[key], wall0, wall0 + published - start, wall0 + ready - start
+                )
             return ready - start
+
+        def pull_sample() -> float:
+            wall0 = time.time()
+            seconds = peer.sample(client)
+            docker_seen = container_events(client, setup.engine, wall0)
+            steps = [
+                ("Docker creates the container", docker_seen.get("create")),
+                ("Docker starts it", docker_seen.get("start")),
+            ]
+            timelines["pull"] = [(step, at - wall0) for step, at in steps if at is not None]
+            timelines["pull"].append(("the engine answers ready", seconds))
+            return seconds
 
         def no_engines() -> None:
             # The agent drains and removes its own engines; the pull peer's (no agent owner) it leaves alone.
@@ -344,7 +472,7 @@ def publish_to_ready(setup: Setup, client: Any, repeat: int) -> PublishFigures:
 
         samples: list[tuple[str, Callable[[], None]]] = [
             ("one", lambda: one.append(agent_sample([setup.spec()], "one"))),
-            ("pull", lambda: pull.append(peer.sample())),
+            ("pull", lambda: pull.append(pull_sample())),
             ("fleet", lambda: fleet.append(agent_sample(setup.fleet(), "fleet"))),
         ]
         for round_ in range(repeat):
@@ -366,6 +494,8 @@ def publish_to_ready(setup: Setup, client: Any, repeat: int) -> PublishFigures:
         publish_s=statistics.median(publishes),
         one_run=runs["one"],
         fleet_run=runs["fleet"],
+        one_timeline=timelines["one"],
+        pull_timeline=timelines["pull"],
         rss_kib=rss,
         hwm_kib=hwm,
     )
@@ -632,6 +762,10 @@ def main() -> None:
     print(f"  ratio agent / ansible-pull                {figures.one / figures.pull:6.2f}   (target <= 0.7)")
     print(f"  {FLEET} engines, meridian-node run             {figures.fleet:6.2f} s   (until all {FLEET} are ready)")
     print(f"  ratio {FLEET} engines / 1 engine                {figures.fleet / figures.one:6.2f}   (target <= 1.3)")
+    for label, timeline in (("meridian-node run", figures.one_timeline), ("ansible-pull", figures.pull_timeline)):
+        print(f"  where the last round's 1-engine sample went, {label} (seconds after the publish / commit began):")
+        for step, seconds in timeline:
+            print(f"    {seconds:5.2f} s  {step}")
     for label, (playbook_s, tasks) in (("1 engine", one_run), (f"{FLEET} engines", fleet_run)):
         print(f"  the agent's reconcile run for {label}, last round (ansible-runner journal): {playbook_s:.2f} s")
         for task, seconds in tasks:

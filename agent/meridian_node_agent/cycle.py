@@ -699,7 +699,9 @@ class Agent:
             "backoff_seconds": retry.backoff_seconds,
             "last_failed_at": format_rfc3339(retry.failed_at),
             "next_attempt_in_seconds": round(left, 1),
-            "next_attempt_at": format_rfc3339(self.clock() + timedelta(seconds=left)),
+            # From the failure, not from now: both clocks were read together when it failed, and a status
+            # written later must name the same moment.
+            "next_attempt_at": format_rfc3339(retry.failed_at + timedelta(seconds=retry.backoff_seconds)),
             "error": retry.error,
         }
 

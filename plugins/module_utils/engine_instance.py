@@ -37,7 +37,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,9 @@ LABEL_MIN_VRAM = "meridian.node/min-vram-mib"
 # what it started, never an operator's playbook engines or another agent's on a shared Docker Engine.
 LABEL_OWNER = "meridian.node/owner"
 _POLL_S = 0.25
+# The first probes come sooner: a small or cached engine is up within a second of its start, and every poll
+# interval rounds that up for whoever waits on the module (a rollout batch, the agent's record).
+_FIRST_POLL_S = 0.05
 _PROBE_TIMEOUT_S = 2.0
 _LOG_LINES = 30
 # The config hash planned in check mode when the artifact is not in the store yet: unlike every real hash
@@ -833,10 +836,19 @@ def _drain(run: EngineRun, sleep: Callable[[float], None], clock: Callable[[], f
     )
 
 
+def poll_intervals() -> Iterator[float]:
+    """The pauses between readiness probes: doubling from ``_FIRST_POLL_S`` up to ``_POLL_S``, then steady."""
+    interval = _FIRST_POLL_S
+    while True:
+        yield interval
+        interval = min(interval * 2, _POLL_S)
+
+
 def _wait_ready(run: EngineRun, sleep: Callable[[float], None], clock: Callable[[], float]) -> ProbeVerdict:
     """Probe until ready; on timeout (or an exited container) stop it and fail with the verdict and logs."""
     container = _existing(run, "wait-ready")
     deadline = clock() + run.options.ready_timeout_s
+    intervals = poll_intervals()
     while True:
         verdict = _probe(run)
         if verdict.ready:
@@ -844,7 +856,7 @@ def _wait_ready(run: EngineRun, sleep: Callable[[float], None], clock: Callable[
         state = run.engine.container(container.id).state
         if state != "running" or clock() >= deadline:
             break
-        sleep(_POLL_S)
+        sleep(next(intervals))
     if state == "running":
         why = f"did not become ready within {run.options.ready_timeout_s:g}s"
     else:

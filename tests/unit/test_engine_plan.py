@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.engine_drivers import get_driver
-from ansible_collections.meridian.node.plugins.module_utils.engine_instance import engine_settings
+from ansible_collections.meridian.node.plugins.module_utils.engine_instance import engine_settings, poll_intervals
 from ansible_collections.meridian.node.plugins.module_utils.engine_plan import (
     Action,
     ForeignContainerError,
@@ -177,3 +177,8 @@ def test_the_same_host_settings_however_spelt_change_nothing(first: dict[str, An
     running = Observed(owned=True, status="running", config_hash=hash_of(**first), spec={})
     plan = plan_engine(name="chat", state="started", config_hash=hash_of(**second), spec=SPEC, observed=running)
     assert plan.actions == ()
+
+
+def test_readiness_is_probed_soon_after_the_start_then_every_quarter_second() -> None:
+    intervals = poll_intervals()
+    assert [next(intervals) for _ in range(7)] == [0.05, 0.1, 0.2, 0.25, 0.25, 0.25, 0.25]

@@ -657,6 +657,63 @@ def crash(container: Any) -> None:
         os.kill(int(pid), signal.SIGKILL)
 
 
+def docker_floor(client: Any, setup: Setup, rounds: int) -> tuple[float, float]:
+    """Docker's own share of the 8-vs-1 ratio: medians over ``rounds`` of the seconds to create, start and see
+    ready one stand-in container, and FLEET of them side by side (a thread each), with docker-py alone: no
+    agent, no Ansible. Same image, published ports and init as the engines; probed once ``start`` returned. On
+    the fleet's ports: the agent's own engine still runs on ``setup.port`` when this runs."""
+
+    image_id = setup.image.split("@", 1)[1]  # pinned by id (standin_image): the id is the image's name here
+    errors: list[BaseException] = []
+
+    def one(name: str, port: int) -> None:
+        try:
+            start_one(name, port)
+        except BaseException as exc:  # noqa: BLE001 - the sample fails with it below
+            errors.append(exc)
+
+    def start_one(name: str, port: int) -> None:
+        container = client.containers.create(
+            image_id,
+            name=name,
+            command=["--port", "8000"],
+            environment={"STANDIN_ENGINE": "vllm"},
+            ports={"8000/tcp": (BIND, port)},
+            init=True,
+        )
+        container.start()
+        end = time.monotonic() + READY_DEADLINE
+        while http_get(BIND, port, "/health", timeout=1.0).status != 200:
+            if time.monotonic() > end:
+                fail(f"{name} did not answer ready")
+            time.sleep(0.02)
+
+    def sample(count: int) -> float:
+        names = [f"{setup.engine}-floor-{i}" for i in range(count)]
+        start = time.perf_counter()
+        threads = [
+            threading.Thread(target=one, args=(name, port))
+            for name, port in zip(names, setup.fleet_ports, strict=False)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - start
+        for container in client.containers.list(all=True, filters={"name": f"{setup.engine}-floor-"}):
+            container.remove(force=True)
+        if errors:
+            fail(f"Docker alone: {errors[0]!r}")
+        wait_gone(setup.fleet_ports)
+        return seconds
+
+    singles, fleets = [], []
+    for _ in range(rounds):
+        singles.append(sample(1))
+        fleets.append(sample(FLEET))
+    return statistics.median(singles), statistics.median(fleets)
+
+
 def kill_to_ready(setup: Setup, client: Any, *, by: str) -> tuple[float, str]:
     """Seconds from the engine's death until it answers ready again, and how it came back.
 
@@ -719,6 +776,7 @@ def main() -> None:
                 setup = Setup(root / "node", server, config_path, image, port, engine, tuple(fleet_ports))
                 enroll_node(server, setup.root / "state" / "identity", NODE_ID).close()
                 figures = publish_to_ready(setup, client, args.repeat)
+                floor_one, floor_fleet = docker_floor(client, setup, args.repeat)
                 one_run = reconcile_tasks(setup.root / "state", figures.one_run)
                 fleet_run = reconcile_tasks(setup.root / "state", figures.fleet_run)
                 service = unchanged_cycles(setup, args.cycles, in_service=True, profile=args.profile)
@@ -762,6 +820,11 @@ def main() -> None:
     print(f"  ratio agent / ansible-pull                {figures.one / figures.pull:6.2f}   (target <= 0.7)")
     print(f"  {FLEET} engines, meridian-node run             {figures.fleet:6.2f} s   (until all {FLEET} are ready)")
     print(f"  ratio {FLEET} engines / 1 engine                {figures.fleet / figures.one:6.2f}   (target <= 1.3)")
+    print(
+        f"  Docker alone (docker-py create + start + ready, no agent): 1 container {floor_one:.2f} s, "
+        f"{FLEET} side by side {floor_fleet:.2f} s; the agent's {FLEET}-vs-1 ratio cannot go below "
+        f"{(figures.one + floor_fleet - floor_one) / figures.one:.2f} on this machine"
+    )
     for label, timeline in (("meridian-node run", figures.one_timeline), ("ansible-pull", figures.pull_timeline)):
         print(f"  where the last round's 1-engine sample went, {label} (seconds after the publish / commit began):")
         for step, seconds in timeline:

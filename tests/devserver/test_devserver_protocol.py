@@ -340,6 +340,32 @@ def test_long_poll_returns_the_state_published_by_another_process(
     assert result.envelope is not None and json.loads(result.envelope)["payloadType"].endswith("desired-state.v1+json")
 
 
+def test_publish_out_writes_the_envelope_the_node_fetches_byte_for_byte(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    with _enroll(server, tmp_path, node_id) as client:
+        path = tmp_path / "desired.yaml"
+        path.write_text(yaml.safe_dump({"engines": [], "artifacts": []}))
+        out = tmp_path / "state.json"
+        server.cli("publish", node_id, str(path), "--out", str(out))
+        fetched = client.fetch_desired_state(node_id)
+
+    assert fetched.envelope is not None and out.read_bytes() == fetched.envelope
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no .part left
+
+
+def test_publish_out_to_an_unwritable_place_says_the_state_was_published(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    path = tmp_path / "desired.yaml"
+    path.write_text(yaml.safe_dump({"engines": [], "artifacts": []}))
+    result = server.cli("publish", node_id, str(path), "--out", str(tmp_path / "missing" / "state.json"), check=False)
+
+    assert result.returncode == 1
+    assert "the state was published" in result.stderr and "missing/state.json" in result.stderr
+    assert _publish(server, tmp_path, node_id) == 2
+
+
 def test_publish_refuses_a_document_that_sets_server_assigned_fields(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:

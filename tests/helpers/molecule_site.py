@@ -12,6 +12,8 @@ point does that, once for all scenarios:
   (Galaxy is not reachable here), cached under ``cache_dir()``;
 * a devserver (``meridian-node-devserver serve``) on 127.0.0.1 that the nodes enroll with, and the
   stand-in vLLM engine image the published states name;
+* an air-gap authority key for the air-gapped nodes' bundles (``make-bundle --key``), and the public half
+  their policy trusts;
 * ``site.json``, which tells the playbooks all of the above (``MERIDIAN_MOLECULE_SITE``).
 
 Then ``molecule test -s NAME`` for each scenario, timed; the engines the scenarios started are removed
@@ -57,7 +59,7 @@ __all__ = ["ENGINE_REPOSITORY", "PORT_RANGE", "SCENARIOS", "collections_path", "
 
 MOLECULE_DIR = CHECKOUT / "molecule"
 # The order `make molecule` runs them in; each molecule.yml names the suites it boots.
-SCENARIOS = ("node_agent", "ansible_pull", "engines")
+SCENARIOS = ("node_agent", "node_agent_airgap", "ansible_pull", "engines")
 # The collections the scenarios need besides ours, from this release of the `ansible` package.
 ANSIBLE_PACKAGE = "ansible==12.3.0"
 THIRD_PARTY = ("community/docker", "community/library_inventory_filtering_v1", "ansible/posix")
@@ -166,6 +168,7 @@ def _site(work: Path, suites: Sequence[str]) -> Iterator[dict[str, Any]]:
     wheelhouses = {suite: str(ensure_wheelhouse(suite)) for suite in suites}
     engine = _standin_engine(client)
     collections = collections_path(work)
+    authority = _airgap_authority(work)
     with running(work / "devserver") as server:
         site = {
             "run": run,
@@ -181,12 +184,33 @@ def _site(work: Path, suites: Sequence[str]) -> Iterator[dict[str, Any]]:
             },
             "engine": {"image": engine.pinned, "repository": ENGINE_REPOSITORY, "port_range": list(PORT_RANGE)},
             "engine_prefix": f"mn-mol-{run}-",
+            "airgap": authority,
         }
         try:
             yield site
         finally:
             _remove_engines(site)
             client.close()
+
+
+def _airgap_authority(work: Path) -> dict[str, Any]:
+    """A fresh air-gap authority key for this run: the private PEM (0600, for make-bundle on this machine), its
+    public PEM (for the nodes' policy) and the command that makes bundles."""
+    from ansible_collections.meridian.node.plugins.module_utils.dsse import (
+        generate_private_key_pem,
+        load_private_key_pem,
+        public_key_pem,
+    )
+
+    pem, _keyid = generate_private_key_pem()
+    path = work / "airgap-authority.pem"
+    path.touch(mode=0o600)
+    path.write_bytes(pem)
+    return {
+        "authority_key": str(path),
+        "authority_public_key": public_key_pem(load_private_key_pem(pem)).decode(),
+        "make_bundle": [_bin("meridian-node")],
+    }
 
 
 def _remove_engines(site: dict[str, Any]) -> None:

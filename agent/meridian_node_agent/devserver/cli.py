@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument(
         "--ttl", type=int, default=Settings.state_ttl_seconds, help="seconds until the state expires (default 3600)"
     )
+    publish.add_argument(
+        "--out",
+        type=Path,
+        metavar="STATE.json",
+        help="also write the signed envelope there, byte for byte as nodes fetch it: for an air-gapped node, "
+        "`meridian-node make-bundle --desired STATE.json` (docs/AIR_GAP.md)",
+    )
     publish.set_defaults(handler=cmd_publish)
 
     fence = _verb(
@@ -272,8 +279,24 @@ def cmd_publish(args: argparse.Namespace) -> int:
         raise Refused(str(exc)) from exc
     finally:
         control.close()
+    if args.out is not None:
+        _write_envelope(args.out, published.envelope)
     _say(f"node {args.node}: generation {published.generation} (lease epoch {published.lease_epoch})")
     return 0
+
+
+def _write_envelope(path: Path, envelope: bytes) -> None:
+    """Write under a temporary name beside ``path``, then rename: a bundle is never made from half a file."""
+    temp = path.with_name(f".{path.name}.part")
+    try:
+        temp.write_bytes(envelope)
+        temp.replace(path)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise Refused(
+            f"the state was published, but --out {path} could not be written ({exc.strerror}); the signed state "
+            "is the node's latest: publish it again with a writable --out"
+        ) from exc
 
 
 def cmd_fence(args: argparse.Namespace) -> int:

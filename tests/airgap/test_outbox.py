@@ -196,6 +196,20 @@ def test_import_outbox_refuses_a_record_of_a_fenced_epoch_and_a_reused_sequence(
     assert (status, result["result"], result["reason"]) == (1, "refused", "sequence-reused")
 
 
+def test_import_outbox_says_an_epoch_0_observation_predates_the_first_bundle(tmp_path: Path, data_dir: Path) -> None:
+    # What a fresh air-gapped node writes before any bundle: it knows no lease epoch yet.
+    outbox = _outbox(tmp_path)
+    _observe(outbox, 0, generation=0)
+    key = _public_pem(outbox, tmp_path)
+
+    status, [result] = _import(data_dir, tmp_path / "outbox", key, check=False)
+
+    assert status == 1
+    assert (result["result"], result["reason"]) == ("refused", "stale-epoch")
+    assert "lease epoch 0, before the node applied any bundle" in result["message"]
+    assert "heartbeat" not in result["message"]
+
+
 def test_outbox_key_prints_the_node_key_creating_it_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     node = make_airgap_node(tmp_path)
 

@@ -137,6 +137,9 @@ def _ingest(
                 # node reaches no one, and its own name is what the site's gateway resolves.
                 control.observe(record.node_id, record.observation, remote_host=record.node_id)
             except ProtocolError as exc:
+                if exc.reason == "stale-epoch":
+                    # The online advice (heartbeat) means nothing to a node that reaches no one.
+                    return answer("refused", exc.reason, _stale_outbox_record(record.node_id, record.lease_epoch))
                 return answer("refused", exc.reason, exc.detail)
     conn.execute(
         "INSERT INTO outbox_records (node_id, sequence, kind, sha256, result, imported_at, body) "
@@ -152,6 +155,19 @@ def _ingest(
         ),
     )
     return answer(result)
+
+
+def _stale_outbox_record(node_id: str, epoch: int) -> str:
+    """Why an older epoch's observation from an outbox is not ingested, and that nothing is lost by it."""
+    when = (
+        "before the node applied any bundle (it knew no lease epoch yet)"
+        if epoch == 0
+        else "before the node applied a state of the current epoch, or by a writer fenced since"
+    )
+    return (
+        f"the observation was written under lease epoch {epoch}, {when}, and node {node_id!r} is at a later "
+        "epoch now: it is not ingested; the node's observations after its next bundle carry the current epoch"
+    )
 
 
 @contextmanager

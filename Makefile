@@ -41,6 +41,7 @@ $(VENV)/.installed: pyproject.toml galaxy.yml
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/ansible-lint --offline --profile production playbooks roles molecule
 
 typecheck: venv

@@ -67,23 +67,44 @@ def make_bundle(directory: Path, size: int, shards: int) -> tuple[Path, Path, da
                 hasher.update(chunk)
                 handle.write(chunk)
         files.append({"path": name, "size": (model / name).stat().st_size, "sha256": hasher.hexdigest()})
-    manifest = {"apiVersion": "meridian.node/v1", "kind": "ArtifactManifest", "name": "bench", "version": "1",
-                "files": files}
+    manifest = {
+        "apiVersion": "meridian.node/v1",
+        "kind": "ArtifactManifest",
+        "name": "bench",
+        "version": "1",
+        "files": files,
+    }
     manifest_path = directory / "manifest.json"
-    manifest_envelope = dsse.sign(dsse.PAYLOAD_TYPES["artifact-manifest"], json.dumps(manifest).encode(),
-                                  [keys["artifact"]])
+    manifest_envelope = dsse.sign(
+        dsse.PAYLOAD_TYPES["artifact-manifest"], json.dumps(manifest).encode(), [keys["artifact"]]
+    )
     manifest_path.write_text(json.dumps(manifest_envelope))
     now = datetime.now(UTC).replace(microsecond=0)
-    state = {"apiVersion": "meridian.node/v1", "kind": "DesiredState", "node_id": NODE, "generation": 1,
-             "lease_epoch": 0, "issued_at": format_rfc3339(now), "expires_at": format_rfc3339(now + timedelta(days=1)),
-             # A bundle carries only the artifacts its state pins, with the same manifest.
-             "artifacts": [{"name": "bench", "version": "1", "manifest": manifest_envelope}]}
+    state = {
+        "apiVersion": "meridian.node/v1",
+        "kind": "DesiredState",
+        "node_id": NODE,
+        "generation": 1,
+        "lease_epoch": 0,
+        "issued_at": format_rfc3339(now),
+        "expires_at": format_rfc3339(now + timedelta(days=1)),
+        # A bundle carries only the artifacts its state pins, with the same manifest.
+        "artifacts": [{"name": "bench", "version": "1", "manifest": manifest_envelope}],
+    }
     out = directory / "bundle.tar"
-    build_bundle(out, BundleInputs(
-        desired_envelope=dsse.sign(dsse.PAYLOAD_TYPES["desired-state"], json.dumps(state).encode(), [keys["control"]]),
-        node_id=NODE, authority_keys=[keys["authority"]], expires=timedelta(days=1), now=now,
-        artifacts=[(manifest_path, model)],
-    ))
+    build_bundle(
+        out,
+        BundleInputs(
+            desired_envelope=dsse.sign(
+                dsse.PAYLOAD_TYPES["desired-state"], json.dumps(state).encode(), [keys["control"]]
+            ),
+            node_id=NODE,
+            authority_keys=[keys["authority"]],
+            expires=timedelta(days=1),
+            now=now,
+            artifacts=[(manifest_path, model)],
+        ),
+    )
     for path in model.iterdir():
         path.unlink()
     return out, policy, now
@@ -117,8 +138,12 @@ def main() -> int:
             subprocess.run(["dd", f"if={bundle}", f"of={target}", "bs=1M", "status=none"], check=True)
             target.unlink()
 
-        contenders: dict[str, Callable[[], None]] = {"openssl dgst -sha256": openssl, "check_bundle": check,
-                                                     "unpack_bundle": unpack, "dd bs=1M (write floor)": copy}
+        contenders: dict[str, Callable[[], None]] = {
+            "openssl dgst -sha256": openssl,
+            "check_bundle": check,
+            "unpack_bundle": unpack,
+            "dd bs=1M (write floor)": copy,
+        }
         samples: dict[str, list[float]] = {name: [] for name in contenders}
         openssl()  # warm the page cache for everyone
         for _ in range(args.rounds):
@@ -127,12 +152,16 @@ def main() -> int:
                 run()
                 samples[name].append(time.perf_counter() - start)
         base = statistics.median(samples["openssl dgst -sha256"])
-        print(f"bundle: {size / MIB:.0f} MiB in {args.shards} shards + manifest; {args.rounds} interleaved rounds; "
-              f"CPU count {os.cpu_count()}; Python {sys.version.split()[0]}")
+        print(
+            f"bundle: {size / MIB:.0f} MiB in {args.shards} shards + manifest; {args.rounds} interleaved rounds; "
+            f"CPU count {os.cpu_count()}; Python {sys.version.split()[0]}"
+        )
         for name, values in samples.items():
             median = statistics.median(values)
-            print(f"  {name:22s} median {median:6.3f} s  {size / MIB / median:7.0f} MiB/s  "
-                  f"rate vs openssl {base / median:5.2f}x  (runs: {', '.join(f'{v:.3f}' for v in values)})")
+            print(
+                f"  {name:22s} median {median:6.3f} s  {size / MIB / median:7.0f} MiB/s  "
+                f"rate vs openssl {base / median:5.2f}x  (runs: {', '.join(f'{v:.3f}' for v in values)})"
+            )
         floor = statistics.median(samples["dd bs=1M (write floor)"])
         print(f"  unpack_bundle rate vs dd: {floor / statistics.median(samples['unpack_bundle']):.2f}x")
     return 0

@@ -32,8 +32,6 @@ from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch impor
 MIB = 1024 * 1024
 
 
-
-
 def make_file(path: Path, size: int) -> str:
     """Random content (incompressible, so nothing shortcuts it); returns its sha256 via openssl."""
     with path.open("wb") as handle:

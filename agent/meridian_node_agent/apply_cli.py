@@ -178,9 +178,7 @@ def refresh_inventory(
     # PolicyError and DrainStateError are ValueErrors. The answer matters more than the inventory: none of
     # these may keep the answer from the agent.
     except (DockerEngineError, OSError, ValueError) as exc:
-        return (
-            f"could not write {root.public / 'engines.json'}: {exc}; the agent keeps observing the previous one"
-        )
+        return f"could not write {root.public / 'engines.json'}: {exc}; the agent keeps observing the previous one"
     return None
 
 

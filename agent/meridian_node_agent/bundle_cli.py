@@ -49,15 +49,33 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
     )
     make.add_argument("--desired", required=True, type=Path, metavar="STATE.json|yaml")
     make.add_argument("--node", required=True, metavar="ID", help="the node the bundle is for (the state's node_id)")
-    make.add_argument("--key", action="append", required=True, type=Path, metavar="AUTH.pem",
-                      help="an air_gap_authority private key; repeat to meet the policy's threshold")
-    make.add_argument("--control-key", action="append", default=[], type=Path, metavar="CONTROL.pem",
-                      help="sign --desired (a plain desired-state document) with this control key; repeatable")
-    make.add_argument("--artifact", action="append", default=[], metavar="MANIFEST:DIR",
-                      help="a signed artifact manifest and the directory holding its files; repeatable")
+    make.add_argument(
+        "--key",
+        action="append",
+        required=True,
+        type=Path,
+        metavar="AUTH.pem",
+        help="an air_gap_authority private key; repeat to meet the policy's threshold",
+    )
+    make.add_argument(
+        "--control-key",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="CONTROL.pem",
+        help="sign --desired (a plain desired-state document) with this control key; repeatable",
+    )
+    make.add_argument(
+        "--artifact",
+        action="append",
+        default=[],
+        metavar="MANIFEST:DIR",
+        help="a signed artifact manifest and the directory holding its files; repeatable",
+    )
     make.add_argument("--playbooks", type=Path, metavar="DIR", help="a playbook directory to ship (with --collection)")
-    make.add_argument("--collection", type=Path, metavar="TARBALL",
-                      help="the collection tarball the playbooks run with")
+    make.add_argument(
+        "--collection", type=Path, metavar="TARBALL", help="the collection tarball the playbooks run with"
+    )
     make.add_argument("--expires", required=True, metavar="DURATION", help="how long the bundle is valid: 7d, 12h")
     make.add_argument("--bundle-id", default=None, metavar="NAME", help="default: g<generation>-<UTC time>")
     make.add_argument("--out", required=True, type=Path, metavar="FILE.tar")
@@ -108,8 +126,18 @@ def cmd_make_bundle(args: argparse.Namespace) -> int:
         bundle_id=args.bundle_id,
     )
     payload = build_bundle(args.out, inputs)
-    print(json.dumps({"written": str(args.out), "bundle_id": payload["bundle_id"], "generation": payload["generation"],
-                      "members": len(payload["files"]), "expires_at": payload["expires_at"]}, sort_keys=True))
+    print(
+        json.dumps(
+            {
+                "written": str(args.out),
+                "bundle_id": payload["bundle_id"],
+                "generation": payload["generation"],
+                "members": len(payload["files"]),
+                "expires_at": payload["expires_at"],
+            },
+            sort_keys=True,
+        )
+    )
     return 0
 
 
@@ -340,4 +368,3 @@ def verify_bundle_file(args: argparse.Namespace, policy: Policy, store: StateSto
 
 def _emit(document: dict[str, Any]) -> None:
     print(json.dumps(document, sort_keys=True))
-

@@ -686,7 +686,6 @@ class Agent:
         temp.replace(path)
         self._status_written = (unchanged, now)
 
-
     def _retry_status(self) -> dict[str, Any] | None:
         retry = self._retry
         if retry is None:

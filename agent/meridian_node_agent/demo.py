@@ -48,8 +48,12 @@ def run(argv: list[str], *, cwd: Path, show: bool = True, env: dict[str, str] | 
 
 def gpu_facts(workdir: Path) -> None:
     banner("1. GPU facts on this host (ansible localhost -m meridian.node.gpu_facts)")
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(COLLECTIONS), ANSIBLE_PYTHON_INTERPRETER=sys.executable,
-               ANSIBLE_NOCOLOR="1")
+    env = dict(
+        os.environ,
+        ANSIBLE_COLLECTIONS_PATH=str(COLLECTIONS),
+        ANSIBLE_PYTHON_INTERPRETER=sys.executable,
+        ANSIBLE_NOCOLOR="1",
+    )
     argv = [str(BIN / "ansible"), "localhost", "-c", "local", "-i", "localhost,", "-m", "meridian.node.gpu_facts"]
     print(f"$ {' '.join(Path(a).name if i == 0 else a for i, a in enumerate(argv))}")
     output = run(argv, cwd=workdir, show=False, env=env)
@@ -67,8 +71,10 @@ def gpu_facts(workdir: Path) -> None:
     print(f"driver {facts['driver_version']}, CUDA {facts['cuda_driver_version']}, {facts['count']} GPU(s)")
     for gpu in facts["gpus"]:
         memory = gpu["memory"]
-        print(f"  [{gpu['index']}] {gpu['name']}  {memory['used_mib']}/{memory['total_mib']} MiB  "
-              f"util {gpu['utilization_gpu_percent']}%  MIG {gpu['mig_mode']}  {gpu['error'] or ''}")
+        print(
+            f"  [{gpu['index']}] {gpu['name']}  {memory['used_mib']}/{memory['total_mib']} MiB  "
+            f"util {gpu['utilization_gpu_percent']}%  MIG {gpu['mig_mode']}  {gpu['error'] or ''}"
+        )
 
 
 def desired_state(generation: int, epoch: int, *, node_id: str = NODE_ID, ttl: timedelta = timedelta(hours=1)) -> str:
@@ -82,13 +88,15 @@ def desired_state(generation: int, epoch: int, *, node_id: str = NODE_ID, ttl: t
         "issued_at": format_rfc3339(now),
         "expires_at": format_rfc3339(now + ttl),
         "artifacts": [],
-        "engines": [{
-            "name": "chat",
-            "driver": "vllm",
-            "image": "registry.internal.example/vllm/vllm-openai@sha256:" + "4f" * 32,
-            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-            "port": 8000,
-        }],
+        "engines": [
+            {
+                "name": "chat",
+                "driver": "vllm",
+                "image": "registry.internal.example/vllm/vllm-openai@sha256:" + "4f" * 32,
+                "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+                "port": 8000,
+            }
+        ],
     }
     return json.dumps(document, indent=2) + "\n"
 
@@ -129,8 +137,18 @@ def trust_loop(workdir: Path) -> None:
     envelope["payload"] = base64.b64encode(body).decode()
     (workdir / "tampered.env.json").write_text(json.dumps(envelope))
 
-    verify = [*cli, "verify", "--policy", "policy.yaml", "--kind", "desired-state", "--node-id", NODE_ID,
-              "--state-dir", "state"]
+    verify = [
+        *cli,
+        "verify",
+        "--policy",
+        "policy.yaml",
+        "--kind",
+        "desired-state",
+        "--node-id",
+        NODE_ID,
+        "--state-dir",
+        "state",
+    ]
     run([*verify, "--record", "gen2.env.json"], cwd=workdir)
     print("\nThe same envelope again is a no-op:")
     run([*verify, "gen2.env.json"], cwd=workdir)

@@ -58,9 +58,19 @@ def docker_problem() -> tuple[Any, str | None]:
 def devserver(data_dir: Path) -> Iterator[dict[str, str]]:
     """``meridian-node-devserver serve`` on a free loopback port; its printed paths, token and URL."""
     process = subprocess.Popen(
-        [str(BIN / "meridian-node-devserver"), "serve", "--data-dir", str(data_dir), "--port", "0",
-         "--token", f"{NODE_ID}@{NODE_ID}:auto"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(BIN / "meridian-node-devserver"),
+            "serve",
+            "--data-dir",
+            str(data_dir),
+            "--port",
+            "0",
+            "--token",
+            f"{NODE_ID}@{NODE_ID}:auto",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     info: dict[str, str] = {}
     try:
@@ -147,8 +157,10 @@ def whole_loop(workdir: Path) -> None:
     client, problem = docker_problem()
     mode = "managed-host" if client is not None else "observe-only"
     if problem:
-        print(f"No Docker Engine answers here ({problem}): the agent runs observe-only, verifying and "
-              "reporting the state without changing anything.")
+        print(
+            f"No Docker Engine answers here ({problem}): the agent runs observe-only, verifying and "
+            "reporting the state without changing anything."
+        )
     remove_demo_engine(client)
     port = free_port()
     image = engine_image(client) if client is not None else "meridian-node/standin@sha256:" + "0" * 64
@@ -158,14 +170,31 @@ def whole_loop(workdir: Path) -> None:
             config = write_node(node, server, mode, port)
             agent = [str(BIN / "meridian-node"), "--config", str(config)]
             show([*agent, "enroll", "--token", server["token"], "--ca-bundle", server["ca"]], cwd=node)
-            desired = {"engines": [{
-                "name": ENGINE, "driver": "vllm", "image": image,
-                "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "served_model_name": "llama-3.1-8b",
-                "port": port, "env": {"STANDIN_LOAD_SECONDS": "2"},
-            }]}
+            desired = {
+                "engines": [
+                    {
+                        "name": ENGINE,
+                        "driver": "vllm",
+                        "image": image,
+                        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+                        "served_model_name": "llama-3.1-8b",
+                        "port": port,
+                        "env": {"STANDIN_LOAD_SECONDS": "2"},
+                    }
+                ]
+            }
             (node / "desired.yaml").write_text(yaml.safe_dump(desired, sort_keys=False), encoding="utf-8")
-            show([str(BIN / "meridian-node-devserver"), "publish", "--data-dir", str(workdir / "control-plane"),
-                  NODE_ID, "desired.yaml"], cwd=node)
+            show(
+                [
+                    str(BIN / "meridian-node-devserver"),
+                    "publish",
+                    "--data-dir",
+                    str(workdir / "control-plane"),
+                    NODE_ID,
+                    "desired.yaml",
+                ],
+                cwd=node,
+            )
             print(f"(the agent verifies, spools, applies through ansible-runner in {mode} mode, observes, reports)")
             show([*agent, "run", "--once"], cwd=node)
             print("\nA second cycle with nothing new runs no playbook:")

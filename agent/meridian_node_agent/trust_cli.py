@@ -57,8 +57,14 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
         description="Sign PAYLOAD.json (its exact bytes) and print the DSSE envelope. The payload is "
         "checked against the contract schema first, so a document the hosts would refuse is not signed.",
     )
-    sign.add_argument("--key", action="append", required=True, type=Path, metavar="KEY.pem",
-                      help="private key; repeat to add signatures")
+    sign.add_argument(
+        "--key",
+        action="append",
+        required=True,
+        type=Path,
+        metavar="KEY.pem",
+        help="private key; repeat to add signatures",
+    )
     sign.add_argument("--type", required=True, choices=sorted(dsse.PAYLOAD_TYPES), dest="kind")
     sign.add_argument("--out", type=Path, help="write the envelope here instead of standard output")
     sign.add_argument("--no-check", action="store_true", help="sign without checking the schema")
@@ -74,16 +80,19 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
     )
     verify.add_argument("--policy", type=Path, default=Path(DEFAULT_POLICY_PATH))
     verify.add_argument("--kind", required=True, choices=sorted(dsse.PAYLOAD_TYPES))
-    verify.add_argument("--node-id", default=None,
-                        help="the node the state must be for (default: this host's name)")
-    verify.add_argument("--state-dir", type=Path, default=None,
-                        help="the directory of the host's record of the applied generation and epoch (default: "
-                        "the one that decides under --config: apply.state_dir with apply.via: systemd, else "
-                        f"state_dir; {DEFAULT_APPLY_STATE_DIR} when there is no config)")
-    verify.add_argument("--record", action="store_true",
-                        help="store the accepted generation and epoch as applied")
-    verify.add_argument("--at", type=parse_timestamp, default=None, metavar="RFC3339",
-                        help="verify as of this time instead of now")
+    verify.add_argument("--node-id", default=None, help="the node the state must be for (default: this host's name)")
+    verify.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="the directory of the host's record of the applied generation and epoch (default: "
+        "the one that decides under --config: apply.state_dir with apply.via: systemd, else "
+        f"state_dir; {DEFAULT_APPLY_STATE_DIR} when there is no config)",
+    )
+    verify.add_argument("--record", action="store_true", help="store the accepted generation and epoch as applied")
+    verify.add_argument(
+        "--at", type=parse_timestamp, default=None, metavar="RFC3339", help="verify as of this time instead of now"
+    )
     verify.add_argument("envelope", type=Path, metavar="ENVELOPE.json")
     verify.set_defaults(handler=cmd_verify)
 
@@ -189,8 +198,7 @@ def _verify(
     if kind == "bundle":
         bundle = trust.verify_bundle(data, policy, node_id=node_id, now=now, applied=applied)
         verified = bundle.desired
-        summary: dict[str, Any] = {"kind": kind, "bundle_id": bundle.bundle.bundle_id,
-                                   "signers": list(bundle.signers)}
+        summary: dict[str, Any] = {"kind": kind, "bundle_id": bundle.bundle.bundle_id, "signers": list(bundle.signers)}
     else:
         verified = trust.verify_desired_state(data, policy, node_id=node_id, now=now, applied=applied)
         summary = {"kind": kind, "signers": list(verified.signers)}

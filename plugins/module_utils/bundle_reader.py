@@ -70,8 +70,13 @@ MAX_EXTENDED_HEADER_BYTES = 64 * 1024
 # After the end-of-archive marker (two zero blocks) tar writers pad with zeros to a whole record.
 _END_MARKER_BYTES = 2 * tarfile.BLOCKSIZE
 _MAX_TRAILER_BYTES = _END_MARKER_BYTES + tarfile.RECORDSIZE
-_EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
-                   tarfile.GNUTYPE_LONGLINK)
+_EXTENDED_TYPES = (
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+)
 # The most extended headers one member may carry (a pax header and a GNU long name, each possibly twice).
 _MAX_HEADER_CHAIN = 8
 # Large enough that the per-read cost vanishes beside hashing; small enough to stay in the CPU caches.
@@ -141,9 +146,7 @@ class UnpackedBundle:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def check_bundle(
-    path: str, policy: Policy, *, node_id: str, now: datetime, applied: trust.AppliedState
-) -> BundleCheck:
+def check_bundle(path: str, policy: Policy, *, node_id: str, now: datetime, applied: trust.AppliedState) -> BundleCheck:
     """Verify the bundle at ``path`` completely (every member read and hashed) without writing anything."""
     verified, manifests, read, _unused = _read(path, policy, node_id=node_id, now=now, applied=applied, work=None)
     return BundleCheck(verified=verified, manifests=manifests, bytes_read=read)

@@ -115,9 +115,7 @@ def plan_engine(
         return EnginePlan(actions=(), before=before, after=before)
     if state == "absent":
         return EnginePlan(actions=tuple(actions), before=before, after={})
-    live_after = Action.START in actions or (
-        observed is not None and observed.live and Action.STOP not in actions
-    )
+    live_after = Action.START in actions or (observed is not None and observed.live and Action.STOP not in actions)
     after = {"state": "started" if live_after else "stopped", "config_hash": config_hash, "spec": spec}
     drifted = tuple(observed.drifted) if observed is not None and Action.CREATE in actions else ()
     if drifted and observed is not None:

@@ -35,13 +35,16 @@ class Site:
         self.root = root
         self.artifact_key = make_key()
         self.policy = write_policy(
-            root, control=[make_key()], artifact=[self.artifact_key],
+            root,
+            control=[make_key()],
+            artifact=[self.artifact_key],
             extra={"store": {"path": str(root / "store"), "max_bytes": "1G"}},
         )
 
     def manifest(self, name: str, keys: list[SigningKey] | None = None, files: dict[str, bytes] = FILES) -> Path:
         payload = artifact_manifest(
-            name=name, version="1.0",
+            name=name,
+            version="1.0",
             files=[{"path": p, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for p, d in files.items()],
         )
         path = self.root / f"{name}.manifest.json"
@@ -59,8 +62,17 @@ def test_pull_fetches_verifies_and_promotes_then_list_shows_it(
     tmp_path: Path, server: ArtifactServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     site = Site(tmp_path)
-    status, out, err = run(capsys, "artifact", "pull", "--policy", site.policy,
-                           "--manifest", site.manifest("tiny"), "--source", f"{server.url}/tiny/")
+    status, out, err = run(
+        capsys,
+        "artifact",
+        "pull",
+        "--policy",
+        site.policy,
+        "--manifest",
+        site.manifest("tiny"),
+        "--source",
+        f"{server.url}/tiny/",
+    )
     assert status == 0, err
     result = json.loads(out)
     assert (result["ok"], result["changed"], result["name"]) == (True, True, "tiny")
@@ -69,8 +81,17 @@ def test_pull_fetches_verifies_and_promotes_then_list_shows_it(
         assert (Path(result["path"]) / path).read_bytes() == data
     assert "tiny 1.0:" in err and "ETA" in err  # plain progress lines: stderr is not a terminal here
 
-    status, out, _ = run(capsys, "artifact", "pull", "--policy", site.policy,
-                         "--manifest", site.manifest("tiny"), "--source", f"{server.url}/tiny/")
+    status, out, _ = run(
+        capsys,
+        "artifact",
+        "pull",
+        "--policy",
+        site.policy,
+        "--manifest",
+        site.manifest("tiny"),
+        "--source",
+        f"{server.url}/tiny/",
+    )
     assert (status, json.loads(out)["changed"]) == (0, False)
 
     status, out, _ = run(capsys, "artifact", "list", "--policy", site.policy)
@@ -87,8 +108,17 @@ def test_pull_refuses_a_manifest_from_an_untrusted_key_and_fetches_nothing(
     tmp_path: Path, server: ArtifactServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     site = Site(tmp_path)
-    status, out, _ = run(capsys, "artifact", "pull", "--policy", site.policy,
-                         "--manifest", site.manifest("tiny", keys=[make_key()]), "--source", f"{server.url}/tiny/")
+    status, out, _ = run(
+        capsys,
+        "artifact",
+        "pull",
+        "--policy",
+        site.policy,
+        "--manifest",
+        site.manifest("tiny", keys=[make_key()]),
+        "--source",
+        f"{server.url}/tiny/",
+    )
     assert status == 1
     assert json.loads(out)["reason"] == "threshold-not-met"
     assert server.requests == []
@@ -100,8 +130,17 @@ def test_pull_of_a_substituted_file_fails_and_promotes_nothing(
 ) -> None:
     site = Site(tmp_path)
     server.files["tiny/config.json"] = b'{"layers": 3}'  # same size, other bytes
-    status, out, _ = run(capsys, "artifact", "pull", "--policy", site.policy,
-                         "--manifest", site.manifest("tiny"), "--source", f"{server.url}/tiny/")
+    status, out, _ = run(
+        capsys,
+        "artifact",
+        "pull",
+        "--policy",
+        site.policy,
+        "--manifest",
+        site.manifest("tiny"),
+        "--source",
+        f"{server.url}/tiny/",
+    )
     assert status == 1
     assert json.loads(out)["reason"] == "ArtifactIntegrityError"
     status, out, _ = run(capsys, "artifact", "list", "--policy", site.policy, "--json")

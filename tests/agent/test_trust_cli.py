@@ -61,8 +61,20 @@ class Host:
 
     def verify(self, capsys: pytest.CaptureFixture[str], path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
         status, out, err = run_cli(
-            capsys, "verify", "--policy", self.policy, "--kind", "desired-state", "--node-id", NODE_ID,
-            "--state-dir", self.state_dir, "--at", AT, *extra, path,
+            capsys,
+            "verify",
+            "--policy",
+            self.policy,
+            "--kind",
+            "desired-state",
+            "--node-id",
+            NODE_ID,
+            "--state-dir",
+            self.state_dir,
+            "--at",
+            AT,
+            *extra,
+            path,
         )
         lines = out.splitlines()
         assert len(lines) == 1, f"verify must print exactly one JSON line, got {out!r} (stderr {err!r})"
@@ -99,12 +111,18 @@ ATTACKS: dict[str, Callable[[Host], Path]] = {
     "schema": lambda h: h.envelope("unknown-field.json", generation=9, lease_epoch=2, run_as_root=True),
     "wrong-node": lambda h: h.envelope("other-node.json", generation=9, lease_epoch=2, node_id="gpu-node-2"),
     "expired": lambda h: h.envelope(
-        "expired.json", generation=9, lease_epoch=2,
-        issued_at=format_rfc3339(NOW - timedelta(hours=2)), expires_at=format_rfc3339(NOW - timedelta(seconds=1)),
+        "expired.json",
+        generation=9,
+        lease_epoch=2,
+        issued_at=format_rfc3339(NOW - timedelta(hours=2)),
+        expires_at=format_rfc3339(NOW - timedelta(seconds=1)),
     ),
     "not-yet-valid": lambda h: h.envelope(
-        "future.json", generation=9, lease_epoch=2,
-        issued_at=format_rfc3339(NOW + timedelta(minutes=6)), expires_at=format_rfc3339(NOW + timedelta(hours=2)),
+        "future.json",
+        generation=9,
+        lease_epoch=2,
+        issued_at=format_rfc3339(NOW + timedelta(minutes=6)),
+        expires_at=format_rfc3339(NOW + timedelta(hours=2)),
     ),
     "replayed": lambda h: h.envelope("older.json", generation=4, lease_epoch=2),
     "stale-epoch": lambda h: h.envelope("fenced.json", generation=9, lease_epoch=1),
@@ -146,9 +164,15 @@ def test_accept_record_then_same_envelope_is_already_applied(host: Host, capsys:
     status, first = host.verify(capsys, path, "--record")
     assert status == 0
     assert first == {
-        "accepted": True, "kind": "desired-state", "signers": [host.control.keyid], "node_id": NODE_ID,
-        "generation": 3, "lease_epoch": 1, "expires_at": format_rfc3339(NOW + timedelta(hours=1)),
-        "already_applied": False, "recorded": True,
+        "accepted": True,
+        "kind": "desired-state",
+        "signers": [host.control.keyid],
+        "node_id": NODE_ID,
+        "generation": 3,
+        "lease_epoch": 1,
+        "expires_at": format_rfc3339(NOW + timedelta(hours=1)),
+        "already_applied": False,
+        "recorded": True,
     }
     recorded = json.loads((host.state_dir / "applied.json").read_text())
     assert (recorded["generation"], recorded["epoch"]) == (3, 1)
@@ -168,8 +192,19 @@ def test_at_verifies_as_of_another_time(host: Host, capsys: pytest.CaptureFixtur
     path = host.envelope("gen3.json", generation=3)
     later = format_rfc3339(NOW + timedelta(hours=2))
     status, out, _ = run_cli(
-        capsys, "verify", "--policy", host.policy, "--kind", "desired-state", "--node-id", NODE_ID,
-        "--state-dir", host.state_dir, "--at", later, path,
+        capsys,
+        "verify",
+        "--policy",
+        host.policy,
+        "--kind",
+        "desired-state",
+        "--node-id",
+        NODE_ID,
+        "--state-dir",
+        host.state_dir,
+        "--at",
+        later,
+        path,
     )
     assert status == 1
     assert json.loads(out)["reason"] == "expired"
@@ -188,8 +223,17 @@ def test_usage_and_policy_errors_exit_2_naming_the_problem(
 ) -> None:
     (host.root / "bad-policy.yaml").write_text("trust:\n  control: {threshold: 0, public_keys: [keys/control-0.pem]}\n")
     envelope_path = host.envelope("gen3.json", generation=3)
-    argv = ["verify", "--policy", str(host.policy), "--kind", "desired-state", "--node-id", NODE_ID,
-            "--state-dir", str(host.state_dir)]
+    argv = [
+        "verify",
+        "--policy",
+        str(host.policy),
+        "--kind",
+        "desired-state",
+        "--node-id",
+        NODE_ID,
+        "--state-dir",
+        str(host.state_dir),
+    ]
     tail = [part.format(root=host.root) for part in argv_tail]
     if tail[0].startswith("--"):
         argv += [*tail, str(envelope_path)]
@@ -205,8 +249,18 @@ def test_usage_and_policy_errors_exit_2_naming_the_problem(
 
 def test_bad_at_is_a_usage_error(host: Host, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        cli.main(["verify", "--policy", str(host.policy), "--kind", "desired-state", "--at", "yesterday",
-                  str(host.envelope("gen3.json"))])
+        cli.main(
+            [
+                "verify",
+                "--policy",
+                str(host.policy),
+                "--kind",
+                "desired-state",
+                "--at",
+                "yesterday",
+                str(host.envelope("gen3.json")),
+            ]
+        )
     assert exited.value.code == 2
     assert "RFC 3339" in capsys.readouterr().err
 
@@ -239,8 +293,9 @@ def test_sign_with_several_keys_meets_a_threshold_of_two(tmp_path: Path, capsys:
     payload = tmp_path / "state.json"
     payload.write_text(json.dumps(desired_state(generation=2)))
 
-    status, out, _ = run_cli(capsys, "sign", "--key", tmp_path / "a.pem", "--key", tmp_path / "b.pem",
-                             "--type", "desired-state", payload)
+    status, out, _ = run_cli(
+        capsys, "sign", "--key", tmp_path / "a.pem", "--key", tmp_path / "b.pem", "--type", "desired-state", payload
+    )
     assert status == 0
     document = json.loads(out)
     assert document["payloadType"] == dsse.PAYLOAD_TYPES["desired-state"]
@@ -248,8 +303,21 @@ def test_sign_with_several_keys_meets_a_threshold_of_two(tmp_path: Path, capsys:
 
     policy = write_policy(tmp_path / "p", control=keys, control_threshold=2)
     (tmp_path / "env.json").write_text(out)
-    status, out, _ = run_cli(capsys, "verify", "--policy", policy, "--kind", "desired-state", "--node-id", NODE_ID,
-                             "--state-dir", tmp_path / "state", "--at", AT, tmp_path / "env.json")
+    status, out, _ = run_cli(
+        capsys,
+        "verify",
+        "--policy",
+        policy,
+        "--kind",
+        "desired-state",
+        "--node-id",
+        NODE_ID,
+        "--state-dir",
+        tmp_path / "state",
+        "--at",
+        AT,
+        tmp_path / "env.json",
+    )
     assert status == 0, out
     assert sorted(json.loads(out)["signers"]) == sorted(k.keyid for k in keys)
 
@@ -258,8 +326,12 @@ def key_from_file(path: Path) -> SigningKey:
     """The key ``keygen`` wrote, in the form the test helpers take."""
     private_pem = path.read_bytes()
     private = dsse.load_private_key_pem(private_pem)
-    return SigningKey(private=private, keyid=dsse.keyid_for(private.public_key()),
-                      public_pem=dsse.public_key_pem(private.public_key()), private_pem=private_pem)
+    return SigningKey(
+        private=private,
+        keyid=dsse.keyid_for(private.public_key()),
+        public_pem=dsse.public_key_pem(private.public_key()),
+        private_pem=private_pem,
+    )
 
 
 def test_sign_refuses_a_document_hosts_would_reject(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -278,8 +350,14 @@ def test_console_script_round_trip(tmp_path: Path) -> None:
     """The installed ``meridian-node`` entry point, as other tools call it."""
 
     def run(*argv: str | Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(MERIDIAN_NODE), *map(str, argv)], capture_output=True, text=True,
-                              cwd=tmp_path, env=dict(os.environ), check=False)
+        return subprocess.run(
+            [str(MERIDIAN_NODE), *map(str, argv)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=dict(os.environ),
+            check=False,
+        )
 
     keyid = run("keygen", "--out", "control.pem").stdout.strip()
     (tmp_path / "policy.yaml").write_text("trust:\n  control: {threshold: 1, public_keys: [control.pub.pem]}\n")
@@ -287,13 +365,37 @@ def test_console_script_round_trip(tmp_path: Path) -> None:
     signed_run = run("sign", "--key", "control.pem", "--type", "desired-state", "--out", "env.json", "state.json")
     assert signed_run.returncode == 0, signed_run.stderr
 
-    accepted = run("verify", "--policy", "policy.yaml", "--kind", "desired-state", "--node-id", NODE_ID,
-                   "--state-dir", "state", "--at", AT, "env.json")
+    accepted = run(
+        "verify",
+        "--policy",
+        "policy.yaml",
+        "--kind",
+        "desired-state",
+        "--node-id",
+        NODE_ID,
+        "--state-dir",
+        "state",
+        "--at",
+        AT,
+        "env.json",
+    )
     assert accepted.returncode == 0, accepted.stderr
     assert json.loads(accepted.stdout)["signers"] == [keyid]
 
-    wrong_kind = run("verify", "--policy", "policy.yaml", "--kind", "bundle", "--node-id", NODE_ID,
-                     "--state-dir", "state", "--at", AT, "env.json")
+    wrong_kind = run(
+        "verify",
+        "--policy",
+        "policy.yaml",
+        "--kind",
+        "bundle",
+        "--node-id",
+        NODE_ID,
+        "--state-dir",
+        "state",
+        "--at",
+        AT,
+        "env.json",
+    )
     assert wrong_kind.returncode == 1
     assert json.loads(wrong_kind.stdout)["reason"] == "wrong-payload-type"
 

@@ -421,8 +421,18 @@ def test_verify_reads_the_record_root_decides_by_and_says_a_damaged_one_is_damag
     assert node.run_root()[0] == 0
     older = tmp_path / "older.json"
     older.write_bytes(signed("desired-state", _state(4), [CONTROL]))
-    argv = ["--config", str(node.config_path), "verify", "--policy", node.config.policy, "--kind", "desired-state",
-            "--node-id", NODE_ID, str(older)]
+    argv = [
+        "--config",
+        str(node.config_path),
+        "verify",
+        "--policy",
+        node.config.policy,
+        "--kind",
+        "desired-state",
+        "--node-id",
+        NODE_ID,
+        str(older),
+    ]
 
     assert cli_main(argv) == 1
     assert json.loads(capsys.readouterr().out)["reason"] == "replayed"  # root's record, not the agent's (empty)

@@ -37,8 +37,10 @@ def test_air_gap_caps_take_sizes(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("section", "expected"),
     [
-        ("{scratch_dir: scratch}", "air_gap.scratch_dir: must be an absolute path without '.', '..', '//' or a "
-                                   "trailing '/' (got 'scratch')"),
+        (
+            "{scratch_dir: scratch}",
+            "air_gap.scratch_dir: must be an absolute path without '.', '..', '//' or a trailing '/' (got 'scratch')",
+        ),
         ("{scratch_dir: /srv/../tmp}", "air_gap.scratch_dir: must be an absolute path"),
         ("{scratch_dir: /}", "air_gap.scratch_dir: must be an absolute path"),
         ("{max_bytes: lots}", "air_gap.max_bytes: must be a byte count or a size like 500G"),

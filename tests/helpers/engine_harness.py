@@ -42,7 +42,6 @@ def free_ports(count: int) -> list[int]:
     return found
 
 
-
 def run_playbook(
     playbook: Path,
     *,
@@ -75,6 +74,7 @@ def run_playbook(
         text=True,
         timeout=600,
     )
+
 
 class Host:
     """A policy, an artifact store and a state dir in a temporary directory; runs playbooks against them."""

@@ -20,7 +20,12 @@ OLD = "hash-old"
 SPEC = {"image": "registry.local/vllm@sha256:" + "1" * 64, "port": 8000}
 
 DRAIN, STOP, REMOVE, CREATE, START, READY = (
-    Action.DRAIN, Action.STOP, Action.REMOVE, Action.CREATE, Action.START, Action.WAIT_READY,
+    Action.DRAIN,
+    Action.STOP,
+    Action.REMOVE,
+    Action.CREATE,
+    Action.START,
+    Action.WAIT_READY,
 )
 
 
@@ -70,8 +75,9 @@ ROWS: list[tuple[str, Observed | None, str, tuple[Action, ...]]] = [
 
 @pytest.mark.parametrize(("state", "observed", "strategy", "expected"), ROWS)
 def test_plan(state: Any, observed: Observed | None, strategy: Any, expected: tuple[Action, ...]) -> None:
-    plan = plan_engine(name="chat", state=state, config_hash=NEW, spec=SPEC, observed=observed,
-                       replace_strategy=strategy)
+    plan = plan_engine(
+        name="chat", state=state, config_hash=NEW, spec=SPEC, observed=observed, replace_strategy=strategy
+    )
     assert plan.actions == expected
     assert plan.changed is bool(expected)
 

@@ -27,8 +27,6 @@ VENV_BIN = REPO / ".venv" / "bin"
 SWITCHES = {f"00000000:0{n}:00.0" for n in range(5, 9)}
 
 
-
-
 @pytest.fixture(scope="module")
 def fake_module() -> ModuleType:
     return load_fake_pynvml()

@@ -196,9 +196,7 @@ def test_manifests_may_name_no_local_directory_unless_store_local_sources_lists_
         pytest.param("store: {local_source: [/srv]}", "store.local_source: unknown field", id="misspelt"),
     ],
 )
-def test_malformed_store_local_sources_are_refused_naming_the_entry(
-    policy_dir: Path, text: str, expected: str
-) -> None:
+def test_malformed_store_local_sources_are_refused_naming_the_entry(policy_dir: Path, text: str, expected: str) -> None:
     assert expected in error_for(policy_dir, with_control(text))
 
 

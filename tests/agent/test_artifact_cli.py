@@ -58,21 +58,16 @@ def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, st
     return status, out, err
 
 
+def pull(capsys: pytest.CaptureFixture[str], site: Site, manifest: object, source: str) -> tuple[int, str, str]:
+    """``meridian-node artifact pull`` of one manifest from one source, with the site's policy."""
+    return run(capsys, "artifact", "pull", "--policy", site.policy, "--manifest", manifest, "--source", source)
+
+
 def test_pull_fetches_verifies_and_promotes_then_list_shows_it(
     tmp_path: Path, server: ArtifactServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     site = Site(tmp_path)
-    status, out, err = run(
-        capsys,
-        "artifact",
-        "pull",
-        "--policy",
-        site.policy,
-        "--manifest",
-        site.manifest("tiny"),
-        "--source",
-        f"{server.url}/tiny/",
-    )
+    status, out, err = pull(capsys, site, site.manifest("tiny"), f"{server.url}/tiny/")
     assert status == 0, err
     result = json.loads(out)
     assert (result["ok"], result["changed"], result["name"]) == (True, True, "tiny")
@@ -81,17 +76,7 @@ def test_pull_fetches_verifies_and_promotes_then_list_shows_it(
         assert (Path(result["path"]) / path).read_bytes() == data
     assert "tiny 1.0:" in err and "ETA" in err  # plain progress lines: stderr is not a terminal here
 
-    status, out, _ = run(
-        capsys,
-        "artifact",
-        "pull",
-        "--policy",
-        site.policy,
-        "--manifest",
-        site.manifest("tiny"),
-        "--source",
-        f"{server.url}/tiny/",
-    )
+    status, out, _ = pull(capsys, site, site.manifest("tiny"), f"{server.url}/tiny/")
     assert (status, json.loads(out)["changed"]) == (0, False)
 
     status, out, _ = run(capsys, "artifact", "list", "--policy", site.policy)
@@ -108,17 +93,7 @@ def test_pull_refuses_a_manifest_from_an_untrusted_key_and_fetches_nothing(
     tmp_path: Path, server: ArtifactServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     site = Site(tmp_path)
-    status, out, _ = run(
-        capsys,
-        "artifact",
-        "pull",
-        "--policy",
-        site.policy,
-        "--manifest",
-        site.manifest("tiny", keys=[make_key()]),
-        "--source",
-        f"{server.url}/tiny/",
-    )
+    status, out, _ = pull(capsys, site, site.manifest("tiny", keys=[make_key()]), f"{server.url}/tiny/")
     assert status == 1
     assert json.loads(out)["reason"] == "threshold-not-met"
     assert server.requests == []
@@ -130,17 +105,7 @@ def test_pull_of_a_substituted_file_fails_and_promotes_nothing(
 ) -> None:
     site = Site(tmp_path)
     server.files["tiny/config.json"] = b'{"layers": 3}'  # same size, other bytes
-    status, out, _ = run(
-        capsys,
-        "artifact",
-        "pull",
-        "--policy",
-        site.policy,
-        "--manifest",
-        site.manifest("tiny"),
-        "--source",
-        f"{server.url}/tiny/",
-    )
+    status, out, _ = pull(capsys, site, site.manifest("tiny"), f"{server.url}/tiny/")
     assert status == 1
     assert json.loads(out)["reason"] == "ArtifactIntegrityError"
     status, out, _ = run(capsys, "artifact", "list", "--policy", site.policy, "--json")

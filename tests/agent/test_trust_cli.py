@@ -359,43 +359,21 @@ def test_console_script_round_trip(tmp_path: Path) -> None:
             check=False,
         )
 
+    def verify(kind: str) -> subprocess.CompletedProcess[str]:
+        options = ["--policy", "policy.yaml", "--kind", kind, "--node-id", NODE_ID, "--state-dir", "state"]
+        return run("verify", *options, "--at", AT, "env.json")
+
     keyid = run("keygen", "--out", "control.pem").stdout.strip()
     (tmp_path / "policy.yaml").write_text("trust:\n  control: {threshold: 1, public_keys: [control.pub.pem]}\n")
     (tmp_path / "state.json").write_text(json.dumps(desired_state(generation=1)))
     signed_run = run("sign", "--key", "control.pem", "--type", "desired-state", "--out", "env.json", "state.json")
     assert signed_run.returncode == 0, signed_run.stderr
 
-    accepted = run(
-        "verify",
-        "--policy",
-        "policy.yaml",
-        "--kind",
-        "desired-state",
-        "--node-id",
-        NODE_ID,
-        "--state-dir",
-        "state",
-        "--at",
-        AT,
-        "env.json",
-    )
+    accepted = verify("desired-state")
     assert accepted.returncode == 0, accepted.stderr
     assert json.loads(accepted.stdout)["signers"] == [keyid]
 
-    wrong_kind = run(
-        "verify",
-        "--policy",
-        "policy.yaml",
-        "--kind",
-        "bundle",
-        "--node-id",
-        NODE_ID,
-        "--state-dir",
-        "state",
-        "--at",
-        AT,
-        "env.json",
-    )
+    wrong_kind = verify("bundle")
     assert wrong_kind.returncode == 1
     assert json.loads(wrong_kind.stdout)["reason"] == "wrong-payload-type"
 

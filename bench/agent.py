@@ -14,9 +14,12 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
    beside the run the same way (``ReadyWatch``): probing starts at Docker's start event for the container,
    because a probe sent while Docker is still starting it stalls in Docker's port proxy and delays what it
    measures. Where each side's last 1-engine sample went follows: the agent's steps from its oplog, its
-   ansible-runner journal and Docker's events; ansible-pull's from Docker's events.
+   ansible-runner journal and Docker's events; ansible-pull's from Docker's events. The agent's ``engine_set``
+   task runs in Ansible's worker here (local, the controller's interpreter: its action plugin), ansible-pull's
+   ``engine_instance`` task as a module.
 2. publish-to-all-ready of a state with 8 stand-in engines through the agent, against the one-engine figure
-   of 1. Medians, and the ratio 8 engines / 1 engine (target <= 1.3).
+   of 1. Medians, and the ratio 8 engines / 1 engine (target <= 1.3), with Docker's own share (docker-py
+   alone, no agent) and where the last round's 8-engine sample went (the first and last create and start).
    1 and 2 are measured in the same --repeat rounds, the three samples of a round in an order that rotates
    from round to round, each sample starting from no engine at all: before each, the agent is handed a state
    with no engines (it drains and removes its own) and ansible-pull's engine is removed, unmeasured. The
@@ -321,26 +324,41 @@ class PublishFigures:
     one_run: str  # the journal runs of the last round's applies
     fleet_run: str
     one_timeline: list[tuple[str, float]]  # the last round's 1-engine sample: (step, seconds from its start)
+    fleet_timeline: list[tuple[str, float]]  # its FLEET-engine sample
     pull_timeline: list[tuple[str, float]]  # and ansible-pull's
     rss_kib: int  # the idle agent afterwards
     hwm_kib: int
 
 
-def container_events(client: Any, name: str, since: float) -> dict[str, float]:
-    """The wall-clock times of the first create and start Docker reports for container ``name`` at or after
-    ``since`` (a ``time.time()``), from the daemon's own nanosecond event stamps."""
-    seen: dict[str, float] = {}
+def container_events(client: Any, names: Sequence[str], since: float) -> dict[str, dict[str, float]]:
+    """Per container of ``names``, the wall-clock times of the first create and start Docker reports at or
+    after ``since`` (a ``time.time()``), from the daemon's own nanosecond event stamps."""
+    seen: dict[str, dict[str, float]] = {name: {} for name in names}
     query = client.events(since=int(since) - 1, until=int(time.time()) + 1, decode=True, filters={"type": "container"})
     for event in query:
         action, at = event.get("Action"), int(event["timeNano"]) / 1e9
-        named = (event.get("Actor") or {}).get("Attributes", {}).get("name") == name
-        if named and action in ("create", "start") and at >= since and action not in seen:
-            seen[str(action)] = at
+        name = (event.get("Actor") or {}).get("Attributes", {}).get("name")
+        if name in seen and action in ("create", "start") and at >= since and action not in seen[name]:
+            seen[name][str(action)] = at
     return seen
 
 
+def docker_steps(seen: Mapping[str, Mapping[str, float]]) -> list[tuple[str, float | None]]:
+    """The create and start steps of ``container_events``: for one container its own, for several the first
+    and the last of each."""
+    if len(seen) == 1:
+        (only,) = seen.values()
+        return [("Docker creates the container", only.get("create")), ("Docker starts it", only.get("start"))]
+    steps: list[tuple[str, float | None]] = []
+    for action, verb in (("create", "creates"), ("start", "starts")):
+        times = sorted(stamps[action] for stamps in seen.values() if action in stamps)
+        if len(times) == len(seen):
+            steps += [(f"Docker {verb} the first of {len(seen)}", times[0]), (f"Docker {verb} the last", times[-1])]
+    return steps
+
+
 def agent_timeline(
-    setup: Setup, client: Any, ident: str, wall0: float, published: float, ready: float
+    setup: Setup, client: Any, names: Sequence[str], ident: str, wall0: float, published: float, ready: float
 ) -> list[tuple[str, float]]:
     """Where one publish-to-ready went: each step's wall-clock time, as seconds after the publish began."""
     oplog = [json.loads(line) for line in (setup.root / "state" / "oplog.jsonl").read_text().splitlines() if line]
@@ -358,15 +376,13 @@ def agent_timeline(
                 return datetime.fromisoformat(event["created"]).timestamp()
         return None
 
-    docker_seen = container_events(client, setup.engine, wall0)
     steps = [
         ("the publish command exits", published),
         ("the agent starts the apply (oplog)", datetime.fromisoformat(started[0]).timestamp() if started else None),
         ("ansible-playbook's first event", created("playbook_on_start")),
         ("the engine task starts", created("playbook_on_task_start", "Converge the engines")),
-        ("Docker creates the container", docker_seen.get("create")),
-        ("Docker starts it", docker_seen.get("start")),
-        ("the engine answers ready", ready),
+        *docker_steps(container_events(client, names, wall0)),
+        ("the engine answers ready" if len(names) == 1 else "the last engine answers ready", ready),
     ]
     return [(step, at - wall0) for step, at in steps if at is not None]
 
@@ -430,7 +446,7 @@ def publish_to_ready(setup: Setup, client: Any, repeat: int) -> PublishFigures:
     pull: list[float] = []
     publishes: list[float] = []
     runs = {"one": "", "fleet": ""}
-    timelines: dict[str, list[tuple[str, float]]] = {"one": [], "pull": []}
+    timelines: dict[str, list[tuple[str, float]]] = {"one": [], "fleet": [], "pull": []}
     peer = PullPeer(setup)
     all_ports = [setup.port, *setup.fleet_ports]
 
@@ -445,20 +461,16 @@ def publish_to_ready(setup: Setup, client: Any, repeat: int) -> PublishFigures:
             ready = watch.wait()
             wait_applied(setup, process, generation)
             runs[key] = applied_run(setup)
-            if key == "one":
-                timelines["one"] = agent_timeline(
-                    setup, client, runs[key], wall0, wall0 + published - start, wall0 + ready - start
-                )
+            names = [engine["name"] for engine in engines]
+            timelines[key] = agent_timeline(
+                setup, client, names, runs[key], wall0, wall0 + published - start, wall0 + ready - start
+            )
             return ready - start
 
         def pull_sample() -> float:
             wall0 = time.time()
             seconds = peer.sample(client)
-            docker_seen = container_events(client, setup.engine, wall0)
-            steps = [
-                ("Docker creates the container", docker_seen.get("create")),
-                ("Docker starts it", docker_seen.get("start")),
-            ]
+            steps = docker_steps(container_events(client, [setup.engine], wall0))
             timelines["pull"] = [(step, at - wall0) for step, at in steps if at is not None]
             timelines["pull"].append(("the engine answers ready", seconds))
             return seconds
@@ -495,6 +507,7 @@ def publish_to_ready(setup: Setup, client: Any, repeat: int) -> PublishFigures:
         one_run=runs["one"],
         fleet_run=runs["fleet"],
         one_timeline=timelines["one"],
+        fleet_timeline=timelines["fleet"],
         pull_timeline=timelines["pull"],
         rss_kib=rss,
         hwm_kib=hwm,
@@ -825,8 +838,12 @@ def main() -> None:
         f"{FLEET} side by side {floor_fleet:.2f} s; the agent's {FLEET}-vs-1 ratio cannot go below "
         f"{(figures.one + floor_fleet - floor_one) / figures.one:.2f} on this machine"
     )
-    for label, timeline in (("meridian-node run", figures.one_timeline), ("ansible-pull", figures.pull_timeline)):
-        print(f"  where the last round's 1-engine sample went, {label} (seconds after the publish / commit began):")
+    for label, timeline in (
+        ("1-engine sample went, meridian-node run", figures.one_timeline),
+        ("1-engine sample went, ansible-pull", figures.pull_timeline),
+        (f"{FLEET}-engine sample went, meridian-node run", figures.fleet_timeline),
+    ):
+        print(f"  where the last round's {label} (seconds after the publish / commit began):")
         for step, seconds in timeline:
             print(f"    {seconds:5.2f} s  {step}")
     for label, (playbook_s, tasks) in (("1 engine", one_run), (f"{FLEET} engines", fleet_run)):

@@ -12,8 +12,10 @@ Prints:
    Our module also probes each engine's readiness once per run; docker_container does not.
    Beside it, the same no-op through one ``meridian.node.engine_set`` task listing the same --count engines
    (the same containers: the same settings hash the same), as a ratio to docker_container (target <= 0.25).
-   The four playbooks run in interleaved rounds (baseline, engine_instance, engine_set, docker_container, then
-   again), so a machine that slows down or speeds up during the run weighs on all of them alike.
+   That task runs in Ansible's worker (local connection, the controller's interpreter: engine_set's action
+   plugin), the others as modules; the engine_set figure run as a module is printed beside it.
+   The five playbooks run in interleaved rounds (baseline, engine_instance, engine_set both ways,
+   docker_container, then again), so a machine that slows down or speeds up during the run weighs on all of them alike.
 2. create-to-ready seconds for one stand-in engine through ``engine_instance.converge`` (create, start,
    wait until its readiness probe passes), median of --repeat; and for --count new engines through one
    ``engine_set.converge_set`` call (created, started and waited for side by side), as a multiple of the one.
@@ -146,13 +148,16 @@ class Bench:
         path.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [task]}]))
         return path
 
-    def set_playbook(self) -> Path:
-        """One engine_set task converging the same engines as the engine_instance loop."""
+    def set_playbook(self, *, in_worker: bool = True) -> Path:
+        """One engine_set task converging the same engines as the engine_instance loop, in Ansible's worker
+        (its action plugin's way here) or, with ``in_worker`` false, as a module."""
         shared = {"policy": str(self.policy), "state_dir": str(self.state_dir)}
         engines = [{k: v for k, v in spec.items() if k not in shared} for spec in self.ours]
-        path = self.root / "engine_set.yml"
+        path = self.root / ("engine_set.yml" if in_worker else "engine_set_module.yml")
         task = {"name": "converge", "meridian.node.engine_set": {"engines": engines, **shared}, "register": "converged"}
-        path.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [task]}]))
+        play = {"hosts": "localhost", "gather_facts": False, "tasks": [task]}
+        play["vars"] = {"meridian_engine_set_in_worker": in_worker}
+        path.write_text(json.dumps([play]))
         return path
 
     def run(self, playbook: Path) -> str:
@@ -274,19 +279,23 @@ def main() -> None:
             bench.run(theirs)
             baseline = bench.playbook("ansible.builtin.meta", list(range(args.count)))
             as_set = bench.set_playbook()
+            as_set_module = bench.set_playbook(in_worker=False)
             bench.noop_run(ours)
             bench.noop_run(as_set)
+            bench.noop_run(as_set_module)
             bench.noop_run(theirs)
             medians = interleaved_medians(
                 {
                     "base": lambda: bench.run(baseline),
                     "ours": lambda: bench.noop_run(ours),
                     "set": lambda: bench.noop_run(as_set),
+                    "set-module": lambda: bench.noop_run(as_set_module),
                     "theirs": lambda: bench.noop_run(theirs),
                 },
                 args.repeat,
             )
             t_base, t_ours, t_set, t_theirs = (medians[k] for k in ("base", "ours", "set", "theirs"))
+            t_set_module = medians["set-module"]
             t_inproc = bench.inprocess_noop(args.repeat)
             ready = bench.create_to_ready(args.repeat)
             set_ready = bench.set_create_to_ready(args.repeat)
@@ -297,7 +306,8 @@ def main() -> None:
         f"median of {args.repeat} interleaved rounds:"
     )
     print(f"  meridian.node.engine_instance      {t_ours:7.2f} s  ({args.count} loop items)")
-    print(f"  meridian.node.engine_set           {t_set:7.2f} s  (one task)")
+    print(f"  meridian.node.engine_set           {t_set:7.2f} s  (one task, in Ansible's worker)")
+    print(f"  meridian.node.engine_set as module {t_set_module:7.2f} s  (meridian_engine_set_in_worker=false)")
     print(f"  community.docker.docker_container  {t_theirs:7.2f} s")
     print(f"  ansible.builtin.meta noop (start-up) {t_base:5.2f} s")
     print(f"  ratio ours/theirs                  {t_ours / t_theirs:7.2f}  (target <= 1.0)")
@@ -305,6 +315,7 @@ def main() -> None:
     print(f"  ratio engine_set/theirs            {t_set / t_theirs:7.2f}  (target <= 0.25)")
     print(f"  ratio engine_set/theirs w/o start-up {(t_set - t_base) / max(t_theirs - t_base, 1e-9):5.2f}")
     print(f"  ratio engine_set/engine_instance   {t_set / t_ours:7.2f}")
+    print(f"  ratio engine_set module/theirs     {t_set_module / t_theirs:7.2f}")
     print(f"  engine_instance.converge in process, no Ansible  {t_inproc:5.2f} s for all {args.count}")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(COLLECTIONS), os.environ.get("PYTHONPATH", "")])
     ours_import, theirs_import = import_seconds(OUR_IMPORTS, args.repeat), import_seconds(THEIR_IMPORTS, args.repeat)

@@ -1,7 +1,8 @@
 """Attribute documentation shared by every meridian.node module.
 
 Use ``meridian.node.attributes`` for the attributes every module declares (check_mode, diff_mode,
-idempotent) and add ``meridian.node.attributes.facts`` for modules that return ``ansible_facts``.
+idempotent), add ``meridian.node.attributes.facts`` for modules that return ``ansible_facts`` and
+``meridian.node.attributes.action`` for modules with an action plugin of the same name.
 Modules then only state their ``support`` level for each attribute.
 """
 
@@ -29,4 +30,15 @@ attributes:
   facts:
     description:
       - Action returns an C(ansible_facts) dictionary that will update existing host facts.
+"""
+
+    ACTION = r"""
+options: {}
+attributes:
+  action:
+    description:
+      - Has an action plugin of the same name, so part or all of the work can happen on the controller.
+  async:
+    description:
+      - Supports being used with the C(async) keyword.
 """

@@ -1,6 +1,7 @@
 # Copyright: (c) 2026, meridian.node developers
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The argument spec of one engine, shared by ``engine_instance`` (one engine) and ``engine_set`` (a list).
+"""The argument spec of one engine, shared by ``engine_instance`` (one engine) and ``engine_set`` (a list),
+and the options of how both run (``RUN_OPTIONS``).
 
 One copy, so that an option added to an engine reaches both modules with the same type, default and no_log.
 """
@@ -52,3 +53,15 @@ ENGINE_SPEC_OPTIONS: dict[str, Any] = {
 
 # Where the spec is required: every state but absent.
 SPEC_REQUIRED_IF = [("state", state, SPEC_REQUIRED) for state in ("present", "started", "stopped")]
+
+# How either module waits, drains and finds the host's policy, state and store (top-level options of both).
+RUN_OPTIONS: dict[str, Any] = {
+    "wait_ready": {"type": "bool", "default": True},
+    "ready_timeout": {"type": "int", "default": 600},
+    "drain_timeout": {"type": "int", "default": 300},
+    "drain_grace": {"type": "int", "default": 10},
+    "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
+    "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
+    "store_path": {"type": "path"},
+    "owner": {"type": "str"},
+}

@@ -376,7 +376,11 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_instance impo
     Options,
     converge,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engine_options import ENGINE_SPEC_OPTIONS, SPEC_REQUIRED_IF
+from ansible_collections.meridian.node.plugins.module_utils.engine_options import (
+    ENGINE_SPEC_OPTIONS,
+    RUN_OPTIONS,
+    SPEC_REQUIRED_IF,
+)
 from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YAML_IMPORT_ERROR
 
 
@@ -384,14 +388,7 @@ def main() -> None:
     module = AnsibleModule(
         argument_spec={
             **ENGINE_SPEC_OPTIONS,
-            "wait_ready": {"type": "bool", "default": True},
-            "ready_timeout": {"type": "int", "default": 600},
-            "drain_timeout": {"type": "int", "default": 300},
-            "drain_grace": {"type": "int", "default": 10},
-            "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
-            "store_path": {"type": "path"},
-            "owner": {"type": "str"},
+            **RUN_OPTIONS,
         },
         required_if=SPEC_REQUIRED_IF,
         supports_check_mode=True,

@@ -250,7 +250,21 @@ options:
     type: path
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.action
 attributes:
+  action:
+    support: full
+    details:
+      - When the task runs on the controller itself (connection C(local), no C(become), no C(delegate_to), no
+        C(async), no task C(environment)) and C(ansible_python_interpreter) is the controller's own interpreter,
+        the action plugin converges the set in Ansible's worker process, with this module's code, argument
+        validation and no_log masking, without starting a module process. Set the variable
+        C(meridian_engine_set_in_worker) to V(false) to always run the module. C(-vvv) says which way each task
+        went, and why.
+  async:
+    support: full
+    details:
+      - An C(async) task always runs as a module.
   check_mode:
     support: full
   diff_mode:
@@ -341,60 +355,30 @@ diff:
   type: dict
 """
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.meridian.node.plugins.module_utils.engine_options import ENGINE_SPEC_OPTIONS, SPEC_REQUIRED_IF
-from ansible_collections.meridian.node.plugins.module_utils.engine_set import EngineSetError, run_engine_set
-from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YAML_IMPORT_ERROR
-
-ENGINE_OPTIONS = {
-    **ENGINE_SPEC_OPTIONS,
-    "ready_timeout": {"type": "int"},
-    "drain_timeout": {"type": "int"},
-    "drain_grace": {"type": "int"},
-}
-
-ARGUMENT_SPEC = {
-    "engines": {
-        "type": "list",
-        "elements": "dict",
-        "options": ENGINE_OPTIONS,
-        "required_if": SPEC_REQUIRED_IF,
-    },
-    "envelope": {"type": "path"},
-    "node_id": {"type": "str"},
-    "record": {"type": "bool", "default": False},
-    "owner": {"type": "str"},
-    "prune": {"type": "bool"},
-    "wait_ready": {"type": "bool", "default": True},
-    "parallel": {"type": "int", "default": 8},
-    "ready_timeout": {"type": "int", "default": 600},
-    "drain_timeout": {"type": "int", "default": 300},
-    "drain_grace": {"type": "int", "default": 10},
-    "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-    "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
-    "store_path": {"type": "path"},
-}
+from ansible_collections.meridian.node.plugins.module_utils.engine_set_args import (
+    ARGUMENT_SPEC,
+    MUTUALLY_EXCLUSIVE,
+    REQUIRED_ONE_OF,
+    REQUIRED_TOGETHER,
+    engine_set_outcome,
+)
 
 
 def main() -> None:
     module = AnsibleModule(
         argument_spec=ARGUMENT_SPEC,
-        mutually_exclusive=[["engines", "envelope"]],
-        required_one_of=[["engines", "envelope"]],
-        required_together=[["envelope", "node_id"]],
+        mutually_exclusive=MUTUALLY_EXCLUSIVE,
+        required_one_of=REQUIRED_ONE_OF,
+        required_together=REQUIRED_TOGETHER,
         supports_check_mode=True,
     )
-    if YAML_IMPORT_ERROR is not None:
-        module.fail_json(msg=missing_required_lib("PyYAML"), exception=YAML_IMPORT_ERROR)
-    try:
-        result = run_engine_set(module.params, check_mode=module.check_mode)
-    except EngineSetError as exc:
-        if exc.missing_library is not None:
-            module.fail_json(msg=missing_required_lib(exc.missing_library[0]), exception=exc.missing_library[1])
-        module.fail_json(msg=str(exc), **exc.result)
+    result = engine_set_outcome(module.params, check_mode=module.check_mode)
     for warning in result.pop("warnings", []):
         module.warn(warning)
+    if result.pop("failed", False):
+        module.fail_json(**result)
     module.exit_json(**result)
 
 

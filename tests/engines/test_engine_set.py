@@ -360,10 +360,9 @@ def signed_state(path: Path, key: Any, generation: int, engines: list[dict[str, 
     return path
 
 
-def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
-    tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
-) -> None:
-    key = make_key()
+def signed_policy_host(tmp_path: Path, docker_client: Any, key: Any, **store: Any) -> Host:
+    """A host whose policy takes desired states signed by ``key``: vllm stand-ins only; ``store`` joins the
+    store's settings."""
     host = Host(tmp_path, docker_client)
     host.policy = write_policy(
         tmp_path / "signed-policy",
@@ -371,9 +370,17 @@ def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
         extra={
             "images": {"allowed_repositories": ["meridian-node/standin"]},
             "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
-            "store": {"path": str(host.store)},
+            "store": {"path": str(host.store), **store},
         },
     )
+    return host
+
+
+def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
+    tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
+) -> None:
+    key = make_key()
+    host = signed_policy_host(tmp_path, docker_client, key)
     ports = free_ports(2)
     served, never = f"{prefix}-served", f"{prefix}-never"
     wanted = engine(vllm, served, ports[0], env={"HF_TOKEN": SECRET})

@@ -49,8 +49,12 @@ def run_playbook(
     collections: str | None = None,
     extra_env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
+    host_vars: str = f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
 ) -> subprocess.CompletedProcess[str]:
-    """``ansible-playbook`` against localhost (local connection, the venv's interpreter), as the tests run it."""
+    """``ansible-playbook`` against localhost (local connection, the venv's interpreter), as the tests run it.
+
+    ``host_vars`` go in as extra vars, which nothing in a playbook overrides: a test that sets the interpreter
+    per task passes only the connection."""
     env = {
         **os.environ,
         "ANSIBLE_COLLECTIONS_PATH": collections or str(REPO / ".build" / "collections"),
@@ -65,7 +69,7 @@ def run_playbook(
             "-i",
             "localhost,",
             "-e",
-            f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
+            host_vars,
             *extra_args,
             str(playbook),
         ],

@@ -376,11 +376,9 @@ def signed_policy_host(tmp_path: Path, docker_client: Any, key: Any, **store: An
     return host
 
 
-def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
-    tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
-) -> None:
-    key = make_key()
-    host = signed_policy_host(tmp_path, docker_client, key)
+def failing_then_good(tmp_path: Path, key: Any, vllm: LocalImage, prefix: str) -> tuple[str, str, Path, Path]:
+    """Two signed generations: 1 lists an engine that serves and one that never gets ready, both with SECRET in
+    their env; 2 lists only the one that serves. (served, never, generation 1's file, generation 2's file)."""
     ports = free_ports(2)
     served, never = f"{prefix}-served", f"{prefix}-never"
     wanted = engine(vllm, served, ports[0], env={"HF_TOKEN": SECRET})
@@ -390,6 +388,15 @@ def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
         1,
         [wanted, engine(vllm, never, ports[1], env={**LOADING_FOREVER, "OTHER": SECRET})],
     )
+    return served, never, failing, signed_state(tmp_path / "gen2.json", key, 2, [wanted])
+
+
+def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
+    tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
+) -> None:
+    key = make_key()
+    host = signed_policy_host(tmp_path, docker_client, key)
+    served, never, failing, good = failing_then_good(tmp_path, key, vllm, prefix)
     envelope = {"envelope": str(failing), "node_id": NODE_ID, "record": True, "ready_timeout": 3}
     results, output = play(host, [("apply", envelope, False)], verbose=True)
 
@@ -399,7 +406,6 @@ def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
     assert StateStore(host.state_dir).load().generation == 0, "a failed apply was recorded"
     assert host.container(served).labels[LABEL_OWNER] == f"agent:{NODE_ID}", apply
 
-    good = signed_state(tmp_path / "gen2.json", key, 2, [wanted])
     envelope = {"envelope": str(good), "node_id": NODE_ID, "record": True}
     second, more = play(host, [("apply", envelope, False), ("again", envelope, False)], verbose=True)
 

@@ -20,11 +20,10 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.tests.engines.test_engine_set import (
-    LOADING_FOREVER,
     SECRET,
     engine,
+    failing_then_good,
     signed_policy_host,
-    signed_state,
 )
 from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     SERVER,
@@ -127,13 +126,7 @@ def test_envelope_form_records_and_fails_alike_both_ways(
 ) -> None:
     key = make_key()
     host = signed_policy_host(tmp_path, docker_client, key)
-    ports = free_ports(2)
-    served, never = f"{prefix}-served", f"{prefix}-never"
-    wanted = engine(vllm, served, ports[0], env={"HF_TOKEN": SECRET})
-    failing = signed_state(
-        tmp_path / "gen1.json", key, 1, [wanted, engine(vllm, never, ports[1], env={**LOADING_FOREVER, "X": SECRET})]
-    )
-    good = signed_state(tmp_path / "gen2.json", key, 2, [wanted])
+    _served, _never, failing, good = failing_then_good(tmp_path, key, vllm, prefix)
     form = {"node_id": NODE_ID, "record": True, "owner": f"agent:{NODE_ID}", "prune": True, "ready_timeout": 3}
     steps = [
         ("failing", {"envelope": str(failing), **form}, False),

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,11 @@ from ansible_collections.meridian.node.plugins.module_utils.trust import verify_
 from ansible_collections.meridian.node.tests.helpers.engine_harness import (
     BIND,
     PORTS,
-    SERVER,
     Host,
     free_ports,
     hold_requests,
 )
-from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
+from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     NODE_ID,
     artifact_manifest,
@@ -50,24 +48,6 @@ SECRET = "tok-93b1e6d2-engine-set-secret"
 # Env values are masked wherever they appear, so an engine kept loading is told so with a value that cannot
 # occur in a name or a message (STANDIN_NEVER_READY=1 would mask every digit 1).
 LOADING_FOREVER = {"STANDIN_LOAD_SECONDS": "86400"}
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-es-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
-        container.remove(force=True)
-
-
-@pytest.fixture(scope="module")
-def vllm(docker_client: Any, standin_base_image: LocalImage) -> LocalImage:
-    return ensure_engine_image(docker_client, standin_base_image, SERVER, engine="vllm")
-
-
-@pytest.fixture
-def host(tmp_path: Path, docker_client: Any) -> Host:
-    return Host(tmp_path, docker_client)
 
 
 def engine(image: LocalImage, name: str, port: int, **extra: Any) -> dict[str, Any]:

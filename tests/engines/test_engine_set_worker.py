@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,28 +24,17 @@ from ansible_collections.meridian.node.tests.engines.test_engine_set import (
     signed_policy_host,
 )
 from ansible_collections.meridian.node.tests.helpers.engine_harness import (
-    SERVER,
     VENV_BIN,
     Host,
     free_ports,
     run_playbook,
 )
-from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage, ensure_engine_image
+from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import NODE_ID, make_key
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 WAYS = {"worker": ["-e", "meridian_engine_set_in_worker=true"], "module": ["-e", "meridian_engine_set_in_worker=false"]}
-
-
-@pytest.fixture(scope="module")
-def vllm(docker_client: Any, standin_base_image: LocalImage) -> LocalImage:
-    return ensure_engine_image(docker_client, standin_base_image, SERVER, engine="vllm")
-
-
-@pytest.fixture
-def host(tmp_path: Path, docker_client: Any) -> Host:
-    return Host(tmp_path, docker_client)
 
 
 def worker_python(output: str) -> str:
@@ -68,14 +55,6 @@ def without_ids(value: Any) -> Any:
 
 def remove(host: Host, prefix: str) -> None:
     for container in host.client.containers.list(all=True, filters={"name": prefix}):
-        container.remove(force=True)
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-esw-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
         container.remove(force=True)
 
 

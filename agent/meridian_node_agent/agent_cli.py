@@ -252,7 +252,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status_document(config, applied, read_status(state_dir), oplog, certificate), sort_keys=True))
         return 0
-    print(format_status(config, applied.generation, applied.epoch, read_status(state_dir), oplog, certificate, now))
+    print(
+        format_status(
+            config,
+            applied.generation,
+            applied.epoch,
+            read_status(state_dir),
+            oplog,
+            certificate,
+            now,
+            accepted=applied.accepted,
+        )
+    )
     return 0
 
 
@@ -269,6 +280,14 @@ def status_document(
         "node_id": config.node_id,
         "mode": config.mode,
         "applied": {"generation": applied.generation, "epoch": applied.epoch, "payload_sha256": applied.payload_sha256},
+        # A generation accepted (its apply started) and not recorded applied: it failed or was cut short.
+        "accepted": None
+        if applied.accepted is None
+        else {
+            "generation": applied.accepted.generation,
+            "epoch": applied.accepted.epoch,
+            "payload_sha256": applied.accepted.payload_sha256,
+        },
         "last_operation": None if last is None else {k: v for k, v in asdict(last).items() if v is not None},
         "agent": status,  # None when the agent has not written one yet
         "certificate": None
@@ -289,6 +308,7 @@ def format_status(
     oplog: OpLog,
     certificate: CertificateInfo | None = None,
     now: datetime | None = None,
+    accepted: Any = None,
 ) -> str:
     last = oplog.last()
     run = (status or {}).get("last_run") or {}
@@ -300,6 +320,7 @@ def format_status(
         ("lease epoch", _text((status or {}).get("lease_epoch"))),
         ("lease expires", _text((status or {}).get("lease_expires_at"))),
         ("applied generation", f"{generation} (epoch {epoch})"),
+        *([("accepted generation", _accepted_text(accepted, generation))] if accepted is not None else []),
         ("last run", f"{last.run_ident} {last.result} at {last.at}" if last else "none"),
         ("last run tasks", f"changed {run.get('changed', '-')}, failed {run.get('failed', '-')}" if run else "-"),
         (
@@ -323,6 +344,15 @@ def format_status(
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
 
 
+def _accepted_text(accepted: Any, applied: int) -> str:
+    return (
+        f"{accepted.generation} (epoch {accepted.epoch}), not applied: its apply failed or was cut short, so "
+        f"generation {applied} may not be what runs; nothing below {accepted.generation} is applied any more, "
+        f"and generation {accepted.generation} is applied again on retry. To go back, publish a new generation "
+        "with the old content"
+    )
+
+
 def _air_gap_text(air_gap: dict[str, Any] | None) -> str:
     """The inbox's last bundle, the generation applied from bundles and the outbox's last record number."""
     if not air_gap:
@@ -336,7 +366,14 @@ def _air_gap_text(air_gap: dict[str, Any] | None) -> str:
     sequence = air_gap.get("outbox_sequence")
     return (
         f"inbox {air_gap.get('inbox')} taken by {air_gap.get('taken_by')}; {last}; applied generation "
-        f"{air_gap.get('applied_generation')}; outbox {air_gap.get('outbox')} at record "
+        f"{air_gap.get('applied_generation')}"
+        + (
+            f" (generation {air_gap['accepted_generation']} accepted, its apply failed or was cut short: older "
+            "bundles are refused)"
+            if air_gap.get("accepted_generation")
+            else ""
+        )
+        + f"; outbox {air_gap.get('outbox')} at record "
         f"{'none yet' if sequence is None else sequence}"
     )
 

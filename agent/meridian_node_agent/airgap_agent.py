@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils.lockfile import LockTimeout
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
 from meridian_node_agent.airgap_inbox import BundleResult, InboxProcessor, close_interrupted
@@ -143,6 +144,10 @@ class AirGapAgent:
             while True:
                 try:
                     result = self.run_pass()
+                except LockTimeout as exc:
+                    # Another process (a second ``run``) holds the inbox: busy, said as such, and a failed pass.
+                    self.log.error("inbox-busy", error=str(exc))
+                    result = PassResult([], [], failed=True)
                 except OSError as exc:
                     # The inbox or outbox went away (media unmounted) or a disk filled: say so and try
                     # again next pass; the engines keep running meanwhile.
@@ -188,7 +193,9 @@ class AirGapAgent:
             written.append(self._journal(summary, outcome.bundle_id, self.record.load().epoch))
         applied = self.record.load()
         written.extend(self._observe(applied.generation, applied.epoch))
-        self._write_status(applied.generation, applied.epoch)
+        self._write_status(
+            applied.generation, applied.epoch, None if applied.accepted is None else applied.accepted.generation
+        )
         return PassResult(outcomes, written)
 
     def _root_pass(self) -> PassResult:
@@ -231,7 +238,8 @@ class AirGapAgent:
         if self.last_bundle is None:
             self.last_bundle = seen.get("last_bundle")
         written.extend(self._observe(generation, epoch))
-        self._write_status(generation, epoch)
+        accepted = document.applied.accepted
+        self._write_status(generation, epoch, None if accepted is None else accepted.generation)
         return PassResult(fresh, written)
 
     def _seen(self) -> dict[str, Any]:
@@ -280,8 +288,10 @@ class AirGapAgent:
         self._observed_at = now
         return [path]
 
-    def _write_status(self, generation: int, epoch: int) -> None:
-        """``status.json`` in air-gapped mode: what ``meridian-node status`` shows of the inbox and outbox."""
+    def _write_status(self, generation: int, epoch: int, accepted: int | None = None) -> None:
+        """``status.json`` in air-gapped mode: what ``meridian-node status`` shows of the inbox and outbox;
+        ``accepted``, a generation the applier accepted and has not recorded applied (its apply failed or
+        was cut short)."""
         document = {
             "mode": self.config.mode,
             "applied_generation": generation,
@@ -293,6 +303,7 @@ class AirGapAgent:
                 "taken_by": "root (meridian-node-airgap.service)" if self.split else "the agent",
                 "last_bundle": self.last_bundle,
                 "applied_generation": generation,
+                "accepted_generation": accepted,
                 "outbox": self.air_gap.outbox,
                 "outbox_sequence": self.outbox.last_sequence(),
             },

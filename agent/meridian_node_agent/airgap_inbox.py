@@ -12,12 +12,12 @@ only a bundle still being written (``changed-while-read``) stays for a later pas
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import stat
 import subprocess
 import sys
+import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -36,8 +36,9 @@ from ansible_collections.meridian.node.plugins.module_utils.bundle_reader import
 from ansible_collections.meridian.node.plugins.module_utils.bundle_stage import stage_artifacts
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils.lockfile import LOCK_WAIT_SECONDS, hold_lock
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy
-from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore
+from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 from meridian_node_agent.apply import Applier, ApplyResult
 from meridian_node_agent.logs import EventLogger
 from meridian_node_agent.oplog import OpLog
@@ -64,6 +65,8 @@ REJECTED_DIR = "rejected"
 BUNDLE_PLAYBOOK = "reconcile.yml"
 _IN_PROGRESS_SUFFIXES = (".part", ".partial")
 _COLLECTION_INSTALL_SECONDS = 300.0
+_MANIFEST_SEARCH_MEMBERS = 64
+_MAX_COLLECTION_MANIFEST_BYTES = 1024 * 1024
 
 
 class EntryKind(StrEnum):
@@ -226,16 +229,13 @@ class InboxProcessor:
         self.record = StateStore(self.record_dir)
         self.make_applier = applier or Applier
 
-    def process_once(self) -> list[BundleOutcome]:
-        """One pass; none when another process (a second ``run``, root's unit) holds the inbox lock, so a
-        bundle is never taken twice at once."""
+    def process_once(self, *, lock_wait: float = LOCK_WAIT_SECONDS) -> list[BundleOutcome]:
+        """One pass under the inbox lock, so a bundle is never taken twice at once. The lock is the applier's
+        own (``lockfile``: 0600, a file an older release left open to others is replaced); held by another
+        process (a second ``run``, root's unit) for longer than ``lock_wait`` seconds, it raises
+        ``lockfile.LockTimeout``: the caller reports the inbox busy, never "no bundle"."""
         self.record_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with (self.record_dir / LOCK_FILE).open("a") as lock:
-            try:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self.log.info("inbox-busy", lock=str(self.record_dir / LOCK_FILE))
-                return []
+        with hold_lock(self.record_dir / LOCK_FILE, wait_seconds=lock_wait, what="the air-gap inbox lock"):
             return self._pass()
 
     def _pass(self) -> list[BundleOutcome]:
@@ -285,6 +285,17 @@ class InboxProcessor:
                 return BundleOutcome(name, BundleResult.LEFT, BundleProblem.CHANGED.value, message)
             return BundleOutcome(name, BundleResult.REJECTED, exc.reason.value, exc.message, exc.member)
         try:
+            shadow = _shadowing_collection(unpacked)
+            if shadow is not None:
+                bundle = unpacked.verified.bundle
+                return BundleOutcome(
+                    name,
+                    BundleResult.REJECTED,
+                    BundleProblem.CODE_REFUSED.value,
+                    shadow,
+                    bundle_id=bundle.bundle_id,
+                    generation=bundle.generation,
+                )
             return self._apply(name, unpacked)
         finally:
             unpacked.discard()
@@ -304,6 +315,12 @@ class InboxProcessor:
         if desired.already_applied:
             message = f"generation {state.generation} is the one applied: nothing to do"
             return outcome(BundleResult.ALREADY_APPLIED, "already-applied", message)
+        try:
+            # Durable before anything is staged or run: whatever becomes of this apply (failed, hung, killed),
+            # nothing below this generation is applied after it; this bundle's own bytes may run again.
+            self.record.record_accepted(state.generation, state.lease_epoch, desired.payload_sha256)
+        except StateStoreError as exc:
+            return outcome(BundleResult.APPLY_FAILED, "not-accepted", f"nothing was applied: {exc}")
         tree = Path(unpacked.directory) / "tree"
         try:
             self._stage_artifacts(unpacked)
@@ -405,6 +422,53 @@ def _fingerprint(path: Path) -> tuple[int, int, int] | None:
     except FileNotFoundError:
         return None
     return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def _shadowing_collection(unpacked: UnpackedBundle) -> str | None:
+    """Why the bundle's collection may not run, or None: it must not be ``meridian.node`` itself.
+
+    The host's own meridian.node verifies the state and records what was applied; a shipped copy would
+    replace that code for those steps. The host's collection comes first on the collections path anyway
+    (``Applier``), so a shipped meridian.node would be dead weight that operators believe runs: it is
+    refused, and a new meridian.node reaches air-gapped hosts as the host's package, as everywhere else.
+    """
+    tarballs = [path for path in unpacked.files if path.startswith("collection/")]
+    if not tarballs:
+        return None
+    try:
+        namespace, name = _collection_identity(Path(unpacked.files[tarballs[0]]))
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        return f"the bundle's {tarballs[0]} is not a collection tarball ansible-galaxy builds: {exc}"
+    if (namespace, name) == ("meridian", "node"):
+        return (
+            f"the bundle's {tarballs[0]} is the meridian.node collection itself, which would replace the host's "
+            "own verifier and record keeping: ship site additions as a collection of their own, and upgrade "
+            "meridian.node as the host's package"
+        )
+    return None
+
+
+def _collection_identity(tarball: Path) -> tuple[str, str]:
+    """``(namespace, name)`` from the tarball's MANIFEST.json (``ansible-galaxy collection build`` writes it
+    first); at most a few members are looked at and 1 MiB of the manifest read."""
+    with tarfile.open(tarball, mode="r:gz") as tar:
+        for _ in range(_MANIFEST_SEARCH_MEMBERS):
+            member = tar.next()
+            if member is None:
+                break
+            if member.name.removeprefix("./") != "MANIFEST.json" or not member.isfile():
+                continue
+            handle = tar.extractfile(member)
+            if handle is None or member.size > _MAX_COLLECTION_MANIFEST_BYTES:
+                raise ValueError(f"MANIFEST.json is larger than {_MAX_COLLECTION_MANIFEST_BYTES} bytes")
+            document = json.loads(handle.read())
+            info = document.get("collection_info") if isinstance(document, dict) else None
+            namespace = info.get("namespace") if isinstance(info, dict) else None
+            name = info.get("name") if isinstance(info, dict) else None
+            if not isinstance(namespace, str) or not isinstance(name, str):
+                raise ValueError("MANIFEST.json names no collection_info.namespace and name")
+            return namespace, name
+    raise ValueError(f"no MANIFEST.json among its first {_MANIFEST_SEARCH_MEMBERS} members")
 
 
 def _install_collection(tarball: Path, work: Path) -> Path:

@@ -38,6 +38,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     format_rfc3339,
 )
 from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils.lockfile import LOCK_WAIT_SECONDS, LockTimeout
 from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 from meridian_node_agent.apply_root import BoundaryError, RootDir, apply_lock
@@ -48,6 +49,7 @@ __all__ = [
     "OUTCOMES_FILE",
     "VERB",
     "OutcomesError",
+    "RootAccepted",
     "RootOutcome",
     "RootOutcomes",
     "add_parsers",
@@ -107,9 +109,19 @@ class RootOutcome(_Strict):
     run: RootRun | None
 
 
+class RootAccepted(_Strict):
+    """The generation root accepted (its apply started) and has not recorded applied: failed, cut short or
+    still running. Nothing below it is applied any more."""
+
+    generation: Annotated[int, Field(ge=1, le=2**63 - 1)]
+    epoch: Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
 class RootApplied(_Strict):
     generation: Annotated[int, Field(ge=0, le=2**63 - 1)]
     epoch: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    # Absent in files written before root recorded its decisions.
+    accepted: RootAccepted | None = None
 
 
 class RootOutcomes(_Strict):
@@ -128,6 +140,12 @@ def parse_outcomes(raw: bytes, *, path: Path, node_id: str) -> RootOutcomes:
         raise OutcomesError(f"{path}: {describe_validation_error(exc)}") from exc
     if document.node_id != node_id:
         raise OutcomesError(f"{path} was written for node {document.node_id!r}, not this node {node_id!r}")
+    accepted = document.applied.accepted
+    if accepted is not None and accepted.generation <= document.applied.generation:
+        raise OutcomesError(
+            f"{path}: applied.accepted.generation {accepted.generation} must be above applied.generation "
+            f"{document.applied.generation} (root lists only a generation accepted and not yet applied)"
+        )
     sequences = [outcome.sequence for outcome in document.outcomes]
     if sequences != sorted(set(sequences)):
         raise OutcomesError(f"{path}: the outcomes' sequence numbers must increase strictly, got {sequences}")
@@ -166,7 +184,13 @@ def publish_outcomes(root: RootDir, *, node_id: str, outcomes: Sequence[Any], no
         format=1,
         node_id=node_id,
         written_at=format_rfc3339(now),
-        applied=RootApplied(generation=applied.generation, epoch=applied.epoch),
+        applied=RootApplied(
+            generation=applied.generation,
+            epoch=applied.epoch,
+            accepted=None
+            if applied.accepted is None
+            else RootAccepted(generation=applied.accepted.generation, epoch=applied.accepted.epoch),
+        ),
         outcomes=kept[-MAX_OUTCOMES:],
     )
     data = document.model_dump_json(indent=1).encode("utf-8") + b"\n"
@@ -316,8 +340,18 @@ def cmd_airgap_inbox(args: argparse.Namespace) -> int:
     try:
         with apply_lock(root, wait=True), watch_directory(Path(config.air_gap.inbox)) as watch:
             outcomes = take_bundles(
-                config, root, policy, untrusted_uid=agent[0], file_group=inbox.st_gid, wait=watch.wait
+                config,
+                root,
+                policy,
+                untrusted_uid=agent[0],
+                file_group=inbox.st_gid,
+                wait=watch.wait,
+                lock_wait=LOCK_WAIT_SECONDS,
             )
+    except LockTimeout as exc:
+        # Busy is not "empty": a bundle may be waiting, and the run must fail so that someone looks.
+        print(f"error: inbox-busy: {exc}; bundles stay in {config.air_gap.inbox} for the next run", file=sys.stderr)
+        return 1
     except (OSError, StateStoreError, OutcomesError) as exc:
         # Bundles filed before the error keep their reason files in processed/ or rejected/.
         print(
@@ -354,11 +388,13 @@ def take_bundles(
     clock: Callable[[], datetime] | None = None,
     applier: Callable[..., Any] | None = None,
     wait: Callable[[float], None] | None = None,
+    lock_wait: float = LOCK_WAIT_SECONDS,
 ) -> list[Any]:
     """Passes over the inbox with root's record until one takes nothing new; after each that took a bundle,
     ``engines.json`` then the outcomes are published (the agent observes right after it reads an outcome).
     A pass that only left a bundle still being written waits (``wait``: inotify on the inbox, at most
-    ``air_gap.poll_seconds``) and looks again; without ``wait`` the run ends there."""
+    ``air_gap.poll_seconds``) and looks again; without ``wait`` the run ends there. The inbox lock held by
+    another process for longer than ``lock_wait`` seconds raises ``lockfile.LockTimeout`` (``inbox-busy``)."""
     from meridian_node_agent.airgap_inbox import BundleResult, InboxProcessor, close_interrupted
     from meridian_node_agent.apply_cli import refresh_inventory
     from meridian_node_agent.logs import EventLogger
@@ -380,7 +416,7 @@ def take_bundles(
     )
     taken: list[Any] = []
     for _ in range(_MAX_PASSES):
-        outcomes = processor.process_once()
+        outcomes = processor.process_once(lock_wait=lock_wait)
         taken.extend(outcomes)
         filed = [outcome for outcome in outcomes if outcome.result != BundleResult.LEFT]
         if not filed:

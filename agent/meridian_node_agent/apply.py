@@ -144,11 +144,12 @@ class Applier:
         self.clock = clock or (lambda: datetime.now(UTC))
         self.python = python
         collections, playbooks = collection_paths()
-        # An air-gap bundle's own collection comes first (its meridian.node wins over the host's), the
-        # host's after it, for the modules a site collection does not ship.
+        # The host's own collection comes first: meridian.node, which verifies and records, is always the
+        # host's copy (the inbox also refuses a bundle shipping one); an air-gap bundle's collection, pinned
+        # by control, comes after it for what it adds.
         self.collections_path = str(collections)
         if collections_path is not None:
-            self.collections_path = f"{collections_path}{os.pathsep}{collections}"
+            self.collections_path = f"{collections}{os.pathsep}{collections_path}"
         self.playbook = playbook or playbooks / "reconcile.yml"
         self.extravars = dict(extravars or {})
         self.runs_dir = self.state_dir / "runs"

@@ -215,9 +215,8 @@ def answer_one(
         if refusal:
             return refuse(f"mode: {refusal}")
         # Root's record decides, read once: the epoch and generation checked here are the ones recorded.
-        verified = verify_desired_state(
-            envelope, policy, node_id=config.node_id, now=clock(), applied=StateStore(root.path).load()
-        )
+        record = StateStore(root.path)
+        verified = verify_desired_state(envelope, policy, node_id=config.node_id, now=clock(), applied=record.load())
     except Rejection as exc:
         return refuse(f"the envelope is rejected ({exc.code.value}): {exc.message}")
     except (SpoolError, PolicyError, StateStoreError) as exc:
@@ -225,6 +224,12 @@ def answer_one(
     state = verified.state
     if not ident.startswith(f"gen-{state.generation}-"):
         return refuse(f"the request names a run of another generation than the envelope's {state.generation}")
+    try:
+        # The decision is durable before anything runs: killed, hung or failed, this apply still moved the
+        # floor, so nothing below this generation is applied after it; these bytes may run again.
+        record.record_accepted(state.generation, state.lease_epoch, verified.payload_sha256)
+    except StateStoreError as exc:
+        return refuse(f"generation {state.generation} could not be recorded as accepted before its apply: {exc}")
     applier = Applier(
         state_dir=root.path,
         node_id=config.node_id,

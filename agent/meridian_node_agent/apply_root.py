@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ansible_collections.meridian.node.plugins.module_utils.lockfile import open_private_lock
 from meridian_node_agent.apply_spool import (
     MAX_REQUEST_BYTES,
     PUBLIC_DIR,
@@ -188,10 +189,12 @@ def apply_lock(root: RootDir, *, wait: bool) -> Iterator[bool]:
     """Hold ``<apply.state_dir>/apply.lock`` (``flock``, released when the block ends or the process dies).
 
     Yields True once held; with ``wait=False``, yields False at once when another root unit holds it. The
-    file is root's, in root's checked directory (0711): the agent can neither create nor hold it, so it
-    cannot keep root's observe unit from running or make an apply wait.
+    file is root's, 0600, in root's checked directory (0711), replaced if found open to others
+    (``lockfile.open_private_lock``): the agent can neither create nor hold it, so it cannot keep root's observe
+    unit from running or make an apply wait. Only root's units hold it, each within its unit's timeout, so
+    ``wait=True`` waits for the other unit's run to end.
     """
-    fd = os.open(root.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = open_private_lock(root.path / LOCK_FILE)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -26,11 +26,21 @@ from ansible_collections.meridian.node.plugins.module_utils.bundle_writer import
     write_bundle,
 )
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, parse_duration
+from ansible_collections.meridian.node.plugins.module_utils.runbook import listed_runbook
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YamlFileError, parse_yaml
 from meridian_node_agent.usage import UsageError
 
-__all__ = ["BundleInputs", "add_parsers", "build_bundle", "cmd_make_bundle", "is_envelope_file", "verify_bundle_file"]
+__all__ = [
+    "BundleInputs",
+    "add_parsers",
+    "build_bundle",
+    "cmd_make_bundle",
+    "cmd_runbook_pin",
+    "is_envelope_file",
+    "shipped_code_pin",
+    "verify_bundle_file",
+]
 
 _Body = TypeVar("_Body", contracts.DesiredState, contracts.ArtifactManifest)
 
@@ -80,6 +90,16 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
     make.add_argument("--bundle-id", default=None, metavar="NAME", help="default: g<generation>-<UTC time>")
     make.add_argument("--out", required=True, type=Path, metavar="FILE.tar")
     make.set_defaults(handler=cmd_make_bundle)
+    pin = subparsers.add_parser(
+        "runbook-pin",
+        help="print the runbook pin a desired state needs to ship code in a bundle",
+        description='Print {"runbook": {...}}: the digests of a playbook directory and a collection tarball '
+        "that a control-signed desired state must carry for an air-gap bundle to run them (docs/AIR_GAP.md, "
+        '"Shipped code"). Add it to the desired state before control signs it (devserver publish, sign).',
+    )
+    pin.add_argument("--playbooks", required=True, type=Path, metavar="DIR")
+    pin.add_argument("--collection", required=True, type=Path, metavar="TARBALL")
+    pin.set_defaults(handler=cmd_runbook_pin)
 
 
 @dataclass(frozen=True)
@@ -105,7 +125,9 @@ def cmd_make_bundle(args: argparse.Namespace) -> int:
         raise UsageError(f"--expires: {exc}") from None
     control_keys = [_private_key(path) for path in args.control_key]
     authority = [_private_key(path) for path in args.key]
-    desired = _desired_envelope(args.desired, control_keys)
+    # Signing the state here (--control-key), make-bundle is control: it pins the code it ships itself.
+    pin = shipped_code_pin(args.playbooks, args.collection) if control_keys else None
+    desired = _desired_envelope(args.desired, control_keys, pin)
     artifacts = []
     for spec in args.artifact:
         manifest, sep, directory = spec.partition(":")
@@ -141,6 +163,11 @@ def cmd_make_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_runbook_pin(args: argparse.Namespace) -> int:
+    print(json.dumps({"runbook": shipped_code_pin(args.playbooks, args.collection)}, sort_keys=True))
+    return 0
+
+
 def build_bundle(out: Path, inputs: BundleInputs) -> dict[str, Any]:
     """Check ``inputs``, write the bundle to ``out`` and return the signed payload. ``UsageError`` says
     what is wrong with an input; nothing is written then."""
@@ -168,18 +195,13 @@ def build_bundle(out: Path, inputs: BundleInputs) -> dict[str, Any]:
         members.append((f"{where}/manifest.json", str(manifest_path)))
         members.extend((f"{where}/files/{entry.path}", str(directory / entry.path)) for entry in manifest.files)
         manifests.append((manifest, where))
-    if (inputs.playbooks is None) != (inputs.collection is None):
-        raise UsageError("--playbooks and --collection go together: a bundle's playbooks run with its collection")
-    if inputs.playbooks is not None and inputs.collection is not None:
-        members.extend(_playbook_members(inputs.playbooks))
-        if not inputs.collection.name.endswith(".tar.gz"):
-            raise UsageError(f"--collection {inputs.collection}: a collection tarball is named <name>.tar.gz")
-        members.append((f"collection/{inputs.collection.name}", str(inputs.collection)))
+    members.extend(_code_members(inputs.playbooks, inputs.collection))
     try:
         planned = plan_members(members)
     except BundleWriteError as exc:
         raise UsageError(str(exc)) from None
     _check_manifest_files(manifests, planned)
+    _check_pin(state, planned)
     payload: dict[str, Any] = {
         "apiVersion": contracts.API_VERSION,
         "kind": "Bundle",
@@ -225,7 +247,50 @@ def _read_small(path: Path, what: str) -> bytes:
     return data
 
 
-def _desired_envelope(path: Path, control_keys: Sequence[Any]) -> dict[str, Any]:
+def _code_members(playbooks: Path | None, collection: Path | None) -> list[tuple[str, str]]:
+    """The ``(bundle path, source)`` of the shipped code: ``--playbooks``' files and ``--collection``."""
+    if (playbooks is None) != (collection is None):
+        raise UsageError("--playbooks and --collection go together: a bundle's playbooks run with its collection")
+    if playbooks is None or collection is None:
+        return []
+    if not collection.name.endswith(".tar.gz"):
+        raise UsageError(f"--collection {collection}: a collection tarball is named <name>.tar.gz")
+    return [*_playbook_members(playbooks), (f"collection/{collection.name}", str(collection))]
+
+
+def shipped_code_pin(playbooks: Path | None, collection: Path | None) -> dict[str, object] | None:
+    """The ``runbook`` a desired state must carry for these playbooks and collection to run (runbook.py)."""
+    try:
+        planned = plan_members(_code_members(playbooks, collection))
+    except BundleWriteError as exc:
+        raise UsageError(str(exc)) from None
+    return listed_runbook(member.listing() for member in planned)
+
+
+def _check_pin(state: contracts.DesiredState, planned: Sequence[PlannedMember]) -> None:
+    """Hosts refuse shipped code the state does not pin, and a pin whose code is missing: say so here."""
+    listed = listed_runbook(member.listing() for member in planned)
+    pinned = None if state.runbook is None else state.runbook.model_dump()
+    if listed == pinned:
+        return
+    if pinned is None:
+        raise UsageError(
+            f"--desired does not pin the code that --playbooks and --collection ship, and hosts run shipped code "
+            f'only when the control-signed state pins it: have control sign the state with "runbook": '
+            f"{json.dumps(listed)} (meridian-node runbook-pin prints it), or leave out --playbooks and --collection"
+        )
+    if listed is None:
+        raise UsageError(
+            f"--desired pins shipped code ({json.dumps(pinned)}) but no --playbooks and --collection were given: "
+            "pass the playbooks and collection control signed for"
+        )
+    raise UsageError(
+        f"--playbooks and --collection are not the code --desired pins: they give {json.dumps(listed)}, the state "
+        f"pins {json.dumps(pinned)}; ship exactly the files control signed for"
+    )
+
+
+def _desired_envelope(path: Path, control_keys: Sequence[Any], pin: dict[str, object] | None) -> dict[str, Any]:
     data = _read_small(path, "--desired")
     if not control_keys:
         try:
@@ -240,6 +305,8 @@ def _desired_envelope(path: Path, control_keys: Sequence[Any]) -> dict[str, Any]
     try:
         text = data.decode("utf-8")
         document = contracts.read_json(data) if path.suffix == ".json" else parse_yaml(text, what=f"--desired {path}")
+        if pin is not None and isinstance(document, dict) and "runbook" not in document:
+            document = {**document, "runbook": pin}
         state = contracts.DesiredState.model_validate(document)
     except (UnicodeDecodeError, contracts.JsonError, YamlFileError) as exc:
         raise UsageError(f"--desired {path}: {exc}") from None

@@ -22,6 +22,7 @@ VERB_MODULES = {
     "sign": "trust_cli",
     "verify": "trust_cli",
     "make-bundle": "bundle_cli",
+    "runbook-pin": "bundle_cli",
     "outbox-key": "airgap_agent",
     "enroll": "agent_cli",
     "run": "agent_cli",

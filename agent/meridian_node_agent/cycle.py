@@ -474,6 +474,10 @@ class Agent:
         self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch, reason=reason)
         started_at = self.clock()
         try:
+            # The decision, durable before the apply starts: a failed, hung or killed apply of this generation
+            # still moves the floor of this record. In-process it is the applier's record; under the split root
+            # records its own (the one that decides) and this copy keeps the agent from asking for older states.
+            self.store.record_accepted(state.generation, state.lease_epoch, verified.payload_sha256)
             result = self.applier.apply(
                 envelope,
                 generation=state.generation,

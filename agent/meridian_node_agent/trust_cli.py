@@ -29,6 +29,7 @@ from ansible_collections.meridian.node.plugins.module_utils.policy import (
     PolicyError,
     load_policy,
 )
+from ansible_collections.meridian.node.plugins.module_utils.runbook import shipped_code_problem
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 from meridian_node_agent.config import DEFAULT_APPLY_STATE_DIR
 from meridian_node_agent.usage import UsageError
@@ -173,6 +174,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except trust.Rejection as rejection:
         _emit({"accepted": False, "reason": rejection.code.value, "message": rejection.message})
         return 1
+    except _ShippedCodeRefused as refused:
+        _emit({"accepted": False, "reason": refused.reason, "message": refused.message})
+        return 1
     except (StateStoreError, OSError) as exc:
         # A damaged record is not a verdict on the envelope: say so on the same one-line channel.
         _emit({"accepted": False, "reason": "record-error", "message": str(exc)})
@@ -197,6 +201,10 @@ def _verify(
     applied = _load_applied(store)
     if kind == "bundle":
         bundle = trust.verify_bundle(data, policy, node_id=node_id, now=now, applied=applied)
+        # The listing is in bundle.json, so a bare envelope answers for its shipped code as the reader would.
+        problem = shipped_code_problem(bundle.bundle, bundle.desired.state, policy.air_gap.shipped_code)
+        if problem is not None:
+            raise _ShippedCodeRefused(*problem)
         verified = bundle.desired
         summary: dict[str, Any] = {"kind": kind, "bundle_id": bundle.bundle.bundle_id, "signers": list(bundle.signers)}
     else:
@@ -218,6 +226,13 @@ def _verify(
             raise UsageError(f"cannot record the applied state in {store.state_dir}: {exc}") from None
         summary["recorded"] = True
     return summary
+
+
+class _ShippedCodeRefused(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
 
 
 def _load_applied(store: StateStore) -> trust.AppliedState:

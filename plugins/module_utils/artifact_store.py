@@ -127,6 +127,7 @@ from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest, format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write, fsync_directory
+from ansible_collections.meridian.node.plugins.module_utils.lockfile import open_private_lock
 
 if TYPE_CHECKING:
     from ansible_collections.meridian.node.plugins.module_utils.policy import StorePolicy
@@ -236,7 +237,9 @@ class Store:
         self.check_trust()  # before creating anything: the path to the root must be ours to create in
         _makedirs(self.root)
         path = os.path.join(self.root, LOCK_FILE)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # 0600 and the writer's own (an older one left open to others is replaced): the store's root is 0711,
+        # so anyone could open a readable lock file by name and hold it.
+        fd = open_private_lock(path)
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:

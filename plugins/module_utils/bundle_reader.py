@@ -6,7 +6,8 @@ until the authority's signature says what to expect, and then checks each byte a
 1. The file must be a regular file (opened without following a symlink, without blocking on a FIFO).
 2. Its first tar member must be ``bundle.json``, at most ``MAX_ENVELOPE_BYTES``; it is verified by
    ``trust.verify_bundle`` (authority threshold, node, expiry, generation, and the control-signed state
-   inside) before any other member is looked at.
+   inside) before any other member is looked at; shipped code (``playbooks/``, ``collection/``) must then
+   be exactly what that state's ``runbook`` pins, and allowed by ``air_gap.shipped_code`` (``runbook.py``).
 3. The signed listing is checked against the policy's caps (``air_gap.max_members``, ``air_gap.max_bytes``)
    and the scratch filesystem's free space before a member is read.
 4. Each further tar header is refused unless it is a plain regular file (no symlink, hard link, device,
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Optional, Union
 
-from ansible_collections.meridian.node.plugins.module_utils import contracts, trust
+from ansible_collections.meridian.node.plugins.module_utils import contracts, runbook, trust
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
 from ansible_collections.meridian.node.plugins.module_utils.plain_checks import short_repr
 
@@ -105,6 +106,9 @@ class BundleProblem(StrEnum):
     ARTIFACT = "artifact-mismatch"
     SCRATCH = "scratch-unusable"
     SCRATCH_FULL = "scratch-full"
+    CODE_REFUSED = runbook.CODE_REFUSED
+    CODE_NOT_PINNED = runbook.CODE_NOT_PINNED
+    CODE_MISMATCH = runbook.CODE_MISMATCH
 
 
 Reason = Union[BundleProblem, trust.RejectionCode]
@@ -307,9 +311,13 @@ def _read_envelope(
         )
     data = _read_exactly(handle, first.offset_data, first.size, first.name)
     try:
-        return trust.verify_bundle(data, policy, node_id=node_id, now=now, applied=applied)
+        verified = trust.verify_bundle(data, policy, node_id=node_id, now=now, applied=applied)
     except trust.Rejection as rejection:
         raise BundleRefused(rejection.code, f"bundle.json: {rejection.message}", first.name) from rejection
+    problem = runbook.shipped_code_problem(verified.bundle, verified.desired.state, policy.air_gap.shipped_code)
+    if problem is not None:
+        raise BundleRefused(BundleProblem(problem[0]), f"bundle.json: {problem[1]}", first.name)
+    return verified
 
 
 def _check_caps(bundle: contracts.Bundle, policy: Policy, work: Optional[str]) -> None:

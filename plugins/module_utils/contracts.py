@@ -102,6 +102,7 @@ __all__ = [
     "Lease",
     "ManifestFile",
     "Observation",
+    "Runbook",
     "ServingProjection",
     "Signature",
     "ValidationError",
@@ -554,6 +555,16 @@ class EngineSpec(_Strict):
         return self
 
 
+class Runbook(_Strict):
+    """The code that applies this state when it travels in an air-gap bundle with ``playbooks/`` and
+    ``collection/``: their digests, pinned by the control keys (``runbook.py`` defines them). Without it a
+    bundle's shipped code never runs; online it is not consulted (nothing is shipped there)."""
+
+    format: Literal[1]
+    playbooks_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="the playbooks/ tree digest")]
+    collection_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the tarball")]
+
+
 class DesiredState(_Strict):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["DesiredState"]
@@ -564,6 +575,7 @@ class DesiredState(_Strict):
     expires_at: UtcTimestamp
     artifacts: list[ArtifactRef] = Field(default_factory=list)
     engines: list[EngineSpec] = Field(default_factory=list)
+    runbook: Optional[Runbook] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> DesiredState:

@@ -140,6 +140,9 @@ def run_engine_set(
     if envelope_path:
         envelope, verified = _verify(params, check_mode=check_mode)
         store_warnings = _check_artifacts(verified, params, check_mode=check_mode)
+        if params.get("record") and not check_mode and not verified["already_applied"]:
+            # Accepted before any engine changes: an apply cut short from here on still moves the floor.
+            _record(verified, params, accepted=True)
         owner = owner or f"agent:{params['node_id']}"
         prune = True if prune is None else prune
         specs = _envelope_engines(verified)
@@ -245,20 +248,27 @@ def _verify(params: Mapping[str, Any], *, check_mode: bool) -> tuple[bytes, dict
     return data, outcome.result
 
 
-def _record(verified: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
-    """Record the generation as applied, as the verification at the start of this run accepted it.
+def _record(verified: Mapping[str, Any], params: Mapping[str, Any], *, accepted: bool = False) -> bool:
+    """Record the generation as applied (or, with ``accepted``, as accepted before its engines change), as the
+    verification at the start of this run accepted it.
 
     Not verified a second time: that verification decides (a state that expires, or whose epoch is overtaken,
     while its engines converge was still the state to apply when the run began), and verifying again cost as
-    much as the first time. ``StateStore`` still refuses, under its lock, a generation below the recorded one
-    or the recorded one with other bytes, so a newer apply that recorded meanwhile is never undone.
+    much as the first time. ``StateStore`` still refuses, under its lock, a generation below the recorded or
+    accepted one or either with other bytes, so a newer apply that recorded meanwhile is never undone.
     """
     from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
 
     store = StateStore(str(params.get("state_dir") or "/var/lib/meridian-node-apply"))
+    record = store.record_accepted if accepted else store.record_applied
     try:
-        store.record_applied(int(verified["generation"]), int(verified["lease_epoch"]), str(verified["payload_sha256"]))
+        record(int(verified["generation"]), int(verified["lease_epoch"]), str(verified["payload_sha256"]))
     except (StateStoreError, ValueError) as exc:
+        if accepted:
+            raise EngineSetError(
+                f"recording desired state {params['envelope']} as accepted failed, so nothing was changed: {exc}",
+                result={"check": "record", "generation": verified["generation"], "recorded": False},
+            ) from None
         raise EngineSetError(
             f"every engine converged, but recording desired state {params['envelope']} failed: {exc}",
             result={"check": "record"},

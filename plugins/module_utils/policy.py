@@ -35,7 +35,9 @@ Choices worth knowing:
 - ``air_gap`` (docs/AIR_GAP.md) names ``scratch_dir``, the only directory the bundle reader writes to
   (absolute; default ``DEFAULT_BUNDLE_SCRATCH``, inside root's own directory), and the caps a bundle is
   refused beyond before any member is read: ``max_bytes`` (the sum of the sizes ``bundle.json`` lists;
-  a size like ``max_bytes`` of the store) and ``max_members``.
+  a size like ``max_bytes`` of the store) and ``max_members``; and ``shipped_code`` (``pinned``, the
+  default, or ``refuse``): whether a bundle's own playbooks and collection may run, and then only when the
+  control-signed state pins their digests (``runbook.py``).
 - YAML mappings with a duplicated key are refused: two ``trust:`` blocks would otherwise keep the last.
 - ``load_policy(path, keys=False)`` validates the whole file but reads no key: the engine modules check
   images, drivers and ports and verify no signature, and loading keys means importing ``cryptography``,
@@ -62,6 +64,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_spec import (
 from ansible_collections.meridian.node.plugins.module_utils.plain_checks import (
     FieldError,
     check_bool,
+    check_choice,
     check_int,
     check_list,
     check_mapping,
@@ -82,6 +85,7 @@ __all__ = [
     "DEFAULT_STORE_PATH",
     "LEGACY_STORE_PATH",
     "ROLES",
+    "SHIPPED_CODE",
     "AirGapPolicy",
     "Policy",
     "PolicyError",
@@ -337,21 +341,27 @@ def _agent(data: Any) -> AgentPolicy:
 
 # Root's own directory (the apply unit's StateDirectory=): the agent's user cannot swap a verified file there.
 DEFAULT_BUNDLE_SCRATCH = "/var/lib/meridian-node-apply/bundle-scratch"
+# air_gap.shipped_code: run a bundle's playbooks/ and collection/ only when control pinned them, or never.
+SHIPPED_CODE = ("pinned", "refuse")
 
 
 @dataclass(frozen=True)
 class AirGapPolicy:
     """Where and how much the bundle reader may write. ``scratch_dir`` is never the inbox: a file there
     is written by the reader alone, from bytes it hashed on the way in. ``max_bytes`` and ``max_members``
-    refuse a bundle whose signed listing asks for more, before any member is read."""
+    refuse a bundle whose signed listing asks for more, before any member is read. ``shipped_code`` says
+    whether a bundle's own ``playbooks/`` and ``collection/`` may run at all: ``pinned`` (the default) runs
+    them only when the control-signed state inside pins exactly those bytes (``runbook``), ``refuse`` refuses
+    every bundle that ships code, pinned or not."""
 
     scratch_dir: str = DEFAULT_BUNDLE_SCRATCH
     max_bytes: int = 1024**4
     max_members: int = 10_000
+    shipped_code: str = "pinned"
 
 
 def _air_gap(data: Any) -> AirGapPolicy:
-    document = check_mapping(data, "air_gap", optional=("scratch_dir", "max_bytes", "max_members"))
+    document = check_mapping(data, "air_gap", optional=("scratch_dir", "max_bytes", "max_members", "shipped_code"))
     scratch = check_str(document.get("scratch_dir", DEFAULT_BUNDLE_SCRATCH), "air_gap.scratch_dir")
     if not scratch.startswith("/") or os.path.normpath(scratch) != scratch or scratch == "/":
         raise FieldError(
@@ -366,7 +376,10 @@ def _air_gap(data: Any) -> AirGapPolicy:
     except ValueError as exc:
         raise FieldError("air_gap.max_bytes", str(exc)) from None
     members = check_int(document.get("max_members", AirGapPolicy.max_members), "air_gap.max_members", ge=1)
-    return AirGapPolicy(scratch, size, members)
+    shipped = check_choice(
+        document.get("shipped_code", AirGapPolicy.shipped_code), "air_gap.shipped_code", SHIPPED_CODE
+    )
+    return AirGapPolicy(scratch, size, members, shipped)
 
 
 # --- the loaded policy ----------------------------------------------------------------------------------

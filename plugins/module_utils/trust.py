@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_CLOCK_SKEW",
     "SIGNATURES_PER_KEY",
+    "AcceptedState",
     "AppliedState",
     "Rejection",
     "RejectionCode",
@@ -92,12 +93,29 @@ class Rejection(Exception):
 
 
 @dataclass(frozen=True)
+class AcceptedState:
+    """A generation the host decided to apply, recorded before its apply started: from then on it is the
+    floor, whether that apply succeeded, failed, hung or was killed."""
+
+    generation: int
+    epoch: int
+    payload_sha256: str
+
+
+@dataclass(frozen=True)
 class AppliedState:
-    """What the host has durably recorded: highest generation applied, highest lease epoch seen."""
+    """What the host has durably recorded: highest generation applied, highest lease epoch seen, and the
+    generation accepted beyond the applied one (``accepted``; None when the last one accepted is applied)."""
 
     generation: int = 0
     epoch: int = 0
     payload_sha256: str | None = None
+    accepted: AcceptedState | None = None
+
+    @property
+    def accepted_generation(self) -> int:
+        """The floor: nothing below it is applied again."""
+        return self.generation if self.accepted is None else max(self.generation, self.accepted.generation)
 
 
 @dataclass(frozen=True)
@@ -225,9 +243,11 @@ def verify_desired_state(
 
     Rejections after the signature check, in order: ``schema`` (including a lifetime, ``expires_at -
     issued_at``, beyond the policy's ``trust.control.max_lifetime``), ``wrong-node``, ``expired``,
-    ``not-yet-valid``, ``replayed`` (lower generation, or the applied generation with different
-    content), ``stale-epoch``. Only a state passing all of them can be ``already_applied`` (same
-    generation, same bytes): a re-delivery, which the caller turns into a no-op.
+    ``not-yet-valid``, ``replayed`` (a generation lower than the applied one or than the one accepted, or
+    either of those with different content), ``stale-epoch``. Only a state passing all of them can be
+    ``already_applied`` (the applied generation, same bytes): a re-delivery, which the caller turns into a
+    no-op. The generation accepted and not recorded applied, with its own bytes, is not ``already_applied``:
+    its apply failed or was cut short, and applying those bytes again is the retry and repair path.
     """
     _require_aware(now)
     envelope = _verify_role(data, policy, "desired-state", "control")
@@ -252,6 +272,22 @@ def verify_desired_state(
             f"generation {state.generation} is lower than the applied generation {applied.generation}: "
             "a replayed or rolled-back state",
         )
+    accepted = applied.accepted
+    if accepted is not None and accepted.generation > applied.generation:
+        if state.generation < accepted.generation:
+            raise Rejection(
+                RejectionCode.REPLAYED,
+                f"generation {state.generation} is lower than generation {accepted.generation}, which this host "
+                f"accepted (its apply started; whether it succeeded or not, nothing older is applied after it, "
+                f"the applied generation is {applied.generation}): a replayed or rolled-back state. To go back, "
+                "publish a new generation with the old content",
+            )
+        if state.generation == accepted.generation and digest != accepted.payload_sha256:
+            raise Rejection(
+                RejectionCode.REPLAYED,
+                f"generation {state.generation} was already accepted with different content (sha256 "
+                f"{accepted.payload_sha256}, this one {digest}): a generation is never reused",
+            )
     already_applied = state.generation == applied.generation
     if already_applied and digest != applied.payload_sha256:
         raise Rejection(

@@ -196,14 +196,24 @@ def main() -> None:
         module.fail_json(msg=f"Error reading bundle {bundle}: {exc}", reason=exc.reason.value, member=exc.member)
     except StateStoreError as exc:
         module.fail_json(msg=f"Error reading the applied-state record in {params['state_dir']}: {exc}")
+    _refuse_playbooks(module, bundle, list(unpacked.files), unpacked.discard)
+    desired = unpacked.verified.desired
+    if not desired.already_applied:
+        try:
+            # Accepted before its artifacts are staged and reconcile.yml runs: an apply that fails or is cut
+            # short still moves the floor, so an older bundle is refused from now on; this one may run again.
+            StateStore(params["state_dir"]).record_accepted(
+                desired.state.generation, desired.state.lease_epoch, desired.payload_sha256
+            )
+        except StateStoreError as exc:
+            unpacked.discard()
+            module.fail_json(msg=f"Error accepting bundle {bundle}, nothing was applied: {exc}", reason="not-accepted")
     try:
-        _refuse_playbooks(module, bundle, list(unpacked.files), unpacked.discard)
         staged = stage_artifacts(unpacked, policy, module.warn)
         envelope = write_envelope(unpacked)
     except (ArtifactError, ArtifactStoreError, OSError, ValueError) as exc:
         unpacked.discard()
         module.fail_json(msg=f"Error staging the artifacts of bundle {bundle}: {exc}", reason="staging-failed")
-    desired = unpacked.verified.desired
     module.exit_json(
         changed=not desired.already_applied or any(item["changed"] for item in staged),
         bundle_id=unpacked.verified.bundle.bundle_id,

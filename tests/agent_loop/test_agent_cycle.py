@@ -199,6 +199,38 @@ def test_replayed_older_envelope_is_rejected_after_a_newer_one_was_applied(
     assert (node.state_dir / SPOOL_FILE).read_bytes() != old
 
 
+class _KilledApply:
+    """An apply that never finished: the playbook's process was killed before it recorded success."""
+
+    def apply(self, envelope: bytes, **kwargs: Any) -> Any:
+        raise RuntimeError("the apply's process was killed (SIGKILL)")
+
+
+def test_an_older_state_after_a_newer_one_was_cut_short_is_refused_and_the_newer_applies_again(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> None:
+    node = make_node(server, tmp_path / "node", node_id)
+    first = publish(server, node_id)
+    agent = node.agent()
+    assert agent.cycle().outcome == Outcome.APPLIED
+    old = (node.state_dir / SPOOL_FILE).read_bytes()
+    newer = publish(server, node_id)
+    applier, client = agent.applier, agent.client
+    agent.applier = _KilledApply()
+    assert agent.cycle().outcome == Outcome.APPLY_FAILED
+    agent.client = _Delivering(client, old)
+
+    outcome = agent.cycle()
+
+    assert (outcome.outcome, outcome.rejection) == (Outcome.REJECTED, "replayed")
+    record = StateStore(node.state_dir).load()
+    assert (record.generation, record.accepted_generation) == (first, newer)
+    agent.applier, agent.client, agent.etag = applier, client, None
+    assert agent.cycle().outcome == Outcome.APPLIED  # the newer one's own bytes: the retry path
+    after = StateStore(node.state_dir).load()
+    assert (after.generation, after.accepted) == (newer, None)
+
+
 def test_observe_only_verifies_and_reports_but_never_applies(server: DevServer, tmp_path: Path, node_id: str) -> None:
     node = make_node(server, tmp_path / "node", node_id, mode="observe-only")
     generation = publish(server, node_id)

@@ -10,6 +10,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -34,7 +39,7 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     write_policy,
 )
 from meridian_node_agent.agent_cli import build_applier
-from meridian_node_agent.apply import Applier, ApplyResult
+from meridian_node_agent.apply import Applier, ApplyResult, run_ident
 from meridian_node_agent.apply_cli import write_answer
 from meridian_node_agent.apply_root import RootDir, prepare_root_dir
 from meridian_node_agent.apply_spool import PUBLIC_DIR, REQUEST_FILE, SPOOL_DIR, ApplyAnswer, read_answer_file
@@ -318,6 +323,72 @@ def test_an_apply_the_root_side_never_answered_is_applied_again_at_start_up(
     assert OpLog(state_dir / "oplog.jsonl").pending() is None
     assert json.loads((Path(config.apply.state_dir) / STATE_FILE).read_text())["generation"] == 5
     assert json.loads((state_dir / STATE_FILE).read_text())["generation"] == 5
+
+
+# Root's apply unit whose playbook never ends (a drain that waits, a wedged Docker call): the real verb, with
+# ansible-runner's run replaced by a hang that says it started. argv: config path, marker file.
+_HANGING_ROOT = """
+import sys, time
+import ansible_runner
+def hang(**options):
+    open(sys.argv[2], "w").write("running")
+    time.sleep(3600)
+ansible_runner.run = hang
+from meridian_node_agent.cli import main
+sys.exit(main(["--config", sys.argv[1], "apply-spooled"]))
+"""
+
+
+def test_an_apply_killed_mid_run_leaves_its_generation_accepted_the_older_one_refused_and_itself_applicable(
+    tmp_path: Path,
+) -> None:
+    config_path, config = _node(tmp_path / "node")
+    state_dir, root_dir = Path(config.state_dir), Path(config.apply.state_dir)
+    first, second = _state(1), _state(2)
+    old, new = signed("desired-state", first, [CONTROL]), signed("desired-state", second, [CONTROL])
+
+    def spool(generation: int, envelope: bytes) -> None:
+        write_request(state_dir / SPOOL_DIR, run_ident(generation, datetime.now(UTC)), envelope)
+
+    spool(1, old)
+    assert apply_spooled(config_path).returncode == 0
+    assert json.loads((root_dir / STATE_FILE).read_text())["generation"] == 1
+
+    spool(2, new)
+    marker = tmp_path / "applying"
+    unit = subprocess.Popen(
+        [sys.executable, "-c", _HANGING_ROOT, str(config_path), str(marker)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert unit.poll() is None, "the root unit ended before it applied generation 2"
+            assert time.monotonic() < deadline, "the root unit never started applying generation 2"
+            time.sleep(0.05)
+    finally:
+        os.killpg(unit.pid, signal.SIGKILL)  # what systemd does at the unit's timeout, or an OOM kill
+        unit.wait()
+    assert json.loads((root_dir / STATE_FILE).read_text())["generation"] == 1  # 2 never recorded applied
+
+    # The agent spools generation 1 again, the bytes root applied last: it is below the one root accepted.
+    spool(1, old)
+    refused = apply_spooled(config_path)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    answer = _answer(config)
+    assert answer is not None and answer.status == "failed"
+    assert "replayed" in answer.failures[0] and "generation 2, which this host accepted" in answer.failures[0]
+    record = json.loads((root_dir / STATE_FILE).read_text())
+    assert (record["generation"], record["accepted"]["generation"]) == (1, 2)
+
+    # Generation 2's own bytes may run again: the retry.
+    spool(2, new)
+    again = apply_spooled(config_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    record = json.loads((root_dir / STATE_FILE).read_text())
+    assert (record["generation"], record["payload_sha256"], record["accepted"]) == (2, _sha(second), None)
 
 
 def _oplog_with_idents(state_dir: Path) -> list[tuple[str, str]]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -29,7 +31,15 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
 from meridian_node_agent.bundle_cli import BundleInputs, build_bundle
 from meridian_node_agent.config import AgentConfig, load_config
 
-__all__ = ["AGENT_UID", "AirGapNode", "InPlaceWriter", "grow_while_read", "make_airgap_node", "state_bundle"]
+__all__ = [
+    "AGENT_UID",
+    "AirGapNode",
+    "InPlaceWriter",
+    "galaxy_collection",
+    "grow_while_read",
+    "make_airgap_node",
+    "state_bundle",
+]
 
 # The agent's user in split nodes made here (tests run as root): no such account is needed, only the number.
 AGENT_UID = 4242
@@ -165,6 +175,27 @@ def state_bundle(
         ),
     )
     return out
+
+
+def galaxy_collection(root: Path, namespace: str, name: str, files: Mapping[str, str] | None = None) -> Path:
+    """A real collection tarball (``ansible-galaxy collection build``) of ``files`` (path: text) in ``root``."""
+    source = root / f"{namespace}-{name}-source"
+    source.mkdir(parents=True)
+    (source / "galaxy.yml").write_text(
+        f"namespace: {namespace}\nname: {name}\nversion: 1.0.0\nreadme: README.md\nauthors: [site operators]\n"
+    )
+    (source / "README.md").write_text("Site additions shipped inside air-gap bundles.\n")
+    for path, text in (files or {}).items():
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        (source / path).write_text(text)
+    galaxy = Path(sys.executable).parent / "ansible-galaxy"
+    subprocess.run(
+        [str(galaxy), "collection", "build", str(source), "--output-path", str(root)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return root / f"{namespace}-{name}-1.0.0.tar.gz"
 
 
 class InPlaceWriter:

@@ -9,18 +9,21 @@ the listing they carry with real keys.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
 import os
 import tarfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils.contracts import read_json
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, load_policy
+from ansible_collections.meridian.node.plugins.module_utils.runbook import listed_runbook
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     NODE_ID,
     NOW,
@@ -33,7 +36,7 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     signed,
     write_policy,
 )
-from meridian_node_agent.bundle_cli import BundleInputs, build_bundle
+from meridian_node_agent.bundle_cli import BundleInputs, build_bundle, shipped_code_pin
 
 __all__ = [
     "ARTIFACT",
@@ -45,7 +48,9 @@ __all__ = [
     "good_bundle",
     "listed",
     "make_site",
+    "rebuilt_bundle",
     "regular",
+    "resigned",
     "snapshot",
     "write_tar",
 ]
@@ -57,6 +62,7 @@ AUTHORITY_2 = make_key()
 
 WEIGHTS = b"\x00\x01weights" * 4096
 CONFIG = b'{"hidden_size": 8}\n'
+Member = tuple[tarfile.TarInfo, "bytes | None"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,7 @@ def good_bundle(site: Site, *, generation: int = 2, name: str = "good.tar") -> P
                 desired_state(
                     generation=generation,
                     artifacts=[{"name": "tiny-model", "version": "1.0.0", "manifest": manifest_envelope}],
+                    runbook=shipped_code_pin(playbooks, collection),
                 ),
                 [CONTROL],
             ),
@@ -143,9 +150,33 @@ def bundle_json(
     state: Mapping[str, Any] | None = None,
     **fields: Any,
 ) -> bytes:
-    """A signed bundle.json listing ``files``, carrying a control-signed state of generation 2."""
-    inner = envelope("desired-state", dict(state or desired_state(generation=2)), list(state_keys))
+    """A signed bundle.json listing ``files``, carrying a control-signed state of generation 2 that pins the
+    code ``files`` lists (so a hostile tar is refused for what its test is about, not for unpinned code)."""
+    pin = listed_runbook(files)
+    default = desired_state(generation=2) if pin is None else desired_state(generation=2, runbook=pin)
+    inner = envelope("desired-state", dict(state or default), list(state_keys))
     return signed("bundle", bundle(inner, files=list(files), **fields), list(authority))
+
+
+def rebuilt_bundle(site: Site, edit: Callable[[dict[str, Any], list[Member]], None]) -> Path:
+    """The good bundle with its payload and members changed by ``edit``, bundle.json signed again by the
+    authority: what whoever holds only the air-gap authority key can make of a bundle control signed for."""
+    return resigned(good_bundle(site), site.root / "rebuilt.tar", edit)
+
+
+def resigned(source: Path, out: Path, edit: Callable[[dict[str, Any], list[Member]], None]) -> Path:
+    """The bundle at ``source`` with its payload and members changed by ``edit``, bundle.json signed again
+    by the authority alone, written to ``out``."""
+    with tarfile.open(source) as tar:
+        original: list[Member] = []
+        for info in tar:
+            handle = tar.extractfile(info)
+            assert handle is not None
+            original.append((info, handle.read()))
+    payload = json.loads(base64.b64decode(read_json(original[0][1] or b"")["payload"]))
+    body = original[1:]
+    edit(payload, body)
+    return write_tar(out, [regular("bundle.json", signed("bundle", payload, [AUTHORITY])), *body])
 
 
 def regular(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:

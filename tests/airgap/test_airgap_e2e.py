@@ -1,10 +1,10 @@
 """A whole air-gapped cycle on the real Docker Engine (issue 15, "done when").
 
 The control plane (a devserver data dir) publishes a desired state with a stand-in vLLM engine and a small
-artifact; make-bundle's code wraps it, the signed artifact and the site's own playbooks and collection into
-a bundle; the bundle is copied into the node's inbox; ``meridian-node run --once`` (its own process) takes
-it, stages the artifact, runs the bundle's playbook (which ends with a role from the bundle's collection)
-and the engine serves. The outbox then holds a signed journal summary and observation, and
+artifact and pins the site's own playbooks and collection; make-bundle's code wraps the state, the signed
+artifact and that code into a bundle; the bundle is copied into the node's inbox; ``meridian-node run --once``
+(its own process) takes it, stages the artifact, runs the bundle's playbook (which ends with a role from the
+bundle's collection) and the engine serves. The outbox then holds a signed journal summary and observation, and
 ``meridian-node-devserver import-outbox`` makes the control plane's serving projection list the engine.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.tests.airgap.airgap_env import make_airgap_node, state_bundle
+from ansible_collections.meridian.node.tests.airgap.airgap_env import galaxy_collection, make_airgap_node, state_bundle
 from ansible_collections.meridian.node.tests.airgap.bundle_fixtures import ARTIFACT
 from ansible_collections.meridian.node.tests.devserver.devserver_process import cli as devserver
 from ansible_collections.meridian.node.tests.e2e.e2e_env import (
@@ -39,6 +39,7 @@ from ansible_collections.meridian.node.tests.e2e.e2e_env import (
 from ansible_collections.meridian.node.tests.helpers.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.helpers.trust_fixtures import artifact_manifest, envelope
 from meridian_node_agent.apply import collection_paths
+from meridian_node_agent.bundle_cli import shipped_code_pin
 from meridian_node_agent.devserver.control import open_control_plane
 
 NODE = "airgap-e2e-node"
@@ -58,28 +59,15 @@ def _agent(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _site_collection(root: Path) -> Path:
-    """A real collection tarball (``ansible-galaxy collection build``) with one role the playbook ends with."""
-    source = root / "site-collection"
-    (source / "roles" / "marker" / "tasks").mkdir(parents=True)
-    (source / "galaxy.yml").write_text(
-        "namespace: meridian_site\nname: extras\nversion: 1.0.0\nreadme: README.md\nauthors: [site operators]\n"
-    )
-    (source / "README.md").write_text("Site additions shipped inside air-gap bundles.\n")
-    (source / "roles" / "marker" / "tasks" / "main.yml").write_text(
+    """A real collection tarball with one role the playbook ends with."""
+    marker = (
         "- name: Leave a mark that the bundle's own playbook and collection ran\n"
         "  ansible.builtin.copy:\n"
         '    content: "{{ meridian_bundle_dir }}\\n"\n'
         '    dest: "{{ meridian_state_dir }}/site-marker"\n'
         "    mode: '0600'\n"
     )
-    galaxy = Path(sys.executable).parent / "ansible-galaxy"
-    subprocess.run(
-        [str(galaxy), "collection", "build", str(source), "--output-path", str(root)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return root / "meridian_site-extras-1.0.0.tar.gz"
+    return galaxy_collection(root, "meridian_site", "extras", {"roles/marker/tasks/main.yml": marker})
 
 
 def _site_playbooks(root: Path) -> Path:
@@ -124,12 +112,15 @@ def test_a_bundle_in_the_inbox_ends_with_the_engine_serving_on_the_control_plane
     port = free_engine_port()
     prefix = f"mn-airgap-{secrets.token_hex(3)}"
     name = f"{prefix}-chat"
+    # The site's code runs because control pins it in the state it signs (issue 22): runbook-pin's digests.
+    playbooks, collection = _site_playbooks(tmp_path), _site_collection(tmp_path)
     desired = tmp_path / "desired.yaml"
     desired.write_text(
         json.dumps(
             {
                 "artifacts": [{"name": "tiny-model", "version": "1.0.0", "manifest": manifest_envelope}],
                 "engines": [engine_spec(name, image, port)],
+                "runbook": shipped_code_pin(playbooks, collection),
             }
         )
     )
@@ -144,8 +135,8 @@ def test_a_bundle_in_the_inbox_ends_with_the_engine_serving_on_the_control_plane
         generation=published.generation,
         desired_envelope=json.loads(published.envelope),
         artifacts=[(tmp_path / "manifest.json", model)],
-        playbooks=_site_playbooks(tmp_path),
-        collection=_site_collection(tmp_path),
+        playbooks=playbooks,
+        collection=collection,
     )
     shutil.copyfile(bundle, node.inbox / ".site-g1.tar.part")
     (node.inbox / ".site-g1.tar.part").rename(node.inbox / "site-g1.tar")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -122,9 +123,22 @@ def test_made_bundle_verifies_as_one_json_line(site: Path, capsys: pytest.Captur
     assert [path.name for path in site.iterdir() if path.name.endswith(".part")] == []
 
 
+def _pin_state(site: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """What control does before it signs a state whose bundle ships code: add ``runbook-pin``'s output."""
+    status, out, err = run(
+        capsys, "runbook-pin", "--playbooks", site / "site", "--collection", site / "meridian-node-1.0.0.tar.gz"
+    )
+    assert status == 0, err
+    pin: dict[str, Any] = json.loads(out)["runbook"]
+    state = json.loads((site / "state.json").read_text())
+    (site / "state.json").write_text(json.dumps({**state, "runbook": pin}))
+    return pin
+
+
 def test_bundle_from_an_envelope_control_signed_elsewhere_verifies_and_records(
     site: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    _pin_state(site, capsys)
     signing = run(
         capsys,
         "sign",
@@ -227,3 +241,58 @@ def test_an_artifact_the_state_does_not_pin_makes_no_bundle(site: Path, capsys: 
     assert status == 2
     assert "the desired state names no artifact m 1" in err
     assert not (site / "b.tar").exists()
+
+
+def _sign_state(site: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    out = site / "state-envelope.json"
+    signing = run(
+        capsys, "sign", "--key", site / "control.pem", "--type", "desired-state", "--out", out, site / "state.json"
+    )
+    assert signing[0] == 0, signing[2]
+    return out
+
+
+def test_make_bundle_refuses_shipped_code_the_signed_state_does_not_pin(
+    site: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = make(capsys, site, "--desired", _sign_state(site, capsys))
+    assert (status, out) == (2, "")
+    assert "does not pin the code that --playbooks and --collection ship" in err
+    assert "runbook-pin" in err and not (site / "b.tar").exists()
+
+
+def test_make_bundle_refuses_playbooks_other_than_the_pinned_ones(
+    site: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pin = _pin_state(site, capsys)
+    envelope = _sign_state(site, capsys)
+    (site / "site" / "apply.yml").write_text("- hosts: localhost\n  tasks: [] \n")  # one byte more
+    status, _, err = make(capsys, site, "--desired", envelope)
+    assert status == 2 and "are not the code --desired pins" in err and pin["playbooks_sha256"] in err
+    assert not (site / "b.tar").exists()
+
+
+def test_make_bundle_refuses_a_pin_whose_code_is_not_given(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _pin_state(site, capsys)
+    envelope = _sign_state(site, capsys)
+    status, _, err = run(
+        capsys,
+        "make-bundle",
+        *("--node", NODE_ID, "--key", site / "authority.pem", "--expires", "7d", "--out", site / "b.tar"),
+        *("--artifact", f"{site / 'manifest.json'}:{site / 'model'}", "--desired", envelope),
+    )
+    assert status == 2 and "pins shipped code" in err and not (site / "b.tar").exists()
+
+
+def test_runbook_pin_is_what_coreutils_compute(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The documented sha256sum pipeline and the host's digest agree (docs/AIR_GAP.md, "Shipped code")."""
+    (site / "site" / "roles" / "x" / "tasks").mkdir(parents=True)
+    (site / "site" / "roles" / "x" / "tasks" / "main.yml").write_text("- ansible.builtin.debug: {msg: hi}\n")
+    (site / "site" / "Zeta.yml").write_text("[]\n")
+    (site / "site" / "caf\u00e9.yml").write_text("[]\n")
+    pin = _pin_state(site, capsys)
+    pipeline = "(cd site && find . -type f -printf '%P\\n' | LC_ALL=C sort | xargs -d '\\n' sha256sum) | sha256sum"
+    shell = subprocess.run(["bash", "-c", pipeline], cwd=site, capture_output=True, text=True, check=True)
+    assert pin["playbooks_sha256"] == shell.stdout.split()[0]
+    tarball = hashlib.sha256((site / "meridian-node-1.0.0.tar.gz").read_bytes()).hexdigest()
+    assert pin == {"format": 1, "playbooks_sha256": shell.stdout.split()[0], "collection_sha256": tarball}

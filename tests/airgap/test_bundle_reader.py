@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import tarfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ from ansible_collections.meridian.node.plugins.module_utils.bundle_reader import
     check_bundle,
     unpack_bundle,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339, read_json
+from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.runbook import listed_runbook
 from ansible_collections.meridian.node.plugins.module_utils.trust import AppliedState, RejectionCode
 from ansible_collections.meridian.node.tests.airgap.bundle_fixtures import (
     ARTIFACT,
@@ -39,11 +40,13 @@ from ansible_collections.meridian.node.tests.airgap.bundle_fixtures import (
     CONFIG,
     CONTROL,
     WEIGHTS,
+    Member,
     Site,
     bundle_json,
     good_bundle,
     listed,
     make_site,
+    rebuilt_bundle,
     regular,
     snapshot,
     write_tar,
@@ -54,10 +57,7 @@ from ansible_collections.meridian.node.tests.helpers.trust_fixtures import (
     artifact_manifest,
     desired_state,
     envelope,
-    signed,
 )
-
-Member = tuple[tarfile.TarInfo, bytes | None]
 
 FRESH = AppliedState()
 DATA = b"playbook bytes\n"
@@ -426,20 +426,6 @@ def test_state_inside_for_another_node_is_refused(site: Site) -> None:
 # --- artifacts ---------------------------------------------------------------------------------------------
 
 
-def _rebuilt(site: Site, edit: Callable[[dict[str, Any], list[Member]], None]) -> Path:
-    """The good bundle with its payload and members changed by ``edit``, bundle.json signed again."""
-    with tarfile.open(good_bundle(site)) as tar:
-        original: list[Member] = []
-        for info in tar:
-            handle = tar.extractfile(info)
-            assert handle is not None
-            original.append((info, handle.read()))
-    payload = json.loads(base64.b64decode(read_json(original[0][1] or b"")["payload"]))
-    body = original[1:]
-    edit(payload, body)
-    return write_tar(site.root / "rebuilt.tar", [regular("bundle.json", signed("bundle", payload, [AUTHORITY])), *body])
-
-
 def test_artifact_file_the_manifest_does_not_list_is_refused(site: Site) -> None:
     extra = b"not in the manifest"
     name = "artifacts/tiny-model/1.0.0/files/extra.bin"
@@ -448,7 +434,7 @@ def test_artifact_file_the_manifest_does_not_list_is_refused(site: Site) -> None
         payload["files"].append(listed(name, extra))
         body.append(regular(name, extra))
 
-    error = refused(site, _rebuilt(site, add), BundleProblem.ARTIFACT)
+    error = refused(site, rebuilt_bundle(site, add), BundleProblem.ARTIFACT)
     assert "extra.bin is not in tiny-model 1.0.0's manifest" in error.message
 
 
@@ -460,7 +446,7 @@ def test_artifact_manifest_signed_by_the_authority_is_refused(site: Site) -> Non
         payload["files"] = [listed(name, forged) if entry["path"] == name else entry for entry in payload["files"]]
         body[:] = [regular(name, forged) if info.name == name else (info, data) for info, data in body]
 
-    error = refused(site, _rebuilt(site, swap), RejectionCode.THRESHOLD_NOT_MET)
+    error = refused(site, rebuilt_bundle(site, swap), RejectionCode.THRESHOLD_NOT_MET)
     assert error.message.startswith(name) and error.member == name
 
 
@@ -471,7 +457,9 @@ def test_artifact_files_without_their_manifest_are_refused(site: Site) -> None:
         payload["files"] = [entry for entry in payload["files"] if entry["path"] != name]
         body[:] = [(info, data) for info, data in body if info.name != name]
 
-    assert "holds files but no manifest.json" in refused(site, _rebuilt(site, drop), BundleProblem.ARTIFACT).message
+    assert (
+        "holds files but no manifest.json" in refused(site, rebuilt_bundle(site, drop), BundleProblem.ARTIFACT).message
+    )
 
 
 def test_an_artifact_manifest_other_than_the_one_the_state_pins_is_refused_before_anything_is_staged(
@@ -495,7 +483,7 @@ def test_an_artifact_manifest_other_than_the_one_the_state_pins_is_refused_befor
         payload["files"] = [listed(e["path"], replaced[e["path"]]) if e["path"] in replaced else e for e in files]
         body[:] = [regular(info.name, replaced[info.name]) if info.name in replaced else (info, d) for info, d in body]
 
-    error = refused(site, _rebuilt(site, swap), BundleProblem.ARTIFACT)
+    error = refused(site, rebuilt_bundle(site, swap), BundleProblem.ARTIFACT)
     assert error.member == manifest
     assert "is not the manifest the desired state pins for tiny-model 1.0.0" in error.message
     assert hashlib.sha256(base64.b64decode(json.loads(other_envelope)["payload"])).hexdigest() in error.message
@@ -503,9 +491,10 @@ def test_an_artifact_manifest_other_than_the_one_the_state_pins_is_refused_befor
 
 def test_an_artifact_the_state_does_not_name_is_refused(site: Site) -> None:
     def unpin(payload: dict[str, Any], body: list[Member]) -> None:
-        payload["desired_state"] = envelope("desired-state", desired_state(generation=2), [CONTROL])
+        unpinned = desired_state(generation=2, runbook=listed_runbook(payload["files"]))
+        payload["desired_state"] = envelope("desired-state", unpinned, [CONTROL])
 
-    error = refused(site, _rebuilt(site, unpin), BundleProblem.ARTIFACT)
+    error = refused(site, rebuilt_bundle(site, unpin), BundleProblem.ARTIFACT)
     assert "the desired state inside names no artifact tiny-model 1.0.0" in error.message
 
 

@@ -302,3 +302,58 @@ def test_a_hostile_bundle_ends_in_rejected_with_its_reason_and_nothing_changes(s
     outcomes = json.loads(site.host.read_file(OUTCOMES))["outcomes"]
     assert outcomes[-1]["name"] == "tampered.tar" and outcomes[-1]["reason"] == "digest-mismatch"
     assert site.serving()
+
+
+# What the agent's user runs: open every file of root's directory it can, take an flock on each, report
+# which opened and which locked, then hold them all until the test removes its go file.
+_HOLD_ROOTS_FILES = r"""
+import fcntl, json, os, sys, time
+held, report = [], {"opened": [], "locked": []}
+for path in sys.argv[2:]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        continue
+    report["opened"].append(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        report["locked"].append(path)
+    except OSError:
+        pass
+    held.append(fd)
+with open(sys.argv[1] + ".tmp", "w") as out:
+    json.dump(report, out)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+while os.path.exists(sys.argv[1]):
+    time.sleep(0.2)
+"""
+
+
+def test_the_agents_user_holds_no_lock_of_roots_and_root_takes_a_bundle_while_it_tries(site: Site) -> None:
+    """Issue 22: every file in root's directory, opened and flocked as ``meridian`` and held while root's
+    inbox unit takes and applies a bundle. Only ``public/`` opens (root never locks it), and root finishes."""
+    host = site.host
+    files = host.exec(["find", ROOT_DIR, "-type", "f", "-not", "-path", f"{ROOT_DIR}/journal/*"]).stdout.split()
+    assert f"{ROOT_DIR}/applied.json.lock" in files and f"{ROOT_DIR}/airgap-inbox.lock" in files
+    report = f"{AGENT_DIR}/held.json"
+    host.exec(
+        ["sh", "-c", 'runuser -u meridian -- python3 -c "$0" "$@" >/dev/null 2>&1 &', _HOLD_ROOTS_FILES, report, *files]
+    )
+    try:
+        held = json.loads(site.wait("the agent's user holding what it could open", lambda: _read_or_none(host, report)))
+        assert all(path.startswith(f"{ROOT_DIR}/public/") for path in held["opened"]), held
+        generation = site.root_record()["generation"] + 1
+        site.drop(site.bundle("while-held.tar", generation).read_bytes(), "while-held.tar")
+
+        reason = site.wait("while-held.tar filed", lambda: site.filed("processed", "while-held.tar"))
+
+        assert reason["result"] == "applied", reason
+        assert site.root_record()["generation"] == generation
+        assert "inbox-busy" not in host.journal(INBOX_UNIT)
+    finally:
+        host.exec(["rm", "-f", report], check=False)
+
+
+def _read_or_none(host: SystemdHost, path: str) -> str | None:
+    result = host.exec(["cat", path], check=False)
+    return result.stdout if result.returncode == 0 and result.stdout else None

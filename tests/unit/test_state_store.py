@@ -1,19 +1,20 @@
 """The durable applied state: it only moves forward, survives restarts, and never silently resets."""
 
+import fcntl
 import json
 import os
 import shutil
 import stat
-import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write
 from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
-from ansible_collections.meridian.node.plugins.module_utils.trust import AppliedState
+from ansible_collections.meridian.node.plugins.module_utils.trust import AcceptedState, AppliedState
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
@@ -39,7 +40,8 @@ def test_recorded_state_survives_a_restart(tmp_path: Path) -> None:
     StateStore(tmp_path).record_applied(3, 2, SHA_A)
     assert StateStore(tmp_path).load() == AppliedState(3, 2, SHA_A)
     document = json.loads((tmp_path / "applied.json").read_text())
-    assert document == {"format": 1, "generation": 3, "epoch": 2, "payload_sha256": SHA_A}
+    assert document == {"format": 2, "generation": 3, "epoch": 2, "payload_sha256": SHA_A, "accepted": None}
+    assert stat.S_IMODE((tmp_path / "applied.json").stat().st_mode) == 0o600
     assert leftovers(tmp_path) == []
 
 
@@ -146,9 +148,25 @@ def test_nonsense_records_are_refused(tmp_path: Path, generation: int, epoch: in
         pytest.param(b"[3, 2]", "expected a JSON object", id="list"),
         pytest.param(b'{"format": 1, "generation": 3, "epoch": 2}', "expected exactly the fields", id="missing-field"),
         pytest.param(
-            b'{"format": 2, "generation": 3, "epoch": 2, "payload_sha256": null}',
-            "unknown format 2",
+            b'{"format": 3, "generation": 3, "epoch": 2, "payload_sha256": null}',
+            "unknown format 3",
             id="future-format",
+        ),
+        pytest.param(
+            b'{"format": 2, "generation": 0, "epoch": 2, "payload_sha256": null}',
+            "expected exactly the fields",
+            id="format-2-without-accepted",
+        ),
+        pytest.param(
+            b'{"format": 2, "generation": 3, "epoch": 2, "payload_sha256": "' + b"a" * 64 + b'", "accepted": '
+            b'{"generation": 3, "epoch": 2, "payload_sha256": "' + b"b" * 64 + b'"}}',
+            "accepted.generation 3 is not above the applied generation 3",
+            id="accepted-not-above-applied",
+        ),
+        pytest.param(
+            b'{"format": 2, "generation": 0, "epoch": 2, "payload_sha256": null, "accepted": {"generation": 4}}',
+            "accepted must be null or an object with exactly the fields",
+            id="accepted-missing-fields",
         ),
         pytest.param(
             b'{"format": 1, "generation": -1, "epoch": 2, "payload_sha256": null}',
@@ -232,31 +250,144 @@ def shared_tmp() -> Iterator[Path]:
         shutil.rmtree(path)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play the root apply unit and drop to another user")
-def test_unprivileged_agent_can_lock_a_state_the_root_side_created(shared_tmp: Path) -> None:
-    # The split: root's apply unit records first (creating applied.json and its lock file, 0644, root-owned);
-    # the agent, another user owning the directory, must still record the epochs it sees.
-    state_dir = shared_tmp / "state"
-    StateStore(state_dir).record_applied(3, 1, SHA_A)
-    os.chown(state_dir, 65534, 65534)
-    # A forked child drops to nobody: a fresh interpreter could not even be started as nobody here (the
-    # Python install lives under /root).
+def run_as_nobody(action: Callable[[], object]) -> str:
+    """Run ``action`` in a forked child that dropped to nobody; what it printed about itself ("ok" or the
+    error). A fresh interpreter could not even be started as nobody here (the Python install lives under
+    /root), so the child is a fork."""
+    read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
-        code = 1
+        os.close(read)
         try:
             os.setgid(65534)
             os.setuid(65534)
-            code = 0 if StateStore(state_dir).observe_epoch(2).epoch == 2 else 1
+            action()
+            report = "ok"
         except BaseException as exc:
-            print(f"agent side failed: {exc!r}", file=sys.stderr)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
+            report = f"{type(exc).__name__}: {exc}"
+        os.write(write, report.encode()[:4000])
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        report = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return report
 
-    assert os.waitstatus_to_exitcode(status) == 0, "the unprivileged side could not lock and record the epoch"
-    assert (state_dir / "applied.json.lock").stat().st_uid == 0
-    assert StateStore(state_dir).load() == AppliedState(3, 2, SHA_A)
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play the root apply unit and drop to another user")
+def test_another_user_can_neither_read_nor_lock_roots_record(shared_tmp: Path) -> None:
+    # Root's directory is 0711 (reachable by name): the agent's user tries every file root's record keeps.
+    state_dir = shared_tmp / "state"
+    state_dir.mkdir(mode=0o711)
+    StateStore(state_dir).record_applied(3, 1, SHA_A)
+    for name in ("applied.json", "applied.json.lock"):
+        assert stat.S_IMODE((state_dir / name).stat().st_mode) == 0o600
+
+        def attempt(path: Path = state_dir / name) -> None:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+        assert run_as_nobody(attempt).startswith("PermissionError"), name
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play the root apply unit and drop to another user")
+def test_a_lock_left_open_to_others_by_an_older_release_is_replaced_not_waited_on(shared_tmp: Path) -> None:
+    # An older release created applied.json.lock 0644: the agent's user opened it read-only and holds its flock.
+    state_dir = shared_tmp / "state"
+    state_dir.mkdir(mode=0o711)
+    StateStore(state_dir).record_applied(3, 1, SHA_A)
+    lock = state_dir / "applied.json.lock"
+    lock.chmod(0o644)
+    old_inode = inode(lock)
+    holding, release = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            fd = os.open(lock, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(ready_w, b"held")
+            os.read(holding, 1)  # until the test is done
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 4) == b"held"
+        store = StateStore(state_dir, lock_wait_seconds=2)
+        assert store.record_accepted(4, 1, SHA_B) == AppliedState(3, 1, SHA_A, AcceptedState(4, 1, SHA_B))
+    finally:
+        os.write(release, b"x")
+        os.waitpid(pid, 0)
+    assert inode(lock) != old_inode
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+
+
+def test_a_lock_held_past_the_wait_is_an_error_naming_it_never_a_block(tmp_path: Path) -> None:
+    store = StateStore(tmp_path, lock_wait_seconds=0.3)
+    store.record_applied(3, 1, SHA_A)
+    fd = os.open(tmp_path / "applied.json.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        began = time.monotonic()
+        with pytest.raises(StateStoreError, match=r"applied.json.lock\) is busy.*longer than 0.3 s.*fuser -v"):
+            store.record_accepted(4, 1, SHA_B)
+        assert time.monotonic() - began < 5
+    finally:
+        os.close(fd)
+    assert store.load() == AppliedState(3, 1, SHA_A)
+
+
+# --- accepted: the floor moves at the decision ----------------------------------------------------------
+
+
+def test_accepting_a_generation_moves_the_floor_before_its_apply(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(3, 1, SHA_A)
+    assert store.record_accepted(4, 2, SHA_B) == AppliedState(3, 2, SHA_A, AcceptedState(4, 2, SHA_B))
+    document = json.loads((tmp_path / "applied.json").read_text())
+    assert document["accepted"] == {"generation": 4, "epoch": 2, "payload_sha256": SHA_B}
+    assert StateStore(tmp_path).load().accepted_generation == 4
+
+
+def test_a_generation_below_the_accepted_one_is_refused_even_though_it_was_never_applied(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(3, 1, SHA_A)
+    store.record_accepted(5, 1, SHA_B)  # its apply then failed, hung or was killed
+    for record in (store.record_accepted, store.record_applied):
+        with pytest.raises(StateStoreError, match="generation 5 was accepted since"):
+            record(4, 1, SHA_A)
+    with pytest.raises(StateStoreError, match=r"it was accepted with sha256 b{64}.*never reused"):
+        store.record_accepted(5, 1, SHA_A)
+    assert store.load() == AppliedState(3, 1, SHA_A, AcceptedState(5, 1, SHA_B))
+
+
+def test_the_accepted_bytes_may_be_accepted_again_and_then_recorded_applied(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_applied(3, 1, SHA_A)
+    accepted = store.record_accepted(5, 1, SHA_B)
+    assert store.record_accepted(5, 1, SHA_B) == accepted  # the retry: nothing to write
+    assert store.record_applied(5, 1, SHA_B) == AppliedState(5, 1, SHA_B)
+    assert json.loads((tmp_path / "applied.json").read_text())["accepted"] is None
+    # Repairing the applied generation accepts nothing new.
+    assert store.record_accepted(5, 1, SHA_B) == AppliedState(5, 1, SHA_B)
+
+
+def test_accepting_keeps_the_highest_epoch_and_observing_keeps_the_accepted(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.record_accepted(2, 3, SHA_A)
+    assert store.observe_epoch(4) == AppliedState(0, 4, None, AcceptedState(2, 3, SHA_A))
+    assert store.record_accepted(3, 2, SHA_B) == AppliedState(0, 4, None, AcceptedState(3, 2, SHA_B))
+
+
+def test_a_format_1_record_reads_as_accepted_equals_applied(tmp_path: Path) -> None:
+    (tmp_path / "applied.json").write_text(
+        json.dumps({"format": 1, "generation": 3, "epoch": 2, "payload_sha256": SHA_A})
+    )
+    store = StateStore(tmp_path)
+    assert store.load() == AppliedState(3, 2, SHA_A)
+    store.record_accepted(4, 2, SHA_B)
+    assert json.loads((tmp_path / "applied.json").read_text())["format"] == 2
 
 
 def test_a_reader_sees_what_another_writer_recorded_after_its_own_read(tmp_path: Path) -> None:

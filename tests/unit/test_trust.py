@@ -16,6 +16,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import for
 from ansible_collections.meridian.node.plugins.module_utils.policy import Policy, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.trust import (
     MAX_CLOCK_SKEW,
+    AcceptedState,
     AppliedState,
     Rejection,
     RejectionCode,
@@ -287,6 +288,54 @@ def test_same_generation_with_different_content_is_a_replay(policy: Policy) -> N
     other = signed("desired-state", desired_state(generation=5, lease_epoch=2), [CONTROL])
     error = rejected(RejectionCode.REPLAYED, lambda: verify(other, policy, applied))
     assert "already applied with different content" in error.message
+
+
+def accepted_after(data: bytes, policy: Policy, applied: AppliedState = FRESH_HOST) -> AppliedState:
+    """The record once ``data`` was accepted (its apply started) and never recorded applied."""
+    result = verify(data, policy, applied)
+    decision = AcceptedState(result.state.generation, result.state.lease_epoch, result.payload_sha256)
+    return AppliedState(applied.generation, max(applied.epoch, decision.epoch), applied.payload_sha256, decision)
+
+
+def test_generation_below_an_accepted_but_failed_one_is_replayed(policy: Policy) -> None:
+    # N-1 applied; N accepted, its apply killed before it recorded success; N-1 delivered again.
+    older = signed("desired-state", desired_state(generation=4), [CONTROL])
+    applied = applied_after(older, policy)
+    record = accepted_after(signed("desired-state", desired_state(generation=5), [CONTROL]), policy, applied)
+    error = rejected(RejectionCode.REPLAYED, lambda: verify(older, policy, record))
+    assert "generation 4 is lower than generation 5, which this host accepted" in error.message
+    assert "publish a new generation with the old content" in error.message
+
+
+def test_the_exact_bytes_of_an_accepted_but_failed_generation_apply_again_not_as_already_applied(
+    policy: Policy,
+) -> None:
+    applied = applied_after(signed("desired-state", desired_state(generation=4), [CONTROL]), policy)
+    data = signed("desired-state", desired_state(generation=5), [CONTROL])
+    result = verify(data, policy, accepted_after(data, policy, applied))
+    assert result.state.generation == 5
+    assert not result.already_applied  # its apply never recorded success: the retry runs it
+
+
+def test_an_accepted_generation_with_other_bytes_is_replayed(policy: Policy) -> None:
+    applied = applied_after(signed("desired-state", desired_state(generation=4), [CONTROL]), policy)
+    record = accepted_after(signed("desired-state", desired_state(generation=5), [CONTROL]), policy, applied)
+    other = signed("desired-state", desired_state(generation=5, lease_epoch=2), [CONTROL])
+    error = rejected(RejectionCode.REPLAYED, lambda: verify(other, policy, record))
+    assert "generation 5 was already accepted with different content" in error.message
+
+
+def test_a_generation_above_the_accepted_one_is_accepted(policy: Policy) -> None:
+    record = accepted_after(signed("desired-state", desired_state(generation=5), [CONTROL]), policy)
+    result = verify(signed("desired-state", desired_state(generation=6), [CONTROL]), policy, record)
+    assert (result.state.generation, result.already_applied) == (6, False)
+
+
+def test_a_bundle_below_an_accepted_but_failed_generation_is_replayed(policy: Policy) -> None:
+    record = AppliedState(2, 1, "0" * 64, AcceptedState(3, 1, "1" * 64))
+    data = make_bundle([CONTROL], [AUTHORITY], state=desired_state(generation=2))
+    error = rejected(RejectionCode.REPLAYED, lambda: verify_b(data, policy, record))
+    assert "which this host accepted" in error.message
 
 
 def test_lower_epoch_is_a_deposed_leader(policy: Policy) -> None:

@@ -58,7 +58,7 @@ def open_private_lock(path: os.PathLike[str] | str) -> int:
     """A descriptor on ``path``: a regular file, the euid's, mode 0600, one link; anything else is replaced."""
     target = os.fspath(path)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
-    for _ in range(_ATTEMPTS):
+    for _attempt in range(_ATTEMPTS):
         try:
             fd = os.open(target, flags, LOCK_MODE)
         except OSError as exc:

@@ -20,7 +20,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: demo test venv lint typecheck sanity pytest schemas bench clean compat changelog release sanity-oldest
 
 demo: venv
-	$(BIN)/python -m meridian_node_agent.demo
+	$(BIN)/python -m meridian_node_agent.dev.demo
 
 # molecule last: the slowest part (systemd-booting Debian 11/12/13 targets; images cached under
 # ~/.cache/meridian-node), after everything that fails faster.
@@ -48,10 +48,10 @@ typecheck: venv
 	$(BIN)/mypy plugins agent tests bench
 
 # Module code runs on the managed host's Python (3.9+): vermin fails on any construct newer than that.
-# It cannot see annotations that pydantic evaluates at run time; tests/packaging/test_packaging_host_pythons.py
+# It cannot see annotations that pydantic evaluates at run time; tests/system/packaging/test_packaging_host_pythons.py
 # imports and runs module_utils on each Python instead.
 compat: venv
-	$(BIN)/vermin --quiet --no-tips --violations --eval-annotations --target=3.9- plugins tests/packaging/host_python_check.py
+	$(BIN)/vermin --quiet --no-tips --violations --eval-annotations --target=3.9- plugins tests/system/packaging/host_python_check.py
 
 changelog: venv
 	$(BIN)/antsibull-changelog lint
@@ -123,14 +123,14 @@ pytest: venv
 	$(BIN)/pytest
 
 schemas: venv
-	$(BIN)/python -m meridian_node_agent.schemas --write
+	$(BIN)/python -m meridian_node_agent.dev.schemas --write
 
 # The molecule scenarios (molecule/) on systemd-booting Debian containers, with the images, wheelhouses,
-# collections and devserver they need: tests/helpers/molecule_site.py. `make molecule SCENARIOS=node_agent`
+# collections and devserver they need: tests/support/molecule_site.py. `make molecule SCENARIOS=node_agent`
 # runs one.
 .PHONY: molecule
 molecule: venv
-	$(BIN)/python -m ansible_collections.meridian.node.tests.helpers.molecule_site $(SCENARIOS)
+	$(BIN)/python -m ansible_collections.meridian.node.tests.support.molecule_site $(SCENARIOS)
 
 bench: venv
 	$(BIN)/python bench/gpu_facts.py

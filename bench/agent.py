@@ -14,9 +14,9 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
    beside the run the same way (``ReadyWatch``): probing starts at Docker's start event for the container,
    because a probe sent while Docker is still starting it stalls in Docker's port proxy and delays what it
    measures. Where each side's last 1-engine sample went follows: the agent's steps from its oplog, its
-   ansible-runner journal and Docker's events; ansible-pull's from Docker's events. The agent's ``engine_set``
+   ansible-runner journal and Docker's events; ansible-pull's from Docker's events. The agent's ``engines.set``
    task runs in Ansible's worker here (local, the controller's interpreter: its action plugin), ansible-pull's
-   ``engine_instance`` task as a module.
+   ``engines.instance`` task as a module.
 2. publish-to-all-ready of a state with 8 stand-in engines through the agent, against the one-engine figure
    of 1. Medians, and the ratio 8 engines / 1 engine (target <= 1.3), with Docker's own share (docker-py
    alone, no agent) and where the last round's 8-engine sample went (the first and last create and start).
@@ -38,7 +38,7 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
    - *back to back*: cycles with no wait and real clocks: heartbeats only once per interval.
    Each line says how many cycles heartbeated and how many posted an observation. The in-service figure
    is also taken with supervision off (no applied state watched), and with the check for engines changed
-   by hand off (``engine_drift`` in the per-cycle inspect), beside it, as ratios.
+   by hand off (``docker.drift`` in the per-cycle inspect), beside it, as ratios.
 5. engine killed -> ready again, two ways: its server process SIGKILLed with nothing else running
    (Docker's restart policy, if the engine has one; ``docker kill`` would count as a stop by hand), and
    ``docker stop`` with the in-process agent cycling every 0.5 s (supervision's repair, after
@@ -69,24 +69,24 @@ from unittest import mock
 import docker
 import yaml
 
-from ansible_collections.meridian.node.plugins.module_utils import docker_engine as docker_engine_module
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
-from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine
-from ansible_collections.meridian.node.plugins.module_utils.engine_containers import http_get
+from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine_module
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
+from ansible_collections.meridian.node.plugins.module_utils.engines.probes import http_get
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
-from ansible_collections.meridian.node.tests.helpers.engine_harness import free_ports
-from ansible_collections.meridian.node.tests.helpers.standin_image import ensure_base_image, ensure_engine_image
-from meridian_node_agent.agent_cli import build_agent
+from ansible_collections.meridian.node.tests.support.engine_harness import free_ports
+from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image, ensure_engine_image
+from meridian_node_agent.agent_side.control_client import DesiredStateFetch
+from meridian_node_agent.agent_side.cycle import Agent, Outcome, read_status
+from meridian_node_agent.agent_side.observe import DockerEngines, Observer
+from meridian_node_agent.cli.agent import build_agent
 from meridian_node_agent.config import load_config
-from meridian_node_agent.control_client import DesiredStateFetch
-from meridian_node_agent.cycle import Agent, Outcome, read_status
 from meridian_node_agent.logs import EventLogger
-from meridian_node_agent.observe import DockerEngines, Observer
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
 COLLECTIONS = REPO / ".build" / "collections"
-SERVER = REPO / "tests" / "engines" / "standin_server.py"
+SERVER = REPO / "tests" / "support" / "standin_server.py"
 # Unique per run: the agent prunes every engine owned by "agent:<node id>" on the Docker Engine, so two benches
 # sharing one id (side by side, or beside a CI run) would remove each other's engines.
 NODE_ID = f"bench-gpu-node-{os.getpid()}"

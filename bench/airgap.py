@@ -5,8 +5,8 @@
 Makes one bundle of --size-mib random bytes (one artifact of --shards files, signed manifest, signed
 bundle.json; made by make-bundle's own code), then in interleaved rounds times:
 1. ``openssl dgst -sha256 BUNDLE`` (SHA-NI where the CPU has it: the practical limit for hashing those bytes);
-2. ``bundle_reader.check_bundle`` (``verify --kind bundle``): every member read once and hashed, nothing kept;
-3. ``bundle_reader.unpack_bundle``: the same, plus each member written into scratch (the agent's path);
+2. ``airgap.bundle_reader.check_bundle`` (``verify --kind bundle``): every member read once and hashed, nothing kept;
+3. ``airgap.bundle_reader.unpack_bundle``: the same, plus each member written into scratch (the agent's path);
 4. ``dd bs=1M`` of the bundle into scratch, then removing the copy: the floor for anything that reads the
    bytes into memory and writes them again (``cp`` copies inside the kernel, which a reader that must hash
    what it writes cannot do).
@@ -29,11 +29,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils import bundle_reader, dsse
+from ansible_collections.meridian.node.plugins.module_utils.airgap import bundle_reader
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
-from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
-from ansible_collections.meridian.node.plugins.module_utils.trust import AppliedState
-from meridian_node_agent.bundle_cli import BundleInputs, build_bundle
+from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
+from ansible_collections.meridian.node.plugins.module_utils.trust.verify import AppliedState
+from meridian_node_agent.cli.bundle import BundleInputs, build_bundle
 
 MIB = 1024 * 1024
 NODE = "bench-node"

@@ -3,7 +3,7 @@
     .venv/bin/python bench/artifact.py [--size-mib 1024] [--repeat 3] [--dir DIR]
 
 Prints, for one file of --size-mib random bytes:
-1. sha256 throughput of our streaming verifier (``artifact_fetch.hash_file``) vs ``openssl dgst -sha256``
+1. sha256 throughput of our streaming verifier (``artifacts.fetch.hash_file``) vs ``openssl dgst -sha256``
    on the same file, as a ratio (ours / openssl; target >= 0.9). openssl uses SHA-NI where the CPU has it,
    which is the practical limit; coreutils ``sha256sum`` is no bar.
 2. download + verify from a local HTTP server (``busybox httpd``, a separate process, sendfile) with our
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from timing import median_seconds
 
-from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import fetch_file, hash_file
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import fetch_file, hash_file
 
 MIB = 1024 * 1024
 

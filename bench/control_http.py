@@ -6,18 +6,19 @@
    one desired state published), one kept-alive connection per implementation, all built from the same
    SSL context as ``ControlClient`` builds it. Two exchanges, the two an unchanged agent cycle makes: a
    heartbeat (``POST .../heartbeat``, a 200 with a lease) and a conditional fetch answered 304
-   (``GET .../desired-state`` with ``If-None-Match``). Implementations: ``http_lite`` (the collection's
-   hand-written exchange, what the client used before), ``h11`` (``control_http.Link``, what it uses now)
+   (``GET .../desired-state`` with ``If-None-Match``). Implementations: ``docker._http`` (the collection's
+   hand-written exchange, what the client used before), ``h11`` (``agent_side.control_link.Link``, what it uses now)
    and the standard library's ``http.client``. CPU of this process (``time.process_time``; the server is
    another process) per exchange, over --rounds rounds of --calls exchanges of each kind and each
-   implementation, interleaved (the order rotates every round), as ratios to ``http_lite``.
-2. Strictness: the malformed answers of tests/unit/test_http_lite_differential.py (those http_lite and h11
-   both refuse) fed to each implementation over a socket pair; how many each accepts as an answer.
-3. The Docker Engine socket, as ``docker_api`` speaks it (a new connection per request, ``Connection:
+   implementation, interleaved (the order rotates every round), as ratios to ``docker._http``.
+2. Strictness: the malformed answers of
+   tests/collection/module_utils/docker/test_http_lite_differential.py (those http_lite and h11 both
+   refuse) fed to each implementation over a socket pair; how many each accepts as an answer.
+3. The Docker Engine socket, as ``docker.api`` speaks it (a new connection per request, ``Connection:
    close``): ``GET /containers/json`` filtered to one container this bench creates (never started, removed
    at the end; from the stand-in base image, built first if this machine has none) and
-   ``GET /containers/{id}/json``, with ``http_lite`` and ``http.client`` (and ``h11`` beside them), the same
-   interleaving, ratios to ``http_lite``. Wall time per request is printed too: most of it is the engine's
+   ``GET /containers/{id}/json``, with ``docker._http`` and ``http.client`` (and ``h11`` beside them), the same
+   interleaving, ratios to ``docker._http``. Wall time per request is printed too: most of it is the engine's
    own time to answer, the same for all three.
 
 Every answer is checked (status, and the ETag of the 304) so a broken implementation cannot look fast.
@@ -42,19 +43,19 @@ from typing import NoReturn, Protocol
 import docker
 import yaml
 
-from ansible_collections.meridian.node.plugins.module_utils.docker_api import DEFAULT_HOST
-from ansible_collections.meridian.node.plugins.module_utils.http_lite import exchange
-from ansible_collections.meridian.node.tests.devserver.devserver_process import enroll_node, running
-from ansible_collections.meridian.node.tests.helpers.standin_image import ensure_base_image
-from ansible_collections.meridian.node.tests.unit.test_http_lite_differential import (
+from ansible_collections.meridian.node.plugins.module_utils.docker._http import exchange
+from ansible_collections.meridian.node.plugins.module_utils.docker.api import DEFAULT_HOST
+from ansible_collections.meridian.node.tests.collection.module_utils.docker.test_http_lite_differential import (
     CASES,
     Parsed,
     through_h11,
     through_http_lite,
 )
-from meridian_node_agent.control_client import ControlClient, FetchStatus, _closed_by_peer
-from meridian_node_agent.control_http import Link
-from meridian_node_agent.identity import NodeIdentity
+from ansible_collections.meridian.node.tests.devserver.devserver_process import enroll_node, running
+from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image
+from meridian_node_agent.agent_side.control_client import ControlClient, FetchStatus, _closed_by_peer
+from meridian_node_agent.agent_side.control_link import Link
+from meridian_node_agent.agent_side.identity import NodeIdentity
 
 NODE_ID = "bench-http-node"
 MAX_BODY = 4 * 1024 * 1024
@@ -313,7 +314,8 @@ def strictness() -> None:
             accepted["http.client"].append(name)
     print(
         f"malformed answers (the {len(malformed)} that http_lite and h11 both refuse in "
-        "tests/unit/test_http_lite_differential.py), fed to each implementation over a socket pair:"
+        "tests/collection/module_utils/docker/test_http_lite_differential.py), fed to each implementation "
+        "over a socket pair:"
     )
     for name, names in accepted.items():
         print(f"  {name:12} accepted {len(names):2} of {len(malformed)}" + (f": {'; '.join(names)}" if names else ""))

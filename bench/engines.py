@@ -16,9 +16,9 @@ Prints:
    plugin), the others as modules; the engine_set figure run as a module is printed beside it.
    The five playbooks run in interleaved rounds (baseline, engine_instance, engine_set both ways,
    docker_container, then again), so a machine that slows down or speeds up during the run weighs on all of them alike.
-2. create-to-ready seconds for one stand-in engine through ``engine_instance.converge`` (create, start,
+2. create-to-ready seconds for one stand-in engine through ``engines.instance.converge`` (create, start,
    wait until its readiness probe passes), median of --repeat; and for --count new engines through one
-   ``engine_set.converge_set`` call (created, started and waited for side by side), as a multiple of the one.
+   ``engines.set.converge_set`` call (created, started and waited for side by side), as a multiple of the one.
 
 community.docker comes from the ``ansible`` wheel on PyPI (Galaxy is unreachable here): the wheel is
 downloaded once with pip into ``.build/bench-wheels`` and only ``community/docker`` is extracted into
@@ -43,19 +43,19 @@ from typing import Any
 import docker
 from timing import median_seconds
 
-from ansible_collections.meridian.node.plugins.module_utils.docker_engine import DockerEngine
-from ansible_collections.meridian.node.plugins.module_utils.engine_instance import Options, converge
-from ansible_collections.meridian.node.plugins.module_utils.engine_set import SetOptions, converge_set
-from ansible_collections.meridian.node.tests.helpers.engine_harness import BIND, PORTS, free_ports, run_playbook
-from ansible_collections.meridian.node.tests.helpers.standin_image import ensure_base_image, ensure_engine_image
-from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import Options, converge
+from ansible_collections.meridian.node.plugins.module_utils.engines.set import SetOptions, converge_set
+from ansible_collections.meridian.node.tests.support.engine_harness import BIND, PORTS, free_ports, run_playbook
+from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image, ensure_engine_image
+from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
 BUILD = REPO / ".build"
 WHEELS = BUILD / "bench-wheels"
 COLLECTIONS = BUILD / "bench-collections"
-SERVER = REPO / "tests" / "engines" / "standin_server.py"
+SERVER = REPO / "tests" / "support" / "standin_server.py"
 ANSIBLE_WHEEL = "ansible>=12,<13"  # the Ansible release that goes with ansible-core 2.19
 
 
@@ -192,7 +192,7 @@ class Bench:
             engine.close()
 
     def set_create_to_ready(self, repeat: int) -> float:
-        """Create-to-ready of --count new engines through ``engine_set.converge_set`` (one call, in process)."""
+        """Create-to-ready of --count new engines through ``engines.set.converge_set`` (one call, in process)."""
         specs = [self._spec(f"{self.prefix}-set-{i}", port) for i, port in enumerate(self.set_ports)]
         options = SetOptions(policy_path=str(self.policy), state_dir=str(self.state_dir))
         gone = [{"name": spec["name"], "state": "absent"} for spec in specs]
@@ -213,7 +213,7 @@ class Bench:
             engine.close()
 
     def inprocess_noop(self, repeat: int) -> float:
-        """The same no-op through ``engine_instance.converge`` in this process: the module without Ansible and
+        """The same no-op through ``engines.instance.converge`` in this process: the module without Ansible and
         without its imports."""
         options = Options(state="started", policy_path=str(self.policy), state_dir=str(self.state_dir))
         engine = DockerEngine.from_env()

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/gpu_facts.py [--repeat N] [--no-ansible]
 
-The GPUs are the fake pynvml's (tests/fakes): this measures our own cost per cycle (Python work per
+The GPUs are the fake pynvml's (tests/support/fakes): this measures our own cost per cycle (Python work per
 NVML call, imports, process start), not the driver's. Where a real NVIDIA GPU is present it also
 times the real module against `nvidia-smi -q -x`, the usual alternative, and prints the ratio.
 Every figure is the median of repeated runs.
@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FAKES = REPO / "tests" / "fakes"
+FAKES = REPO / "tests" / "support" / "fakes"
 COLLECTIONS = REPO / ".build" / "collections"
 MODULE = REPO / "plugins" / "modules" / "gpu_facts.py"
 ANSIBLE = Path(sys.executable).parent / "ansible"
@@ -28,10 +28,10 @@ SIZES = (0, 8, 64)
 sys.path.insert(0, str(COLLECTIONS))
 from timing import median_seconds  # noqa: E402
 
-from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import (  # noqa: E402
+from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import (  # noqa: E402
     collect_gpu_facts,
 )
-from ansible_collections.meridian.node.tests.helpers.fake_nvml import load_fake_pynvml  # noqa: E402
+from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml  # noqa: E402
 
 
 def module_env(scenario: str | None) -> dict[str, str]:

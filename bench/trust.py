@@ -22,9 +22,9 @@ from datetime import UTC, datetime, timedelta
 
 from timing import median_seconds
 
-from ansible_collections.meridian.node.plugins.module_utils import dsse
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
-from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection, verify_envelope
+from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
+from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection, verify_envelope
 
 DESIRED = dsse.PAYLOAD_TYPES["desired-state"]
 

@@ -41,8 +41,8 @@ def _agent_logger_as_found() -> Iterator[None]:
     logger.propagate = propagate
 
 
-# The stand-in engine base image (built once per machine, cached): see tests/helpers/standin_image.py.
-from ansible_collections.meridian.node.tests.helpers.standin_image import standin_base_image  # noqa: E402, F401
+# The stand-in engine base image (built once per machine, cached): see tests/support/standin_image.py.
+from ansible_collections.meridian.node.tests.support.standin_image import standin_base_image  # noqa: E402, F401
 
-# The systemd test host, booted with meridian-node installed: see tests/helpers/systemd_host.py.
-from ansible_collections.meridian.node.tests.helpers.systemd_host import installed_host  # noqa: E402, F401
+# The systemd test host, booted with meridian-node installed: see tests/support/systemd_host.py.
+from ansible_collections.meridian.node.tests.support.systemd_host import installed_host  # noqa: E402, F401

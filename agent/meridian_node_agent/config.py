@@ -13,13 +13,19 @@ from typing import Annotated, Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import NodeId, describe_validation_error
-from ansible_collections.meridian.node.plugins.module_utils.policy import DEFAULT_POLICY_PATH
-from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import (
+from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import (
     YamlFileError,
     parse_yaml,
     read_text_file,
 )
+from ansible_collections.meridian.node.plugins.module_utils.contracts import NodeId, describe_validation_error
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import (
+    DEFAULT_POLICY_PATH,
+    Policy,
+    PolicyError,
+    load_policy,
+)
+from meridian_node_agent.errors import UsageError
 
 DEFAULT_CONFIG_PATH = "/etc/meridian-node/config.yaml"
 DEFAULT_STATE_DIR = "/var/lib/meridian-node"
@@ -250,3 +256,16 @@ def load_config(path: os.PathLike[str] | str) -> AgentConfig:
                 f"apply unit keeps its record and journal apart (default {DEFAULT_APPLY_STATE_DIR})"
             )
     return resolved
+
+
+def policy_for_run(config: AgentConfig) -> Policy:
+    """The host policy ``run`` works under, refused when it cannot be read or when it (or this build)
+    does not allow the configured mode."""
+    try:
+        policy = load_policy(config.policy)
+    except PolicyError as exc:
+        raise UsageError(str(exc)) from exc
+    refusal = policy.mode_allowed(config.mode) or mode_unavailable(config.mode, config.apply.via)
+    if refusal:
+        raise UsageError(f"mode: {refusal}")
+    return policy

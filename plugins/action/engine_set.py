@@ -80,7 +80,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no t
         return None
 
     def _run_in_worker(self) -> dict[str, Any]:
-        from ansible_collections.meridian.node.plugins.module_utils.engine_set_args import (
+        from ansible_collections.meridian.node.plugins.module_utils.engines.set_args import (
             ARGUMENT_SPEC,
             MUTUALLY_EXCLUSIVE,
             REQUIRED_ONE_OF,

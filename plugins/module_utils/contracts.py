@@ -26,7 +26,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
-from ansible_collections.meridian.node.plugins.module_utils.engine_spec import (
+from ansible_collections.meridian.node.plugins.module_utils._plain_checks import short_repr
+from ansible_collections.meridian.node.plugins.module_utils.engine_rules import (
     DRIVERS,
     IMAGE_REFERENCE,
     MAX_LABELS,
@@ -39,7 +40,6 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_spec import (
     ulimit_problem,
     volume_problem,
 )
-from ansible_collections.meridian.node.plugins.module_utils.plain_checks import short_repr
 
 try:
     from pydantic import (
@@ -105,6 +105,7 @@ __all__ = [
     "Runbook",
     "ServingProjection",
     "Signature",
+    "StrictModel",
     "ValidationError",
     "bundle_path_key",
     "describe_validation_error",
@@ -303,7 +304,7 @@ def read_json(data: bytes) -> Any:
     duplicate keys refused at every depth, plus what RFC 8259 leaves out refused; ``JsonError`` says what.
 
     Values are exactly ``json.loads``'s where it accepts; what it accepts and this refuses is listed in
-    ``JsonError``. ``tests/contracts/test_wire_strictness.py`` holds it to that, and to pydantic's parser.
+    ``JsonError``. ``tests/collection/module_utils/test_wire_strictness.py`` holds it to that, and to pydantic's parser.
     """
     try:
         text = data.decode("utf-8")
@@ -347,7 +348,9 @@ def parse_document(model: type[_Model], data: bytes) -> _Model:
 # the models spell ``Optional``/``Union`` (ruff keeps them: pyproject.toml, ``keep-runtime-typing``).
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """The one base of every wire model, here and in the agent: unknown fields refused, frozen, no coercion."""
+
     # defer_build: a module that imports the contracts but validates one kind (or none) should not pay
     # for building every schema at import; each model builds on first use.
     # strict: no coercion, in JSON and in Python (see the module docstring).
@@ -382,7 +385,7 @@ Base64 = Annotated[str, AfterValidator(_canonical_base64), WithJsonSchema(_BASE6
 MAX_SIGNATURES = 64
 
 
-class Signature(_Strict):
+class Signature(StrictModel):
     keyid: KeyId
     sig: Annotated[
         str,
@@ -392,7 +395,7 @@ class Signature(_Strict):
     ]
 
 
-class Envelope(_Strict):
+class Envelope(StrictModel):
     """A DSSE envelope (https://github.com/secure-systems-lab/dsse). The payload is base64 of the body."""
 
     payloadType: Annotated[str, Field(min_length=1)]
@@ -417,14 +420,14 @@ RelativePath = Annotated[str, AfterValidator(_relative_store_path)]
 INT64_MAX = 2**63 - 1
 
 
-class ManifestFile(_Strict):
+class ManifestFile(StrictModel):
     path: RelativePath
     size: Annotated[int, Field(ge=0, le=INT64_MAX)]
     sha256: Sha256Hex
     url: Optional[str] = Field(default=None, description="where to fetch this file; default base_url + path")
 
 
-class ArtifactManifest(_Strict):
+class ArtifactManifest(StrictModel):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["ArtifactManifest"]
     name: Name
@@ -452,7 +455,7 @@ class ArtifactManifest(_Strict):
         return sum(entry.size for entry in self.files)
 
 
-class ArtifactRef(_Strict):
+class ArtifactRef(StrictModel):
     """An artifact the host should hold: the signed manifest travels with the desired state."""
 
     name: Name
@@ -462,7 +465,7 @@ class ArtifactRef(_Strict):
     pin: bool = False
 
 
-class ModelRef(_Strict):
+class ModelRef(StrictModel):
     artifact: Optional[Name] = Field(default=None, description="a promoted artifact in the local store")
     name: Optional[str] = Field(default=None, description="a model name for engines that manage their own")
 
@@ -482,10 +485,10 @@ def _image_reference(value: str) -> str:
 ImageReference = Annotated[str, AfterValidator(_image_reference)]
 
 
-class EngineSpec(_Strict):
+class EngineSpec(StrictModel):
     # The host-setting rules live in engine_spec, which the engine modules' pydantic-free check shares.
 
-    class Volume(_Strict):
+    class Volume(StrictModel):
         """A host path mounted read-only into the engine; there is no writable form."""
 
         source: str = Field(description="absolute host path; the host policy's allowed_volume_sources must cover it")
@@ -498,7 +501,7 @@ class EngineSpec(_Strict):
                 raise ValueError(problem)
             return self
 
-    class Ulimit(_Strict):
+    class Ulimit(StrictModel):
         soft: Annotated[int, Field(ge=-1, le=ULIMIT_MAX, description="-1 is unlimited")]
         hard: Annotated[int, Field(ge=-1, le=ULIMIT_MAX, description="-1 is unlimited")]
 
@@ -555,7 +558,7 @@ class EngineSpec(_Strict):
         return self
 
 
-class Runbook(_Strict):
+class Runbook(StrictModel):
     """The code that applies this state when it travels in an air-gap bundle with ``playbooks/`` and
     ``collection/``: their digests, pinned by the control keys (``runbook.py`` defines them). Without it a
     bundle's shipped code never runs; online it is not consulted (nothing is shipped there)."""
@@ -565,7 +568,7 @@ class Runbook(_Strict):
     collection_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the tarball")]
 
 
-class DesiredState(_Strict):
+class DesiredState(StrictModel):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["DesiredState"]
     node_id: NodeId
@@ -627,7 +630,7 @@ def _bundle_member_path(value: str) -> str:
 BundlePath = Annotated[RelativePath, AfterValidator(_bundle_member_path)]
 
 
-class BundleFile(_Strict):
+class BundleFile(StrictModel):
     """One member of the bundle's tar besides bundle.json: its path there, its size and its sha256."""
 
     path: BundlePath
@@ -641,7 +644,7 @@ def bundle_path_key(path: str) -> str:
     return unicodedata.normalize("NFC", path).casefold()
 
 
-class Bundle(_Strict):
+class Bundle(StrictModel):
     """An air-gap delivery for one node: the control-signed desired state it applies (``generation`` is
     that state's generation) and every other member of the tar it travels in."""
 
@@ -690,20 +693,20 @@ class Bundle(_Strict):
         return sum(entry.size for entry in self.files)
 
 
-class Lease(_Strict):
+class Lease(StrictModel):
     node_id: NodeId
     epoch: Annotated[int, Field(ge=0, le=INT64_MAX)]
     expires_at: UtcTimestamp
     renewed_at: UtcTimestamp
 
 
-class EnrollmentRequest(_Strict):
+class EnrollmentRequest(StrictModel):
     node_id: NodeId
     token: Annotated[str, Field(min_length=1)]
     csr_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE REQUEST-----")]
 
 
-class CertificateRenewalRequest(_Strict):
+class CertificateRenewalRequest(StrictModel):
     """A CSR for a new key, sent over mutual TLS with the node's current certificate; answered with an
     ``EnrollmentResponse`` (the new certificate, the CA bundle and the node's current lease)."""
 
@@ -711,20 +714,20 @@ class CertificateRenewalRequest(_Strict):
     csr_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE REQUEST-----")]
 
 
-class EnrollmentResponse(_Strict):
+class EnrollmentResponse(StrictModel):
     node_id: NodeId
     certificate_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE-----")]
     ca_bundle_pem: Annotated[str, Field(pattern=r"^-----BEGIN CERTIFICATE-----")]
     lease: Lease
 
 
-class GpuMemory(_Strict):
+class GpuMemory(StrictModel):
     total_mib: Optional[int]
     used_mib: Optional[int]
     free_mib: Optional[int]
 
 
-class MigInstance(_Strict):
+class MigInstance(StrictModel):
     uuid: str
     profile: Optional[str]
     memory_mib: Optional[int]
@@ -732,17 +735,17 @@ class MigInstance(_Strict):
     compute_instance_id: Optional[int]
 
 
-class ComputeProcess(_Strict):
+class ComputeProcess(StrictModel):
     pid: int
     used_memory_mib: Optional[int]
 
 
-class NvLinkPeer(_Strict):
+class NvLinkPeer(StrictModel):
     link: int
     peer_pci_bus_id: Optional[str]
 
 
-class Gpu(_Strict):
+class Gpu(StrictModel):
     index: int
     uuid: Optional[str]
     name: Optional[str]
@@ -762,7 +765,7 @@ class Gpu(_Strict):
     error: Optional[str] = Field(default=None, description="why this GPU could not be read completely")
 
 
-class GpuFacts(_Strict):
+class GpuFacts(StrictModel):
     """What ``gpu_facts`` returns as ``ansible_facts.meridian_gpus`` and what observations carry."""
 
     nvml_available: bool
@@ -773,7 +776,7 @@ class GpuFacts(_Strict):
     gpus: list[Gpu] = Field(default_factory=list)
 
 
-class EngineObservation(_Strict):
+class EngineObservation(StrictModel):
     name: str
     managed: bool
     driver: Optional[str]
@@ -791,7 +794,7 @@ class EngineObservation(_Strict):
     ready_since: Optional[UtcTimestamp] = None
 
 
-class ArtifactObservation(_Strict):
+class ArtifactObservation(StrictModel):
     name: str
     version: str
     size_bytes: int
@@ -799,12 +802,12 @@ class ArtifactObservation(_Strict):
     current: bool
 
 
-class Capacity(_Strict):
+class Capacity(StrictModel):
     vram_free_mib: dict[str, int] = Field(default_factory=dict, description="by GPU uuid")
     free_ports: list[int] = Field(default_factory=list)
 
 
-class RunSummary(_Strict):
+class RunSummary(StrictModel):
     ident: str
     generation: int
     status: Literal["successful", "failed", "canceled", "timeout", "running"]
@@ -813,7 +816,7 @@ class RunSummary(_Strict):
     finished_at: Optional[UtcTimestamp] = None
 
 
-class Observation(_Strict):
+class Observation(StrictModel):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["Observation"]
     node_id: NodeId
@@ -828,7 +831,7 @@ class Observation(_Strict):
     last_run: Optional[RunSummary] = None
 
 
-class ServingEndpoint(_Strict):
+class ServingEndpoint(StrictModel):
     node_id: NodeId
     engine: str
     driver: Driver
@@ -836,7 +839,7 @@ class ServingEndpoint(_Strict):
     address: Annotated[str, Field(description="host:port the gateway routes to")]
 
 
-class ServingProjection(_Strict):
+class ServingProjection(StrictModel):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["ServingProjection"]
     generated_at: UtcTimestamp
@@ -844,7 +847,7 @@ class ServingProjection(_Strict):
 
 
 # The collection's document kinds under contracts/v1, by the file stem its schema is written to (the
-# agent adds its own, the air-gap outbox record: meridian_node_agent.schemas.SCHEMAS).
+# agent adds its own, the air-gap outbox record: meridian_node_agent.dev.schemas.SCHEMAS).
 SCHEMAS: dict[str, type[BaseModel]] = {
     "desired-state": DesiredState,
     "artifact-manifest": ArtifactManifest,

@@ -130,21 +130,21 @@ from typing import Optional
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
-from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import ArtifactError
-from ansible_collections.meridian.node.plugins.module_utils.artifact_plan import ArtifactStoreError
-from ansible_collections.meridian.node.plugins.module_utils.bundle_reader import (
+from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader import (
     BundleRefused,
     check_bundle,
     unpack_bundle,
 )
-from ansible_collections.meridian.node.plugins.module_utils.bundle_stage import (
+from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_stage import (
     discard_work_dir,
     stage_artifacts,
     write_envelope,
 )
-from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
-from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStore, StateStoreError
-from ansible_collections.meridian.node.plugins.module_utils.trust import missing_libraries
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import ArtifactError
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import ArtifactStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError, load_policy
+from ansible_collections.meridian.node.plugins.module_utils.trust.verify import missing_libraries
 
 
 def main() -> None:

@@ -137,14 +137,14 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils.desired_state import (
+from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust.desired_state import (
     EnvelopeInputError,
     read_envelope,
     reconcile_desired_state,
 )
-from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError
-from ansible_collections.meridian.node.plugins.module_utils.state_store import StateStoreError
-from ansible_collections.meridian.node.plugins.module_utils.trust import Rejection, missing_libraries
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError
+from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection, missing_libraries
 
 
 def main() -> None:

@@ -168,8 +168,8 @@ container:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.meridian.node.plugins.module_utils import docker_engine
-from ansible_collections.meridian.node.plugins.module_utils.drain import DrainError, DrainOptions, drain_engine
+from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
 
 
 def main() -> None:

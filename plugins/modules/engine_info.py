@@ -182,17 +182,17 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import docker_engine
-from ansible_collections.meridian.node.plugins.module_utils.drain_state import DrainStateError
-from ansible_collections.meridian.node.plugins.module_utils.engine_discovery import engine_info
-from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError
-from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YAML_IMPORT_ERROR
+from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YAML_IMPORT_ERROR
+from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
+from ansible_collections.meridian.node.plugins.module_utils.engines.discovery import engine_info
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError
 
 
 def _gpu_facts() -> Mapping[str, Any]:
     # Imported here: NVML is read only when capacity is asked for. Capacity only needs memory: processes
     # and NVLink cost NVML calls per GPU and say nothing about room.
-    from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+    from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 
     return collect_gpu_facts(processes=False, nvlink=False)
 

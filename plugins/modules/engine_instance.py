@@ -370,18 +370,18 @@ diff:
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import docker_engine
-from ansible_collections.meridian.node.plugins.module_utils.engine_instance import (
-    EngineInstanceError,
-    Options,
-    converge,
-)
-from ansible_collections.meridian.node.plugins.module_utils.engine_options import (
+from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YAML_IMPORT_ERROR
+from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
+from ansible_collections.meridian.node.plugins.module_utils.engines.args import (
     ENGINE_SPEC_OPTIONS,
     RUN_OPTIONS,
     SPEC_REQUIRED_IF,
 )
-from ansible_collections.meridian.node.plugins.module_utils.strict_yaml import YAML_IMPORT_ERROR
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
+    EngineInstanceError,
+    Options,
+    converge,
+)
 
 
 def main() -> None:

@@ -357,7 +357,7 @@ diff:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.meridian.node.plugins.module_utils.engine_set_args import (
+from ansible_collections.meridian.node.plugins.module_utils.engines.set_args import (
     ARGUMENT_SPEC,
     MUTUALLY_EXCLUSIVE,
     REQUIRED_ONE_OF,

@@ -187,7 +187,7 @@ ansible_facts:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.meridian.node.plugins.module_utils.gpu_inventory import collect_gpu_facts
+from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 
 
 def main() -> None:

@@ -183,15 +183,15 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
-from ansible_collections.meridian.node.plugins.module_utils import policy
-from ansible_collections.meridian.node.plugins.module_utils.artifact_fetch import ArtifactError, FetchConfig
-from ansible_collections.meridian.node.plugins.module_utils.artifact_store import (
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import ArtifactError, FetchConfig
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import (
     ArtifactStoreError,
     Store,
     ensure_artifact,
     remove_artifact,
 )
-from ansible_collections.meridian.node.plugins.module_utils.trust import (
+from ansible_collections.meridian.node.plugins.module_utils.trust import policy
+from ansible_collections.meridian.node.plugins.module_utils.trust.verify import (
     Rejection,
     missing_libraries,
     verify_artifact_manifest,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ansible_collections.meridian.node.tests.helpers.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 from meridian_node_agent import cli
 from meridian_node_agent.config import ConfigError, load_config
 
@@ -131,7 +131,7 @@ def test_the_verb_is_found_before_parsing(argv: list[str], verb: str | None) -> 
 def test_running_a_verb_loads_no_other_verbs_module() -> None:
     code = (
         "import sys; from meridian_node_agent import cli; cli.build_parser('run'); "
-        "print(sorted(m for m in sys.modules if m.endswith('_cli')))"
+        "print(sorted(m for m in sys.modules if m.startswith('meridian_node_agent.cli.')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "['meridian_node_agent.agent_cli']"
+    assert done.stdout.strip() == "['meridian_node_agent.cli.agent']"

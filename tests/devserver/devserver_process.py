@@ -22,8 +22,8 @@ from typing import IO
 
 import requests
 
-from meridian_node_agent.control_client import ControlClient
-from meridian_node_agent.identity import NodeIdentity
+from meridian_node_agent.agent_side.control_client import ControlClient
+from meridian_node_agent.agent_side.identity import NodeIdentity
 
 __all__ = ["DevServer", "cli", "devserver_command", "enroll_node", "running"]
 

@@ -23,18 +23,18 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ansible_collections.meridian.node.plugins.module_utils import trust
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation, format_rfc3339
-from ansible_collections.meridian.node.plugins.module_utils.policy import load_policy
+from ansible_collections.meridian.node.plugins.module_utils.trust import verify as trust
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
-from meridian_node_agent.control_client import (
+from meridian_node_agent.agent_side.control_client import (
     ControlClient,
     ControlPlaneRejected,
     ControlPlaneUnavailable,
     DesiredStateFetch,
     FetchStatus,
 )
-from meridian_node_agent.identity import NodeIdentity
+from meridian_node_agent.agent_side.identity import NodeIdentity
 
 _names = itertools.count(1)
 

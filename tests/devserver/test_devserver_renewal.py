@@ -19,8 +19,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
-from meridian_node_agent.control_client import ControlClient, ControlPlaneRejected, FetchStatus
-from meridian_node_agent.identity import NodeIdentity
+from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected, FetchStatus
+from meridian_node_agent.agent_side.identity import NodeIdentity
 
 _names = itertools.count(1)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, cli, enroll_node, running
-from meridian_node_agent.control_client import ControlPlaneRejected
+from meridian_node_agent.agent_side.control_client import ControlPlaneRejected
 from meridian_node_agent.devserver.store import token_digest
 
 _names = itertools.count(1)

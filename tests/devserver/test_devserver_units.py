@@ -19,15 +19,15 @@ from cryptography.x509.oid import NameOID
 from fastapi.routing import APIRoute
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import EnrollmentRequest, EnrollmentResponse
-from meridian_node_agent import control_client as client_module
-from meridian_node_agent import identity as identity_module
-from meridian_node_agent.control_client import ControlClient, ControlPlaneUnavailable
+from meridian_node_agent.agent_side import control_client as client_module
+from meridian_node_agent.agent_side import identity as identity_module
+from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneUnavailable
+from meridian_node_agent.agent_side.identity import IdentityError, NodeIdentity
 from meridian_node_agent.devserver.app import create_app
 from meridian_node_agent.devserver.ca import CertificateAuthority, CsrError, PeerCertificateError
 from meridian_node_agent.devserver.control import ControlPlane, ProtocolError, open_control_plane
 from meridian_node_agent.devserver.store import Store, StoreConflict
 from meridian_node_agent.devserver.tls import peer_certificate_der, server_ssl_context, tls_extension
-from meridian_node_agent.identity import IdentityError, NodeIdentity
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

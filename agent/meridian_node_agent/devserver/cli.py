@@ -337,7 +337,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 def cmd_import_outbox(args: argparse.Namespace) -> int:
     import json
 
-    from meridian_node_agent.airgap_outbox import load_node_public_key
+    from meridian_node_agent.boundary.outbox import load_node_public_key
     from meridian_node_agent.devserver.outbox_import import import_outbox
 
     keys = {}

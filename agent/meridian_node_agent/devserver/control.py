@@ -20,7 +20,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import TypeAdapter
 
-from ansible_collections.meridian.node.plugins.module_utils import dsse
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     DRIVERS,
     CertificateRenewalRequest,
@@ -35,6 +34,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     describe_validation_error,
     format_rfc3339,
 )
+from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
 from meridian_node_agent.devserver.ca import (
     CertificateAuthority,
     CertificateExpiredError,

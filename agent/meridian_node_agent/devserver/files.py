@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ansible_collections.meridian.node.plugins.module_utils.fileutil import atomic_write, fsync_directory
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
 
 __all__ = ["private_file_exclusive", "write_public_file"]
 

@@ -1,6 +1,6 @@
 """``meridian-node-devserver import-outbox``: an air-gapped node's outbox, ingested as if it came online.
 
-Each file is verified (``airgap_outbox.verify_outbox_record``: the node's registered key, the strict body,
+Each file is verified (``boundary.outbox.verify_outbox_record``: the node's registered key, the strict body,
 the name agreeing with the body) and then goes through the same door as its online twin: an observation
 through ``ControlPlane.observe`` (its epoch check refuses a fenced writer as ``stale-epoch``), a journal
 summary into ``outbox_records`` beside it.
@@ -29,7 +29,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
-from meridian_node_agent.airgap_outbox import MAX_RECORD_BYTES, OutboxRecord, OutboxRefused, verify_outbox_record
+from meridian_node_agent.boundary.outbox import MAX_RECORD_BYTES, OutboxRecord, OutboxRefused, verify_outbox_record
 from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
 
 __all__ = ["ImportResult", "import_outbox"]

@@ -25,7 +25,7 @@ importlib.import_module("meridian_node_agent")
 
 
 def check_key(path: str) -> int:
-    from ansible_collections.meridian.node.plugins.module_utils.dsse import KeyLoadError, load_public_key_pem
+    from ansible_collections.meridian.node.plugins.module_utils.trust.dsse import KeyLoadError, load_public_key_pem
 
     try:
         load_public_key_pem(Path(path).read_bytes())
@@ -36,7 +36,7 @@ def check_key(path: str) -> int:
 
 
 def check_policy(path: str) -> int:
-    from ansible_collections.meridian.node.plugins.module_utils.policy import PolicyError, load_policy
+    from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError, load_policy
 
     try:
         load_policy(path)
@@ -47,8 +47,8 @@ def check_policy(path: str) -> int:
 
 
 def identity(config_path: str) -> int:
+    from meridian_node_agent.agent_side.identity import IdentityError, NodeIdentity
     from meridian_node_agent.config import ConfigError, load_config
-    from meridian_node_agent.identity import IdentityError, NodeIdentity
 
     try:
         config = load_config(config_path)

@@ -1,0 +1,748 @@
+"""The agent's cycle: heartbeat → conditional fetch → verify → spool → apply → observe → report.
+
+Runs on: the agent side (``meridian-node run``, unprivileged); it applies through an ``ApplyPort``, in-process
+or by spooling a request to root's apply unit.
+
+One ``Agent`` object owns the loop's memory (lease, ETag, counters); everything with a side effect is
+injected (control client, applier, observer, clock, sleep, random source), so tests drive the real loop
+against a real control plane with a fake clock or sleep where they need one.
+
+Rules the loop keeps:
+
+- An unchanged state (304, or a generation already applied with the same bytes) runs no playbook.
+- A rejected state changes nothing on the host: no spool write, no apply, no record. The rejection is
+  counted by reason and logged once per distinct envelope.
+- Control plane unreachable: back off with jitter, never touching running engines.
+- No apply without a live lease: a lapsed lease stops new applies (the control plane may have handed
+  this node's work to someone else), never running engines.
+- ``observe-only`` verifies and reports but never applies.
+- The client certificate is renewed once less than ``certificate_renewal.remaining_fraction`` of its
+  lifetime is left, at the start of a cycle, so the rest of the cycle already uses the new pair. A failed
+  renewal is logged and retried after a backoff of its own; it never fails the cycle, because the old
+  certificate is still valid (and when it is not, the calls after it say so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation, format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
+from ansible_collections.meridian.node.plugins.module_utils.trust.verify import (
+    Rejection,
+    VerifiedState,
+    verify_desired_state,
+)
+from meridian_node_agent.agent_side.control_client import (
+    ControlPlaneError,
+    ControlPlaneRejected,
+    DesiredStateFetch,
+    FetchStatus,
+)
+from meridian_node_agent.agent_side.identity import CertificateIssuer, CertificateRenewal, IdentityError, NodeIdentity
+from meridian_node_agent.agent_side.supervise import Supervisor
+from meridian_node_agent.apply.applier import ApplyResult
+from meridian_node_agent.apply.oplog import ABANDONED, OpLog
+from meridian_node_agent.config import AgentConfig
+from meridian_node_agent.logs import EventLogger
+
+__all__ = [
+    "REPORT_REFRESH_SECONDS",
+    "SPOOL_FILE",
+    "STATUS_FILE",
+    "Agent",
+    "ApplyRetry",
+    "Backoff",
+    "CycleOutcome",
+    "Outcome",
+    "read_status",
+]
+
+SPOOL_FILE = Path("spool") / "desired-state.json"
+STATUS_FILE = "status.json"
+# An unchanged observation is re-sent at least this often; a changed one at once. The heartbeat already
+# proves the node alive each cycle, and posting identical observations is most of an idle cycle's cost.
+REPORT_REFRESH_SECONDS = 60.0
+STATUS_REFRESH_SECONDS = 60.0
+_REFUSAL_HINTS = {
+    "certificate-revoked": "this node's certificate was revoked: enroll again with a new token",
+    "certificate-expired": "the node's certificate expired before it was renewed: enroll again with a new token",
+    "wrong-node": "the certificate names another node than config node_id: fix node_id or re-enroll",
+    "certificate-untrusted": "the certificate is not the control plane's (another CA): re-enroll",
+    "certificate-unknown": "the control plane never issued this certificate: re-enroll",
+    "unknown-node": "the control plane does not know this node: check node_id and control_plane.url",
+}
+
+
+class Outcome(StrEnum):
+    APPLIED = "applied"
+    APPLY_FAILED = "apply-failed"
+    UNCHANGED = "unchanged"
+    NONE_PUBLISHED = "none-published"
+    REJECTED = "rejected"
+    OBSERVED_ONLY = "observe-only"
+    LEASE_LAPSED = "lease-lapsed"
+    # The state did not change, but engines had drifted from it and were reconciled again.
+    REPAIRED = "repaired"
+    REPAIR_FAILED = "repair-failed"
+    # The state's last apply failed and its retry waits out the crash-loop backoff (``ApplyRetry``).
+    APPLY_BACKING_OFF = "apply-backing-off"
+
+
+@dataclass(frozen=True)
+class CycleOutcome:
+    outcome: Outcome
+    generation: int | None = None
+    rejection: str | None = None
+    run: ApplyResult | None = None
+
+
+class ControlPlane(Protocol):
+    def heartbeat(self, node_id: str) -> Lease: ...
+    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch: ...
+    def post_observation(self, observation: Observation) -> None: ...
+
+
+class ApplyPort(Protocol):
+    def apply(
+        self,
+        envelope: bytes,
+        *,
+        generation: int,
+        epoch: int,
+        payload_sha256: str,
+        secrets: Any = (),
+        reason: str | None = None,
+        lists_artifacts: bool = True,
+    ) -> ApplyResult: ...
+
+
+class ObservePort(Protocol):
+    def observe(
+        self,
+        *,
+        node_id: str,
+        mode: str,
+        epoch: int,
+        applied_generation: int,
+        last_run: dict[str, Any] | None,
+        now: datetime,
+    ) -> Observation: ...
+
+    def forget(self) -> None: ...
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with jitter: attempt n waits a random time in [base/2, base], base = initial·2^(n-1)."""
+
+    initial: float
+    maximum: float
+    rng: random.Random = field(default_factory=random.Random)
+
+    def base(self, attempt: int) -> float:
+        return float(min(self.maximum, self.initial * 2 ** max(0, attempt - 1)))
+
+    def delay(self, attempt: int) -> float:
+        base = self.base(attempt)
+        # Half fixed, half random: failing agents spread out instead of returning in lockstep, and
+        # the wait still grows with every failure.
+        return base / 2 + self.rng.uniform(0, base / 2)
+
+
+@dataclass
+class ApplyRetry:
+    """A verified state whose apply failed, retried from memory on supervision's crash-loop backoff.
+
+    An engine whose command exits at once fails every apply at its readiness wait; retrying on every cycle
+    would run a playbook (and restart the engine) once per long-poll, for ever. The n-th failure waits
+    ``supervisor.backoff(n)`` (10 s doubling to 5 min by default) before the next attempt; a newer state
+    published meanwhile is applied at once (the long-poll still waits on it), and the count starts over.
+    """
+
+    envelope: bytes
+    generation: int
+    payload_sha256: str
+    failures: int
+    retry_at: float  # on the agent's monotonic clock
+    backoff_seconds: float
+    failed_at: datetime
+    error: str
+
+
+@dataclass
+class Counters:
+    cycles: int = 0
+    applies: int = 0
+    apply_failures: int = 0
+    unavailable: int = 0
+    refused: int = 0  # the control plane answered and said no (403 revoked, 404 unknown node...)
+    repairs: int = 0  # reconciles of the applied generation because engines drifted from it
+    rejections: dict[str, int] = field(default_factory=dict)
+
+
+class Agent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        policy: Policy,
+        client: ControlPlane,
+        applier: ApplyPort,
+        observer: ObservePort,
+        *,
+        log: EventLogger | None = None,
+        clock: Callable[[], datetime] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+        metrics: Any = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.client = client
+        self.applier = applier
+        self.observer = observer
+        self.log = log or EventLogger()
+        self.clock = clock or (lambda: datetime.now(UTC))
+        self.sleep = sleep
+        self.metrics = metrics
+        # Intervals (heartbeat due, observation refresh) run on this clock; a test or a benchmark can
+        # stand in a clock that moves as a long-poll of ``wait`` seconds would.
+        self.monotonic = monotonic
+        self.backoff = Backoff(config.backoff.initial_seconds, config.backoff.max_seconds, rng or random.Random())  # noqa: S311 - jitter, not secrecy
+        self.state_dir = Path(config.state_dir)
+        self.store = StateStore(self.state_dir)
+        self.oplog = OpLog(self.state_dir / "oplog.jsonl")
+        self.spool = self.state_dir / SPOOL_FILE
+        self.counters = Counters()
+        self.lease: Lease | None = None
+        self.etag: str | None = None
+        self.last_run: ApplyResult | None = None
+        self._rejected_etag: str | None = None
+        self._reported: tuple[str, float] | None = None
+        self._status_written: tuple[dict[str, Any], float] | None = None
+        self._renewed_at: float | None = None
+        self._epoch_ok = True
+        self._engines: list[dict[str, Any]] = []
+        supervision = config.supervision
+        self.supervisor = Supervisor(
+            settle_seconds=supervision.settle_seconds,
+            startup_grace_seconds=supervision.startup_grace_seconds,
+            backoff_initial_seconds=supervision.backoff_initial_seconds,
+            backoff_max_seconds=supervision.backoff_max_seconds,
+            healthy_reset_seconds=supervision.healthy_reset_seconds,
+            clock=monotonic,
+        )
+        # The envelope of the state last applied successfully, verified: what supervision repairs towards.
+        self._desired: tuple[bytes, VerifiedState] | None = None
+        self._retry: ApplyRetry | None = None
+        # Renewal talks to the real control client even when a test wraps ``client`` for the other calls.
+        self.issuer: CertificateIssuer | None = client if isinstance(client, CertificateIssuer) else None
+        renewal = config.certificate_renewal
+        self.renewal = CertificateRenewal(
+            NodeIdentity(config.identity_dir), remaining_fraction=renewal.remaining_fraction
+        )
+        self.renewal_backoff = Backoff(renewal.retry_initial_seconds, renewal.retry_max_seconds, self.backoff.rng)
+        control = config.control_plane
+        self.wait = float(min(control.long_poll_seconds, control.heartbeat_seconds)) if control else 0.0
+        self.pause = float(control.heartbeat_seconds) if control else 30.0
+
+    # The loop
+
+    def run(self, *, once: bool = False, max_cycles: int | None = None) -> int:
+        """Cycle until stopped (or once). Returns 0 when the last cycle succeeded, 1 otherwise."""
+        self.recover()
+        self.resume_supervision()
+        failures = 0
+        attempts = 0
+        while True:
+            attempts += 1
+            ok = True
+            try:
+                outcome = self.cycle(wait=0 if once else self.wait)
+                # A failed repair is not the control plane's fault: supervision paces its own retries.
+                ok = outcome.outcome not in (
+                    Outcome.APPLY_FAILED,
+                    Outcome.REJECTED,
+                    Outcome.LEASE_LAPSED,
+                    Outcome.REPAIR_FAILED,
+                    Outcome.APPLY_BACKING_OFF,
+                )
+                failed_call = outcome.outcome == Outcome.APPLY_FAILED
+            except ControlPlaneRejected as exc:
+                # Not an outage: retrying will not help until an operator acts (re-enroll a revoked node, fix
+                # the node id). Keep backing off, so that the agent recovers on its own once they have.
+                self.counters.refused += 1
+                self.log.error(
+                    "control-plane-refused",
+                    status=exc.status,
+                    reason=exc.reason,
+                    detail=exc.detail,
+                    attempt=failures + 1,
+                    hint=_REFUSAL_HINTS.get(exc.reason, "see docs/PROTOCOL.md for the reason"),
+                )
+                ok = False
+                failed_call = True
+            except ControlPlaneError as exc:
+                self.counters.unavailable += 1
+                self.log.warning("control-plane-unavailable", error=str(exc), attempt=failures + 1)
+                ok = False
+                failed_call = True
+            self.write_status()
+            if once or (max_cycles is not None and attempts >= max_cycles):
+                return 0 if ok else 1
+            if failed_call:
+                failures += 1
+                delay = self.backoff.delay(failures)
+                self.log.info("backing-off", seconds=round(delay, 3), attempt=failures)
+                self.sleep(delay)
+                continue
+            failures = 0
+            if self.wait == 0:
+                self.sleep(self.pause)
+
+    def cycle(self, *, wait: float = 0) -> CycleOutcome:
+        started = time.monotonic()
+        self.counters.cycles += 1
+        node = self.config.node_id
+        if self.issuer is not None and self.renewal.due(self.clock()):
+            self._renew_certificate(self.issuer)
+        if self._heartbeat_due():
+            self.lease = self.client.heartbeat(node)
+            self._renewed_at = self.monotonic()
+            self._epoch_ok = self._observe_epoch(self.lease.epoch)
+        fetched = self.client.fetch_desired_state(node, etag=self.etag, wait=wait)
+        if fetched.status == FetchStatus.NOT_MODIFIED:
+            outcome = CycleOutcome(Outcome.UNCHANGED, fetched.generation)
+            if self._retry is not None:
+                outcome = self._retry_apply(self._retry)
+        elif fetched.status == FetchStatus.NONE_PUBLISHED:
+            outcome = CycleOutcome(Outcome.NONE_PUBLISHED)
+        else:
+            assert fetched.envelope is not None  # FetchStatus.NEW always carries one
+            outcome = self._handle(fetched.envelope, fetched.etag, epoch_ok=self._epoch_ok)
+        self._report()
+        repair = self._supervise()
+        if repair is not None:
+            outcome = repair
+            self._report()  # what the repair changed, in the same cycle
+        if self.metrics is not None:
+            self.metrics.cycle_done(time.monotonic() - started, outcome)
+        return outcome
+
+    def recover(self) -> ApplyResult | None:
+        """Apply again an operation the oplog shows as started and never finished (a crash mid-apply).
+
+        Never raises for what it finds: an operation it cannot resume (the spool is gone or damaged, the
+        state no longer verifies, the apply cannot even be requested) is recorded ``abandoned`` with the
+        reason, so the next start does not try it again and crash in the same place.
+        """
+        pending = self.oplog.pending()
+        if pending is None:
+            return None
+        if self.config.mode == "observe-only":
+            self.log.warning("interrupted-apply-not-resumed", run_ident=pending.run_ident, reason="observe-only")
+            return None
+
+        def close(result: str, reason: str | None = None) -> None:
+            self.oplog.append(
+                op=pending.op,
+                generation=pending.generation,
+                epoch=pending.epoch,
+                payload_sha256=pending.payload_sha256,
+                run_ident=pending.run_ident,
+                result=result,
+                reason=reason,
+            )
+
+        try:
+            envelope = self.spool.read_bytes()
+            verified = self._verify(envelope)
+        except (OSError, Rejection, StateStoreError) as exc:
+            close(ABANDONED, str(exc))
+            self.log.error("interrupted-apply-abandoned", run_ident=pending.run_ident, error=str(exc))
+            return None
+        if verified.payload_sha256 != pending.payload_sha256:
+            reason = f"the spool holds sha256 {verified.payload_sha256}, the operation was {pending.payload_sha256}"
+            close(ABANDONED, reason)
+            self.log.error("interrupted-apply-abandoned", run_ident=pending.run_ident, error=reason)
+            return None
+        close("interrupted")
+        self.log.info("resuming-interrupted-apply", run_ident=pending.run_ident, generation=pending.generation)
+        return self._apply(envelope, verified)
+
+    # Steps
+
+    def _handle(self, envelope: bytes, etag: str | None, *, epoch_ok: bool) -> CycleOutcome:
+        try:
+            verified = self._verify(envelope)
+        except Rejection as exc:
+            code = exc.code.value
+            self.counters.rejections[code] = self.counters.rejections.get(code, 0) + 1
+            if self.metrics is not None:
+                self.metrics.rejected(code)
+            if etag is None or etag != self._rejected_etag:
+                self.log.warning("desired-state-rejected", reason=code, detail=exc.message)
+            # Remember it so the same rejected bytes are not fetched and verified again every cycle.
+            self.etag = self._rejected_etag = etag
+            return CycleOutcome(Outcome.REJECTED, rejection=code)
+        state = verified.state
+        if verified.already_applied:
+            self.etag = etag
+            return CycleOutcome(Outcome.UNCHANGED, state.generation)
+        try:
+            atomic_write(self.spool_path(), envelope, mode=0o600)
+        except OSError as exc:
+            # A full disk or a broken state dir: this apply did not happen, and the next cycle tries again.
+            self.counters.apply_failures += 1
+            self.log.error("desired-state-not-spooled", generation=state.generation, error=str(exc))
+            return CycleOutcome(Outcome.APPLY_FAILED, state.generation)
+        if self.config.mode == "observe-only":
+            self.log.info("desired-state-verified-not-applied", generation=state.generation, mode=self.config.mode)
+            self.etag = etag
+            return CycleOutcome(Outcome.OBSERVED_ONLY, state.generation)
+        if not epoch_ok or self.lease is None or self.lease.expires_at <= self.clock():
+            self.log.warning("apply-held-lease-lapsed", generation=state.generation)
+            return CycleOutcome(Outcome.LEASE_LAPSED, state.generation)
+        result = self._apply(envelope, verified)
+        # The ETag moves on even when the apply failed: the retry comes from memory, on its backoff, while
+        # the long-poll keeps waiting for a newer state.
+        self.etag = etag
+        if not result.ok:
+            self._apply_failed(envelope, verified, result)
+            return CycleOutcome(Outcome.APPLY_FAILED, state.generation, run=result)
+        self._retry = None
+        return CycleOutcome(Outcome.APPLIED, state.generation, run=result)
+
+    def _apply_failed(self, envelope: bytes, verified: VerifiedState, result: ApplyResult) -> None:
+        previous = self._retry
+        same = previous is not None and previous.payload_sha256 == verified.payload_sha256
+        failures = previous.failures + 1 if same and previous is not None else 1
+        delay = self.supervisor.backoff(failures)
+        error = "; ".join(result.failures) or f"the run ended {result.status}"
+        self._retry = ApplyRetry(
+            envelope=envelope,
+            generation=verified.state.generation,
+            payload_sha256=verified.payload_sha256,
+            failures=failures,
+            retry_at=self.monotonic() + delay,
+            backoff_seconds=delay,
+            failed_at=self.clock(),
+            error=error[:500],
+        )
+        self.log.warning(
+            "apply-backing-off", generation=verified.state.generation, failures=failures, seconds=delay, error=error
+        )
+
+    def _retry_apply(self, retry: ApplyRetry) -> CycleOutcome:
+        """Apply the failed state again once its backoff is over; until then, say that it is waiting."""
+        if self.monotonic() < retry.retry_at:
+            return CycleOutcome(Outcome.APPLY_BACKING_OFF, retry.generation)
+        try:
+            verified = self._verify(retry.envelope)  # time passed: expired, or overtaken by another apply
+        except (Rejection, StateStoreError) as exc:
+            # Fetched afresh next cycle, where a rejection is counted and logged the usual way.
+            self._retry, self.etag = None, None
+            self.log.warning("apply-retry-dropped", generation=retry.generation, reason=str(exc))
+            return CycleOutcome(Outcome.UNCHANGED, retry.generation)
+        if verified.already_applied:
+            self._retry = None
+            return CycleOutcome(Outcome.UNCHANGED, retry.generation)
+        if not self._epoch_ok or self.lease is None or self.lease.expires_at <= self.clock():
+            self.log.warning("apply-held-lease-lapsed", generation=retry.generation)
+            return CycleOutcome(Outcome.LEASE_LAPSED, retry.generation)
+        result = self._apply(retry.envelope, verified, reason=f"retry after {retry.failures} failed apply(s)")
+        if not result.ok:
+            self._apply_failed(retry.envelope, verified, result)
+            return CycleOutcome(Outcome.APPLY_FAILED, retry.generation, run=result)
+        self._retry = None
+        return CycleOutcome(Outcome.APPLIED, retry.generation, run=result)
+
+    def _verify(self, envelope: bytes) -> VerifiedState:
+        return verify_desired_state(
+            envelope, self.policy, node_id=self.config.node_id, now=self.clock(), applied=self.store.load()
+        )
+
+    def _apply(self, envelope: bytes, verified: VerifiedState, *, reason: str | None = None) -> ApplyResult:
+        """Apply once; whatever goes wrong (even asking for the apply) is a failed apply, counted, not a crash."""
+        state = verified.state
+        secrets = [value for engine in state.engines for value in engine.env.values()]
+        self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch, reason=reason)
+        started_at = self.clock()
+        try:
+            # The decision, durable before the apply starts: a failed, hung or killed apply of this generation
+            # still moves the floor of this record. In-process it is the applier's record; under the split root
+            # records its own (the one that decides) and this copy keeps the agent from asking for older states.
+            self.store.record_accepted(state.generation, state.lease_epoch, verified.payload_sha256)
+            result = self.applier.apply(
+                envelope,
+                generation=state.generation,
+                epoch=state.lease_epoch,
+                payload_sha256=verified.payload_sha256,
+                secrets=secrets,
+                reason=reason,
+                lists_artifacts=bool(state.artifacts),
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure to apply is reported as one, never a crash loop
+            result = ApplyResult(
+                ident="",
+                generation=state.generation,
+                status="failed",
+                rc=None,
+                changed=0,
+                failed=0,
+                journal=Path(),
+                started_at=started_at,
+                finished_at=self.clock(),
+                wall_seconds=0.0,
+                failures=[f"the apply could not be run: {type(exc).__name__}: {exc}"],
+            )
+        self.last_run = result
+        self.observer.forget()  # the apply changed what there is to observe
+        if result.ok:
+            self.counters.applies += 1
+            self._record(state.generation, state.lease_epoch, verified.payload_sha256)
+            self._supervise_state(envelope, verified)
+        else:
+            self.counters.apply_failures += 1
+            if state.generation != self.supervisor.generation:
+                # A newer generation failed part-way: repairing towards the older one would fight the retries
+                # of the newer. Supervision resumes when a generation is applied.
+                self.supervisor.forget()
+                self._desired = None
+        if self.metrics is not None:
+            self.metrics.applied(result)
+        self.log.info(
+            "apply-finished",
+            generation=state.generation,
+            run_ident=result.ident,
+            status=result.status,
+            changed=result.changed,
+            failed=result.failed,
+            seconds=round(result.wall_seconds, 3),
+            failures=result.failures,
+        )
+        return result
+
+    def _supervise_state(self, envelope: bytes, verified: VerifiedState) -> None:
+        self._desired = (envelope, verified)
+        started = [engine.name for engine in verified.state.engines if engine.state == "started"]
+        self.supervisor.expect(verified.state.generation, started)
+
+    def resume_supervision(self) -> None:
+        """At start-up: supervise the spooled state when it is the one applied (a restart keeps watching)."""
+        try:
+            envelope = self.spool.read_bytes()
+            verified = self._verify(envelope)
+        except (OSError, Rejection, StateStoreError):
+            return  # nothing applied yet, or not this: the next successful apply sets what to supervise
+        if verified.already_applied:
+            self._supervise_state(envelope, verified)
+
+    def _supervise(self) -> CycleOutcome | None:
+        """Repair drift from the applied state by reconciling the same generation again, at most as often as
+        each drifted engine's backoff allows. Never in observe-only mode, never without a live lease."""
+        if self._desired is None or self.config.mode == "observe-only":
+            return None
+        drift = self.supervisor.assess(self._engines)
+        if drift is None:
+            return None
+        envelope, verified = self._desired
+        if not self._epoch_ok or self.lease is None or self.lease.expires_at <= self.clock():
+            self.log.warning("drift-not-repaired-lease-lapsed", generation=drift.generation, engines=drift.describe())
+            return None
+        self.supervisor.repaired(drift)
+        self.counters.repairs += 1
+        self.log.warning("engines-drifted", generation=drift.generation, engines=drift.describe())
+        try:
+            verified = self._verify(envelope)  # time passes: an expired state is not applied again
+        except (Rejection, StateStoreError) as exc:
+            self.log.error("drift-not-repaired", generation=drift.generation, error=str(exc))
+            return CycleOutcome(Outcome.REPAIR_FAILED, drift.generation)
+        result = self._apply(envelope, verified, reason=f"drift: {drift.describe()}")
+        return CycleOutcome(Outcome.REPAIRED if result.ok else Outcome.REPAIR_FAILED, drift.generation, run=result)
+
+    def _record(self, generation: int, epoch: int, payload_sha256: str) -> None:
+        """The agent's own record of what was applied, with the epoch the apply was decided under.
+
+        In-process the playbook already wrote it (this is then a no-op); under the split root keeps its own,
+        which is the one that decides, and this copy is what the agent shows and skips unchanged states by.
+        """
+        try:
+            self.store.record_applied(generation, epoch, payload_sha256)
+        except (StateStoreError, OSError) as exc:
+            self.log.error("applied-state-not-recorded", generation=generation, error=str(exc))
+
+    def _renew_certificate(self, issuer: CertificateIssuer) -> None:
+        now = self.clock()
+        try:
+            info = self.renewal.renew(issuer, self.config.node_id, now)
+        except (ControlPlaneError, IdentityError, OSError) as exc:
+            retry_at = self.renewal.failed(now, str(exc), self.renewal_backoff.delay(self.renewal.failures + 1))
+            old = self.renewal.info
+            self.log.warning(
+                "certificate-renewal-failed",
+                error=str(exc),
+                attempt=self.renewal.failures,
+                retry_at=format_rfc3339(retry_at),
+                certificate_not_after=format_rfc3339(old.not_after) if old else None,
+            )
+            return
+        if info is not None:
+            self.log.info("certificate-renewed", serial=f"{info.serial:x}", not_after=format_rfc3339(info.not_after))
+
+    def _heartbeat_due(self) -> bool:
+        """Renew every ``heartbeat_seconds``, and always while the lease is unknown or about to lapse.
+
+        Cycles come faster than that only when states change quickly (a long-poll returns early); then
+        one renewal per interval is enough, and a fence is still seen within one interval.
+        """
+        if self.lease is None or self._renewed_at is None:
+            return True
+        if self.monotonic() - self._renewed_at >= self.pause:
+            return True
+        return (self.lease.expires_at - self.clock()).total_seconds() < self.pause
+
+    def _observe_epoch(self, epoch: int) -> bool:
+        try:
+            self.store.observe_epoch(epoch)
+        except StateStoreError as exc:
+            # The control plane reported an epoch below one already seen: do not apply under it.
+            self.log.error("lease-epoch-went-backwards", epoch=epoch, error=str(exc))
+            return False
+        return True
+
+    def _report(self) -> None:
+        assert self.lease is not None
+        observation = self.observer.observe(
+            node_id=self.config.node_id,
+            mode=self.config.mode,
+            epoch=self.lease.epoch,
+            applied_generation=self.store.load().generation,
+            last_run=_run_summary(self.last_run),
+            now=self.clock(),
+        )
+        # Not in the observation's contract: the observer keeps it aside for supervision (and status).
+        drifted: dict[str, tuple[str, ...]] = getattr(self.observer, "drifted", None) or {}
+        self._engines = [
+            {
+                "name": e.name,
+                "managed": e.managed,
+                "state": e.state,
+                "ready": e.ready,
+                "draining": e.draining,
+                "restarts": e.restarts,
+                "exit_reason": e.exit_reason,
+                "ready_since": None if e.ready_since is None else format_rfc3339(e.ready_since),
+                "drifted": list(drifted.get(e.name, ())),
+            }
+            for e in observation.engines
+        ]
+        fingerprint = observation.model_dump_json(exclude={"observed_at"})
+        now = self.monotonic()
+        if self._reported and self._reported[0] == fingerprint and now - self._reported[1] < REPORT_REFRESH_SECONDS:
+            return
+        try:
+            self.client.post_observation(observation)
+        except ControlPlaneRejected as exc:
+            self.log.warning("observation-refused", status=exc.status, reason=exc.reason, detail=exc.detail)
+        self._reported = (fingerprint, now)
+
+    def spool_path(self) -> Path:
+        self.spool.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return self.spool
+
+    # Status for ``meridian-node status`` (another process): small, rewritten each cycle, not fsync'd.
+
+    def write_status(self) -> None:
+        applied = self.store.load()
+        document = {
+            "node_id": self.config.node_id,
+            "mode": self.config.mode,
+            "updated_at": format_rfc3339(self.clock()),
+            "lease_epoch": self.lease.epoch if self.lease else None,
+            "lease_expires_at": format_rfc3339(self.lease.expires_at) if self.lease else None,
+            "applied_generation": applied.generation,
+            "applied_epoch": applied.epoch,
+            "last_run": _run_summary(self.last_run),
+            "counters": asdict(self.counters),
+            "engines": self._engines,
+            "supervision": self._supervision_status(),
+            "apply_retry": self._retry_status(),
+            "certificate": self.renewal.status(),
+        }
+        # Rewritten when something in it changed, or STATUS_REFRESH_SECONDS after the last write so that
+        # 'updated_at' still shows a live agent: an unchanged cycle would otherwise cost a file write.
+        counters = document["counters"]
+        assert isinstance(counters, dict)
+        unchanged = {**document, "updated_at": None, "counters": {**counters, "cycles": None}}
+        now = self.monotonic()
+        last = self._status_written
+        if last is not None and last[0] == unchanged and now - last[1] < STATUS_REFRESH_SECONDS:
+            return
+        path = self.state_dir / STATUS_FILE
+        temp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(document, separators=(",", ":")) + "\n")
+        temp.replace(path)
+        self._status_written = (unchanged, now)
+
+    def _retry_status(self) -> dict[str, Any] | None:
+        retry = self._retry
+        if retry is None:
+            return None
+        left = max(0.0, retry.retry_at - self.monotonic())
+        return {
+            "state": "backing-off" if left > 0 else "retry-due",
+            "generation": retry.generation,
+            "failures": retry.failures,
+            "backoff_seconds": retry.backoff_seconds,
+            "last_failed_at": format_rfc3339(retry.failed_at),
+            "next_attempt_in_seconds": round(left, 1),
+            # From the failure, not from now: both clocks were read together when it failed, and a status
+            # written later must name the same moment.
+            "next_attempt_at": format_rfc3339(retry.failed_at + timedelta(seconds=retry.backoff_seconds)),
+            "error": retry.error,
+        }
+
+    def _supervision_status(self) -> dict[str, dict[str, Any]]:
+        """Supervision's report with the next repair as a wall-clock time too: status.json is read later, by
+        another process, when "in 40 s" no longer says when."""
+        report = self.supervisor.status()
+        now = self.clock()
+        for entry in report.values():
+            left = entry.get("next_repair_in_seconds")
+            entry["next_repair_at"] = None if not left else format_rfc3339(now + timedelta(seconds=left))
+        return report
+
+
+def read_status(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        document: Any = json.loads((Path(state_dir) / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _run_summary(result: ApplyResult | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    status = result.status if result.status in ("successful", "failed", "canceled", "timeout") else "failed"
+    return {
+        "ident": result.ident,
+        "generation": result.generation,
+        "status": status,
+        "changed": result.changed,
+        "failed": result.failed,
+        "finished_at": format_rfc3339(result.finished_at),
+    }

@@ -1,0 +1,374 @@
+"""What the agent reports each cycle: GPU facts, artifacts in the store, engines, the last run.
+
+Runs on: the agent side; under the split it reads the engines root published (``boundary/engines_file``).
+
+Each source is a plain callable so the agent stays usable where one is missing (no NVML, no Docker)
+and tests can swap the hardware seam. GPU facts are re-read at most every ``gpu_refresh_seconds``:
+NVML reads cost far more than the rest of an unchanged cycle, and they change slowly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store
+from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    GpuFacts,
+    Observation,
+    format_rfc3339,
+)
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
+    DockerEngine,
+    DockerEngineError,
+    address_overlaps,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.discovery import (
+    capacity,
+    discover_engines,
+    free_ports,
+    vram_left,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, list_draining
+from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import Driver, DriverError, get_driver
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import Reservation
+from ansible_collections.meridian.node.plugins.module_utils.engines.probes import probe_readiness
+from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
+from meridian_node_agent.boundary.engines_file import (
+    INVENTORY_FILE,
+    FileIdentity,
+    InventoryEngine,
+    InventoryError,
+    file_identity,
+    read_inventory,
+)
+from meridian_node_agent.boundary.spool import PUBLIC_DIR
+from meridian_node_agent.logs import EventLogger
+
+__all__ = ["DockerEngines", "EngineSource", "InventoryEngines", "Observer", "no_engines"]
+
+_PROBE_TIMEOUT_S = 1.0  # the same bound engine discovery gives one readiness probe
+
+EngineSource = Callable[[], list[dict[str, Any]]]
+
+
+def no_engines() -> list[dict[str, Any]]:
+    """The default engine source until Docker discovery is wired in: report none."""
+    return []
+
+
+class DockerEngines:
+    """Engines as the local Docker Engine lists them: ours (ownership labels) and unmanaged containers.
+
+    An owned, running engine is ready when its driver's readiness probe says so on its published port;
+    an unmanaged container is never reported ready (nothing routes to what we do not run). Draining
+    marks are the files ``<state_dir>/draining/<name>.json`` the drain path writes. The listing is
+    re-read at most every ``refresh_seconds``. While the Docker Engine does not answer, the engines of its
+    last listing are reported with state ``unknown`` and not ready.
+    """
+
+    def __init__(
+        self,
+        engine: DockerEngine,
+        *,
+        state_dir: Path,
+        refresh_seconds: float = 5.0,
+        monotonic: Callable[[], float] = time.monotonic,
+        owner: str | None = None,
+        log: EventLogger | None = None,
+    ) -> None:
+        self.engine = engine
+        self.owner = owner  # "agent:<node id>": only this agent's engines are reported as ours
+        self.state_dir = Path(state_dir)
+        self.refresh_seconds = refresh_seconds
+        self._monotonic = monotonic
+        self._log = log or EventLogger()
+        self._cache: tuple[float, list[dict[str, Any]]] | None = None
+        self._last: list[dict[str, Any]] = []  # the last listing Docker answered, kept across forget()
+        self._unavailable: str | None = None
+
+    def __call__(self) -> list[dict[str, Any]]:
+        now = self._monotonic()
+        if self._cache is not None and now - self._cache[0] < self.refresh_seconds:
+            return self._cache[1]
+        try:
+            engines = discover_engines(
+                self.engine, state_dir=str(self.state_dir), probe=True, owner=self.owner, exits=True
+            )
+        except DockerEngineError as exc:
+            # Docker down is an observation problem, not a cycle failure. The engines it last listed are still
+            # reported, but as unknown and not ready: a stopped daemon stops its containers, and nothing is
+            # routed to what cannot be vouched for. Logged once per outage.
+            if self._unavailable is None:
+                self._log.warning("docker-engine-unavailable", error=str(exc), engines=len(self._last))
+            self._unavailable = str(exc)
+            return [{**engine, "state": "unknown", "ready": False, "drifted": None} for engine in self._last]
+        if self._unavailable is not None:
+            self._log.info("docker-engine-available-again", engines=len(engines))
+            self._unavailable = None
+        self._cache = (now, engines)
+        self._last = engines
+        return engines
+
+    def forget(self) -> None:
+        """Drop the cached list: the next call asks Docker (after an apply changed the engines)."""
+        self._cache = None
+
+    def capacity(self, gpu_facts: Mapping[str, Any], port_range: Sequence[int], bind_address: str) -> dict[str, Any]:
+        """What is left for new engines, as ``engine_info`` computes it; an empty room when Docker is down."""
+        try:
+            return capacity(self.engine, gpu_facts=gpu_facts, port_range=port_range, bind_address=bind_address)
+        except DockerEngineError:
+            return {}
+
+
+class InventoryEngines:
+    """Engines as the root apply unit last listed them in ``<apply.state_dir>/public/engines.json``
+    (``boundary.engines_file``), for an agent without Docker access (``apply.via: systemd``).
+
+    The file is re-read only when its identity (inode, mtime, size) changes. Readiness is the agent's own:
+    each running engine with an address is probed once the driver's way per refresh (at most every
+    ``refresh_seconds``, or after ``forget``), and draining comes from the marks in
+    ``<apply.state_dir>/draining`` (world-readable, written by root). The dicts are the ones
+    ``DockerEngines`` gives for our engines, so the observation and the serving projection read the same;
+    foreign containers are not listed (root lists only this node's engines). A missing or invalid file is
+    logged once per change of the file and gives no engines: nothing is routed to what cannot be vouched for.
+    """
+
+    def __init__(
+        self,
+        *,
+        root_dir: Path,
+        node_id: str,
+        refresh_seconds: float = 5.0,
+        monotonic: Callable[[], float] = time.monotonic,
+        log: EventLogger | None = None,
+        probe_timeout: float = _PROBE_TIMEOUT_S,
+    ) -> None:
+        self.root_dir = Path(root_dir)
+        self.path = self.root_dir / PUBLIC_DIR / INVENTORY_FILE
+        self.node_id = node_id
+        self.refresh_seconds = refresh_seconds
+        self.probe_timeout = probe_timeout
+        self._monotonic = monotonic
+        self._log = log or EventLogger()
+        self._identity: FileIdentity | None = None
+        self._looked = False
+        self._engines: tuple[InventoryEngine, ...] = ()
+        self._read_once = False  # a valid file was read since the last missing or invalid one
+        self._cache: tuple[float, list[dict[str, Any]]] | None = None
+
+    def __call__(self) -> list[dict[str, Any]]:
+        now = self._monotonic()
+        if self._cache is not None and now - self._cache[0] < self.refresh_seconds:
+            return self._cache[1]
+        self._reload()
+        try:
+            draining = {mark.name for mark in list_draining(str(self.root_dir))}
+            marks_readable = True
+        except DrainStateError as exc:
+            # Which engine is draining is unknown: none is reported ready, so none gets new work.
+            self._log.warning("draining-marks-unreadable", reason=str(exc))
+            draining, marks_readable = set(), False
+        engines = [self._observe(engine, draining, marks_readable) for engine in self._engines]
+        self._cache = (now, engines)
+        return engines
+
+    def forget(self) -> None:
+        """Drop the cached list: the next call looks at the file again and probes (after an apply)."""
+        self._cache = None
+
+    def capacity(self, gpu_facts: Mapping[str, Any], port_range: Sequence[int], bind_address: str) -> dict[str, Any]:
+        """What is left for new engines, from the engines root listed (their reservations and ports)."""
+        self._reload()
+        reservations = [Reservation(e.name, e.gpus, e.min_vram_mib) for e in self._engines if e.gpus and e.min_vram_mib]
+        vram = vram_left(gpu_facts, reservations) if gpu_facts.get("nvml_available") else {}
+        published = {
+            e.port for e in self._engines if e.port is not None and address_overlaps(e.host or "", bind_address)
+        }
+        return {"vram_free_mib": vram, "free_ports": free_ports(published, port_range, bind_address)}
+
+    def _reload(self) -> None:
+        identity = file_identity(self.path)
+        if self._looked and identity == self._identity:
+            return
+        self._identity, self._looked = identity, True
+        try:
+            inventory = read_inventory(self.path, node_id=self.node_id)
+        except InventoryError as exc:
+            self._engines, self._read_once = (), False
+            self._log.warning("engines-not-observed", reason=str(exc))
+            return
+        # Root's observe timer rewrites the file every interval: say so only when what it lists changed.
+        if inventory.engines != self._engines or not self._read_once:
+            self._log.info("engine-inventory-read", path=str(self.path), engines=len(inventory.engines))
+        self._engines, self._read_once = inventory.engines, True
+
+    def _observe(self, engine: InventoryEngine, draining: set[str], marks_readable: bool) -> dict[str, Any]:
+        return {
+            "name": engine.name,
+            "managed": True,
+            "driver": engine.driver,
+            "image": engine.image,
+            "state": engine.state,
+            "ready": marks_readable and self._ready(engine),
+            "draining": engine.name in draining,
+            "port": engine.port,
+            "served_model_name": engine.served_model_name,
+            "restarts": engine.restarts,
+            "exit_code": engine.exit_code,
+            "exit_reason": engine.exit_reason,
+            # Root's reading of the settings changed by hand, as of written_at: the timer's observe unit keeps
+            # it fresh (apply_observe); supervision repairs it as it does in-process.
+            "drifted": None if engine.drifted is None else list(engine.drifted),
+        }
+
+    def _ready(self, engine: InventoryEngine) -> bool:
+        if engine.state != "running" or engine.host is None or engine.port is None:
+            return False
+        driver = _driver(engine.probe_driver, engine.health_path)
+        if driver is None:
+            return False
+        return probe_readiness(driver, engine.host, engine.port, timeout=self.probe_timeout).ready
+
+
+def _driver(name: str, health_path: str) -> Driver | None:
+    try:
+        return get_driver(name, health_path=health_path if name == "openai" else None)
+    except DriverError:
+        return None
+
+
+class Observer:
+    def __init__(
+        self,
+        *,
+        store_path: str | None,
+        gpu_facts: Callable[[], dict[str, Any]] | None = None,
+        engines: EngineSource = no_engines,
+        gpu_refresh_seconds: float = 30.0,
+        artifact_refresh_seconds: float = 30.0,
+        monotonic: Callable[[], float] = time.monotonic,
+        placement: tuple[Sequence[int], str] | None = None,
+    ) -> None:
+        self._store = Store(store_path) if store_path else None
+        # (port range, bind address) from the policy: with it, observations carry the capacity left.
+        self._placement = placement
+        self._capacity_cache: tuple[float, dict[str, Any]] | None = None
+        # Since when each engine has been seen ready (wall clock): readiness comes and goes between looks.
+        self._ready_since: dict[str, str] = {}
+        self._gpu_facts = gpu_facts or (lambda: collect_gpu_facts(processes=False, nvlink=False))
+        self._engines = engines
+        self._gpu_refresh = gpu_refresh_seconds
+        self._monotonic = monotonic
+        self._gpu_cache: tuple[float, GpuFacts] | None = None
+        self._artifact_refresh = artifact_refresh_seconds
+        self._artifact_cache: tuple[float, list[dict[str, Any]]] | None = None
+        # Per engine of ours, the settings changed by hand since it was created (``docker.drift``), from the
+        # last observation: for supervision, not for the control plane (the observation contract has no
+        # place for it, and what matters there is that the engine is repaired).
+        self.drifted: dict[str, tuple[str, ...]] = {}
+
+    def forget(self) -> None:
+        """Drop every cached reading, so the next observation is taken afresh: what an apply changes
+        (engines, artifacts) must show in the observation that follows it, not one refresh later."""
+        self._gpu_cache = self._artifact_cache = self._capacity_cache = None
+        forget = getattr(self._engines, "forget", None)
+        if callable(forget):
+            forget()
+
+    def gpu(self) -> GpuFacts:
+        now = self._monotonic()
+        if self._gpu_cache is None or now - self._gpu_cache[0] >= self._gpu_refresh:
+            self._gpu_cache = (now, GpuFacts.model_validate(self._gpu_facts()))
+        return self._gpu_cache[1]
+
+    def _with_ready_since(self, engines: list[dict[str, Any]], now: datetime) -> list[dict[str, Any]]:
+        seen: dict[str, str] = {}
+        drifted: dict[str, tuple[str, ...]] = {}
+        listed = []
+        for observed in engines:
+            name = str(observed.get("name"))
+            engine = {key: value for key, value in observed.items() if key != "drifted"}
+            changed = observed.get("drifted")
+            if changed and engine.get("managed"):
+                drifted[name] = tuple(str(setting) for setting in changed)
+            if engine.get("ready") and engine.get("managed"):
+                seen[name] = self._ready_since.get(name) or format_rfc3339(now)
+                listed.append({**engine, "ready_since": seen[name]})
+            else:
+                listed.append(engine)
+        self._ready_since = seen
+        self.drifted = drifted
+        return listed
+
+    def capacity(self) -> dict[str, Any]:
+        """Free VRAM per device after reservations and free ports in the policy's range, re-computed at most as
+        often as the GPU facts are read (a port probe per port costs more than the rest of a steady cycle)."""
+        compute = getattr(self._engines, "capacity", None)
+        if self._placement is None or not callable(compute):
+            return {}
+        now = self._monotonic()
+        if self._capacity_cache is None or now - self._capacity_cache[0] >= self._gpu_refresh:
+            port_range, bind_address = self._placement
+            room: dict[str, Any] = compute(self.gpu().model_dump(mode="json"), port_range, bind_address)
+            self._capacity_cache = (now, room)
+        return self._capacity_cache[1]
+
+    def artifacts(self) -> list[dict[str, Any]]:
+        """The store's versions, re-read at most every ``artifact_refresh_seconds`` (or after ``forget``)."""
+        if self._store is None:
+            return []
+        now = self._monotonic()
+        if self._artifact_cache is not None and now - self._artifact_cache[0] < self._artifact_refresh:
+            return self._artifact_cache[1]
+        from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import ArtifactStoreError
+
+        try:
+            rows = self._store.list_versions()
+        except (OSError, ArtifactStoreError):
+            # Unreadable (the index is root's, 0600, under the split) or refused as untrusted: report none
+            # rather than let what is on disk stop the cycle.
+            return []
+        listed = [
+            {
+                "name": r["name"],
+                "version": r["version"],
+                "size_bytes": r["size"],
+                "pinned": r["pinned"],
+                "current": r["current"],
+            }
+            for r in rows
+        ]
+        self._artifact_cache = (now, listed)
+        return listed
+
+    def observe(
+        self,
+        *,
+        node_id: str,
+        mode: str,
+        epoch: int,
+        applied_generation: int,
+        last_run: dict[str, Any] | None,
+        now: datetime,
+    ) -> Observation:
+        return Observation.model_validate(
+            {
+                "apiVersion": "meridian.node/v1",
+                "kind": "Observation",
+                "node_id": node_id,
+                "lease_epoch": epoch,
+                "observed_at": format_rfc3339(now),
+                "mode": mode,
+                "applied_generation": applied_generation,
+                "gpu": self.gpu(),
+                "engines": self._with_ready_since(self._engines(), now),
+                "artifacts": self.artifacts(),
+                "capacity": self.capacity(),
+                "last_run": last_run,
+            }
+        )

@@ -1,0 +1,178 @@
+"""Keep what was approved running: find the engines that drifted from the applied state, and pace repairs.
+
+Runs on: the agent side. No I/O: the engines the cycle observed and a monotonic clock in, a decision out;
+the cycle does the repair (a reconcile of the same generation, through whichever applier it has).
+
+Each engine the applied state lists as ``started`` is drifted when, for longer than its grace:
+
+- it is **missing** from what the agent observes, or **not running** (``settle_seconds``: Docker's own
+  restart policy gets the first go, and a replace in progress is not mistaken for a loss);
+- it **lost readiness**: it was ready and its probe now fails (``settle_seconds``; under the privilege split
+  this is how a killed engine shows before root's next look at it in ``engines.json``);
+- it was **never ready** since the state was applied (``startup_grace_seconds``: engines load models for
+  minutes, and a slow start is not a failure);
+- it was **changed by hand**: its live settings differ from those it was created with (``drifted``, the
+  names of the settings, from ``docker.drift`` through the cycle's inspect: ``docker update``, or a
+  container recreated by hand with our labels copied) (``settle_seconds``). Under the privilege split the
+  names come from root's ``engines.json``, which root's observe timer rewrites (``root_side.observe_unit``).
+
+A draining engine is never drifted: a drain wins over drift until the next generation. Engines listed
+``stopped`` or ``absent`` are the reconcile's business, not supervision's.
+
+Crash loops back off per engine, as kubelet's CrashLoopBackOff does: after the n-th repair of an engine
+that has not been healthy since, the next waits ``initial * 2^(n-1)`` seconds, at most ``maximum``;
+``healthy_reset_seconds`` of continuous readiness forgets the count. A repair is due when at least one
+drifted engine is past its grace and not backing off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Drift", "EngineTrack", "Supervisor"]
+
+
+@dataclass
+class EngineTrack:
+    """What supervision remembers of one engine of the applied state."""
+
+    name: str
+    expected_since: float
+    seen_ready: bool = False
+    ready_since: float | None = None
+    problem: str | None = None
+    bad_since: float | None = None
+    repairs: int = 0  # repairs since it was last healthy for healthy_reset_seconds
+    retry_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Drift:
+    """The engines a repair is for, each with why, and the generation it re-applies."""
+
+    generation: int
+    engines: tuple[tuple[str, str], ...]
+
+    def describe(self) -> str:
+        return "; ".join(f"{name}: {why}" for name, why in self.engines)
+
+
+@dataclass
+class Supervisor:
+    settle_seconds: float = 10.0
+    startup_grace_seconds: float = 300.0
+    backoff_initial_seconds: float = 10.0
+    backoff_max_seconds: float = 300.0
+    healthy_reset_seconds: float = 600.0
+    clock: Callable[[], float] = time.monotonic
+    generation: int | None = None
+    tracks: dict[str, EngineTrack] = field(default_factory=dict)
+
+    def expect(self, generation: int, engines: Iterable[str]) -> None:
+        """The applied state changed (or the agent started): supervise these engines from now on.
+
+        The same generation again (a repair) keeps what is known, backoff included; a new one starts over.
+        """
+        names = list(engines)
+        if generation == self.generation and set(names) == set(self.tracks):
+            return
+        now = self.clock()
+        self.generation = generation
+        self.tracks = {name: EngineTrack(name=name, expected_since=now) for name in names}
+
+    def forget(self) -> None:
+        self.generation = None
+        self.tracks = {}
+
+    def assess(self, observed: Sequence[Mapping[str, Any]]) -> Drift | None:
+        """Update what is known from this observation; the repair due now, if any."""
+        if self.generation is None:
+            return None
+        now = self.clock()
+        by_name = {str(engine.get("name")): engine for engine in observed}
+        due: list[tuple[str, str]] = []
+        for track in self.tracks.values():
+            problem = self._problem(track, by_name.get(track.name), now)
+            if problem is None:
+                track.problem = track.bad_since = None
+                continue
+            if track.bad_since is None:
+                track.bad_since = now
+            track.problem = problem
+            if now - track.bad_since >= self._grace(track, problem) and now >= track.retry_at:
+                due.append((track.name, problem))
+        if not due:
+            return None
+        return Drift(generation=self.generation, engines=tuple(due))
+
+    def repaired(self, drift: Drift) -> None:
+        """A repair for ``drift`` was made (whatever its result): those engines back off before the next."""
+        now = self.clock()
+        for name, _why in drift.engines:
+            track = self.tracks.get(name)
+            if track is None:
+                continue
+            track.repairs += 1
+            track.retry_at = now + self.backoff(track.repairs)
+
+    def backoff(self, repairs: int) -> float:
+        return float(min(self.backoff_max_seconds, self.backoff_initial_seconds * 2 ** max(0, repairs - 1)))
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Per engine with a problem or a backoff: for status.json, observations and metrics.
+
+        ``state`` is ``healthy`` (no problem now; a backoff left from earlier repairs is still counted),
+        ``settling`` (a problem still inside its grace), ``backing-off`` (past its grace, waiting out the
+        backoff after ``repairs`` repairs) or ``repair-due`` (the next cycle repairs it). ``backoff_seconds``
+        is the wait that followed the last repair, ``next_repair_in_seconds`` what is left of it.
+        """
+        now = self.clock()
+        report: dict[str, dict[str, Any]] = {}
+        for track in self.tracks.values():
+            if track.problem is None and track.repairs == 0:
+                continue
+            report[track.name] = {
+                "state": self._state(track, now),
+                "problem": track.problem,
+                "for_seconds": None if track.bad_since is None else round(now - track.bad_since, 1),
+                "repairs": track.repairs,
+                "backoff_seconds": self.backoff(track.repairs) if track.repairs else None,
+                "next_repair_in_seconds": round(max(0.0, track.retry_at - now), 1) if track.repairs else None,
+            }
+        return report
+
+    def _state(self, track: EngineTrack, now: float) -> str:
+        if track.problem is None or track.bad_since is None:
+            return "healthy"
+        if now - track.bad_since < self._grace(track, track.problem):
+            return "settling"
+        return "backing-off" if now < track.retry_at else "repair-due"
+
+    def _problem(self, track: EngineTrack, engine: Mapping[str, Any] | None, now: float) -> str | None:
+        if engine is not None and engine.get("draining"):
+            return None  # drained on purpose: stays as it is until the next generation
+        if engine is None:
+            problem = "missing"
+        elif engine.get("state") != "running":
+            problem = f"not running ({engine.get('state')})"
+        elif engine.get("drifted"):
+            problem = "changed by hand: " + ", ".join(str(name) for name in engine["drifted"])
+        elif not engine.get("ready"):
+            problem = "lost readiness" if track.seen_ready else "not ready since it was applied"
+        else:
+            if track.ready_since is None:
+                track.ready_since = now
+            track.seen_ready = True
+            if track.repairs and now - track.ready_since >= self.healthy_reset_seconds:
+                track.repairs, track.retry_at = 0, 0.0
+            return None
+        track.ready_since = None
+        return problem
+
+    def _grace(self, track: EngineTrack, problem: str) -> float:
+        if problem == "not ready since it was applied":
+            return self.startup_grace_seconds
+        return self.settle_seconds

@@ -1,0 +1,174 @@
+"""Apply through the root apply unit: the agent's side of the privilege split.
+
+Runs on: the agent side (the unprivileged ``meridian-node run``).
+
+The agent writes ``<state_dir>/spool/apply-request.json`` (atomically): the run ident it chose and the
+envelope, byte for byte as it verified it. ``meridian-node-apply.path`` watches that file
+(``PathChanged=``) and starts ``meridian-node-apply.service``, which answers in
+``<apply.state_dir>/public/apply-result.json``, in root's own directory (see ``boundary.spool``).
+
+The root side (``root_side.apply_unit``) trusts the request only as input: it re-verifies the envelope against the
+root-owned policy and its own record of what was applied, and the playbook verifies it once more. The
+agent takes an answer only when it names its own request (an old or foreign answer is waited past), and
+counts it as failed when root ran an envelope with another payload hash than the one the agent spooled.
+The agent does not poll blindly: it sleeps on inotify on root's ``public/`` directory, with a slow re-check
+in case an event is lost (or the directory does not exist yet, before root's first run).
+
+The oplog here is the agent's: ``started`` before the request is written, the result when the answer
+arrives. No answer within the timeout leaves the operation unfinished in the oplog, so start-up
+re-applies it, exactly like a crash in the middle of an in-process apply. Root keeps its own oplog.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
+from meridian_node_agent.apply.applier import APPLY_OP, ApplyResult, run_ident
+from meridian_node_agent.apply.oplog import STARTED, Operation, OpLog
+from meridian_node_agent.boundary.spool import (
+    PUBLIC_DIR,
+    REQUEST_FILE,
+    REQUEST_MODE,
+    SPOOL_DIR,
+    ApplyAnswer,
+    ApplyRequest,
+    SpoolError,
+    read_answer_file,
+)
+from meridian_node_agent.boundary.watch import DirectoryWatch, watch_directory
+
+__all__ = ["SystemdApplier", "watch_directory", "write_request"]
+
+
+def write_request(spool: Path, ident: str, envelope: bytes) -> Path:
+    spool.mkdir(parents=True, exist_ok=True, mode=0o700)
+    request = ApplyRequest(request=ident, envelope=base64.b64encode(envelope).decode("ascii"))
+    path = spool / REQUEST_FILE
+    atomic_write(path, request.model_dump_json().encode("utf-8"), mode=REQUEST_MODE)
+    return path
+
+
+class SystemdApplier:
+    """``ApplyPort`` for the split: spool a request, let systemd start the root unit, wait for its answer."""
+
+    def __init__(
+        self,
+        *,
+        state_dir: Path,
+        apply_state_dir: Path,
+        timeout_seconds: float,
+        clock: Callable[[], datetime] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.spool = self.state_dir / SPOOL_DIR
+        self.public = Path(apply_state_dir) / PUBLIC_DIR
+        self.timeout_seconds = timeout_seconds
+        self.clock = clock or (lambda: datetime.now(UTC))
+        self.monotonic = monotonic
+        self.oplog = OpLog(self.state_dir / "oplog.jsonl")
+        # Root's journal; the agent cannot read it, but the path in a message tells an operator where to look.
+        self.journal_dir = Path(apply_state_dir) / "journal"
+
+    def apply(
+        self,
+        envelope: bytes,
+        *,
+        generation: int,
+        epoch: int,
+        payload_sha256: str,
+        secrets: Iterable[str] = (),  # the root side finds them itself, in the envelope it verified
+        reason: str | None = None,
+        lists_artifacts: bool = True,  # not sent: root decides it from its own verification of the envelope
+    ) -> ApplyResult:
+        self.record_late_answer()
+        started_at = self.clock()
+        ident = run_ident(generation, started_at)
+        common: dict[str, Any] = {
+            "op": APPLY_OP,
+            "generation": generation,
+            "epoch": epoch,
+            "payload_sha256": payload_sha256,
+            "run_ident": ident,
+        }
+        self.oplog.append(result=STARTED, at=started_at, reason=reason, **common)
+        self.spool.mkdir(parents=True, exist_ok=True, mode=0o700)
+        begin = self.monotonic()
+        with watch_directory(self.public) as watch:
+            write_request(self.spool, ident, envelope)
+            answer = self._await(watch, ident, begin + self.timeout_seconds)
+        if answer is None:
+            # No result line: the oplog keeps the operation unfinished, so start-up applies it again.
+            return ApplyResult(
+                ident=ident,
+                generation=generation,
+                status="timeout",
+                rc=None,
+                changed=0,
+                failed=0,
+                journal=self.journal_dir / ident,
+                started_at=started_at,
+                finished_at=self.clock(),
+                wall_seconds=self.monotonic() - begin,
+                failures=[
+                    f"the root apply unit did not answer request {ident} within {self.timeout_seconds:g} s "
+                    f"(apply.timeout_seconds); see 'systemctl status meridian-node-apply.path "
+                    f"meridian-node-apply.service' and 'journalctl -u meridian-node-apply.service'"
+                ],
+            )
+        result = answer.to_result()
+        if answer.payload_sha256 and answer.payload_sha256 != payload_sha256:
+            # The spool changed between our write and root's read. Root verified what it ran, so nothing
+            # unsigned ran; but it was not this state, and this apply did not happen.
+            result.status = "failed"
+            result.failures.insert(
+                0,
+                f"the root apply unit ran request {ident} with an envelope of sha256 {answer.payload_sha256}, "
+                f"not the {payload_sha256} the agent spooled: something else wrote {self.spool / REQUEST_FILE}",
+            )
+        self.oplog.append(result=result.status, at=result.finished_at, **common)
+        return result
+
+    def record_late_answer(self) -> Operation | None:
+        """Record the result of a request this agent stopped waiting for, if root has answered it since.
+
+        Without this the oplog would show that operation unfinished forever, and every start-up would
+        apply it again although root did run it.
+        """
+        pending = self.oplog.pending()
+        if pending is None:
+            return None
+        try:
+            answer = read_answer_file(self.public)
+        except SpoolError:
+            return None
+        if answer is None or answer.request != pending.run_ident:
+            return None
+        return self.oplog.append(
+            op=pending.op,
+            generation=pending.generation,
+            epoch=pending.epoch,
+            payload_sha256=pending.payload_sha256,
+            run_ident=pending.run_ident,
+            result=answer.status,
+            at=datetime.fromisoformat(answer.finished_at),
+        )
+
+    def _await(self, watch: DirectoryWatch, ident: str, deadline: float) -> ApplyAnswer | None:
+        while True:
+            try:
+                answer = read_answer_file(self.public)
+            except SpoolError:
+                answer = None  # a damaged answer is nobody's answer; the right one replaces it
+            if answer is not None and answer.request == ident:
+                return answer
+            remaining = deadline - self.monotonic()
+            if remaining <= 0:
+                return None
+            watch.wait(remaining)

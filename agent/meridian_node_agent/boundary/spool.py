@@ -1,0 +1,193 @@
+"""The two files that cross the privilege boundary, and where each side keeps its own.
+
+Runs on: both sides. The agent side (``agent_side.systemd_applier``) writes the request and reads the answer; the
+root side
+(``root_side.root_dir``, ``root_side.apply_unit``) reads the request and writes the answer. Nothing else crosses.
+
+    <state_dir>/spool/apply-request.json        agent -> root (the agent's directory, mode 0600): the run
+                                                ident the agent chose and the envelope, byte for byte
+    <apply.state_dir>/public/apply-result.json  root -> agent (root's directory, ``public/`` is 0750 root,
+                                                group of the agent): the answer to one request
+    <apply.state_dir>/public/engines.json       root -> agent: the engines root manages (``boundary.engines_file``),
+                                                written by the apply unit when it answers and by the
+                                                read-only observe unit on root's timer (``root_side.observe_unit``)
+
+Both files are written to a temporary name, fsync'd and renamed into place, so the other side never reads
+half a file. Root reads the request once, from a file it checks is a regular file the agent owns
+(``root_side.root_dir.read_request``); the agent parses the answer as strictly as root parses the request.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    describe_validation_error,
+    format_rfc3339,
+)
+
+__all__ = [
+    "ANSWER_MODE",
+    "MAX_REQUEST_BYTES",
+    "PUBLIC_DIR",
+    "REQUEST_FILE",
+    "REQUEST_MODE",
+    "RESULT_FILE",
+    "SPOOL_DIR",
+    "ApplyAnswer",
+    "ApplyRequest",
+    "SpoolError",
+    "parse_answer",
+    "parse_request",
+    "read_answer_file",
+]
+
+SPOOL_DIR = "spool"
+REQUEST_FILE = "apply-request.json"
+PUBLIC_DIR = "public"
+RESULT_FILE = "apply-result.json"
+# A desired state is kilobytes; anything near this is not one, and root does not read unbounded input.
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# Requests are private to the agent (and root); answers carry only counts and messages the agent shows.
+REQUEST_MODE = 0o600
+ANSWER_MODE = 0o640
+
+
+# The run ident the agent chooses and root's journal directory is named by: ``gen-<N>-<UTC time>``.
+RUN_IDENT_PATTERN = r"^gen-[0-9]{1,19}-[0-9]{8}T[0-9]{6}\.[0-9]{6}Z$"
+
+
+@dataclass
+class ApplyResult:
+    ident: str
+    generation: int
+    status: str  # ansible-runner's: successful, failed, canceled, timeout
+    rc: int | None
+    changed: int
+    failed: int
+    journal: Path
+    started_at: datetime
+    finished_at: datetime
+    wall_seconds: float
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "successful"
+
+
+class SpoolError(ValueError):
+    """A request or answer file is unreadable or malformed; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ApplyRequest(_Strict):
+    format: Literal[1] = 1
+    request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
+    envelope: str  # base64 of the envelope bytes: the signature covers exact bytes, JSON re-encoding would not
+
+    def envelope_bytes(self) -> bytes:
+        try:
+            return base64.b64decode(self.envelope, validate=True)
+        except ValueError as exc:
+            raise SpoolError(f"request {self.request}: envelope is not valid base64: {exc}") from exc
+
+
+Status = Literal["successful", "failed", "canceled", "timeout"]
+
+
+class ApplyAnswer(_Strict):
+    format: Literal[1] = 1
+    request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
+    payload_sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")]  # empty when the envelope was refused
+    generation: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    # The lease epoch root decided the apply under (the state's own): the agent records it with the generation.
+    epoch: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    status: Status
+    rc: int | None
+    changed: Annotated[int, Field(ge=0)]
+    failed: Annotated[int, Field(ge=0)]
+    failures: list[str]
+    journal: str
+    started_at: str
+    finished_at: str
+    wall_seconds: Annotated[float, Field(ge=0)]
+
+    def to_result(self) -> ApplyResult:
+        return ApplyResult(
+            ident=self.request,
+            generation=self.generation,
+            status=self.status,
+            rc=self.rc,
+            changed=self.changed,
+            failed=self.failed,
+            journal=Path(self.journal),
+            started_at=datetime.fromisoformat(self.started_at),
+            finished_at=datetime.fromisoformat(self.finished_at),
+            wall_seconds=self.wall_seconds,
+            failures=list(self.failures),
+        )
+
+    @classmethod
+    def from_result(cls, result: ApplyResult, payload_sha256: str, epoch: int) -> ApplyAnswer:
+        return cls(
+            request=result.ident,
+            payload_sha256=payload_sha256,
+            generation=result.generation,
+            epoch=epoch,
+            status=_STATUSES.get(result.status, "failed"),
+            rc=result.rc,
+            changed=result.changed,
+            failed=result.failed,
+            failures=list(result.failures),
+            journal=str(result.journal),
+            started_at=format_rfc3339(result.started_at),
+            finished_at=format_rfc3339(result.finished_at),
+            wall_seconds=result.wall_seconds,
+        )
+
+
+_STATUSES: dict[str, Status] = {"successful": "successful", "canceled": "canceled", "timeout": "timeout"}
+
+_Model = TypeVar("_Model", ApplyRequest, ApplyAnswer)
+
+
+def parse_request(raw: bytes, where: Path) -> ApplyRequest:
+    return _parse(ApplyRequest, raw, where)
+
+
+def parse_answer(raw: bytes, where: Path) -> ApplyAnswer:
+    return _parse(ApplyAnswer, raw, where)
+
+
+def read_answer_file(public: Path) -> ApplyAnswer | None:
+    """The answer in root's ``public/`` directory, or None when there is none yet (agent side)."""
+    path = public / RESULT_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise SpoolError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "rb") as handle:
+        raw = handle.read(MAX_REQUEST_BYTES + 1)
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise SpoolError(f"{path} is larger than {MAX_REQUEST_BYTES} bytes; an answer is never that big")
+    return parse_answer(raw, path)
+
+
+def _parse(model: type[_Model], raw: bytes, path: Path) -> _Model:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise SpoolError(f"{path}: {describe_validation_error(exc)}") from exc

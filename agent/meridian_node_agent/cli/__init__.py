@@ -1,0 +1,85 @@
+"""``meridian-node``: the agent's command line. Each verb lives in a module of its own.
+
+Only the module of the verb being run is imported: the long-running ``run`` would otherwise carry the
+artifact downloader and the signing tools in memory for nothing, and the root ``apply-spooled`` unit would
+pay about a second of imports on every start. ``--help`` and unknown verbs load them all.
+"""
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from meridian_node_agent import VersionAction
+from meridian_node_agent.config import default_config_path
+from meridian_node_agent.errors import UsageError
+
+# verb -> the module (in this package) whose add_parsers defines it; the order is --help's order. Root's verbs
+# are defined by the units they run (root_side/), outbox-key by the air-gapped agent that owns the key.
+VERB_MODULES = {
+    "artifact": "cli.artifact",
+    "check-config": "cli.config",
+    "keygen": "cli.trust",
+    "sign": "cli.trust",
+    "verify": "cli.trust",
+    "make-bundle": "cli.bundle",
+    "runbook-pin": "cli.bundle",
+    "outbox-key": "agent_side.airgap_agent",
+    "enroll": "cli.agent",
+    "run": "cli.agent",
+    "status": "cli.agent",
+    "apply-spooled": "root_side.apply_unit",
+    "airgap-inbox": "root_side.inbox_unit",
+    "observe-engines": "root_side.observe_unit",
+}
+
+
+def verb_of(argv: Sequence[str]) -> str | None:
+    """The verb ``argv`` asks for, or None (no verb, or an option before it that is not ``--config``)."""
+    args = iter(argv)
+    for arg in args:
+        if arg == "--config":
+            next(args, None)
+        elif arg.startswith("--config="):
+            continue
+        elif arg.startswith("-"):
+            return None
+        else:
+            return arg
+    return None
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every verb, or with only ``verb``'s module loaded when it is a known verb."""
+    parser = argparse.ArgumentParser(
+        prog="meridian-node",
+        description="The meridian.node pull agent and its operator tools.",
+    )
+    parser.add_argument("--version", action=VersionAction, help="print the version and exit")
+    parser.add_argument(
+        "--config",
+        default=default_config_path(),
+        metavar="PATH",
+        help="the agent's config file (default: $MERIDIAN_NODE_CONFIG or /etc/meridian-node/config.yaml)",
+    )
+    subparsers = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    modules = [VERB_MODULES[verb]] if verb in VERB_MODULES else list(dict.fromkeys(VERB_MODULES.values()))
+    for name in modules:
+        importlib.import_module(f"meridian_node_agent.{name}").add_parsers(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    parser = build_parser(verb_of(arguments))
+    args = parser.parse_args(arguments)
+    try:
+        status: int = args.handler(args)
+    except UsageError as exc:
+        print(f"meridian-node {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""``meridian-node enroll | run | status``: the agent's own verbs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
+from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneError
+from meridian_node_agent.agent_side.identity import CertificateInfo, IdentityError, NodeIdentity
+from meridian_node_agent.apply.oplog import OpLog
+from meridian_node_agent.config import (
+    AgentConfig,
+    ConfigError,
+    load_config,
+    metrics_unavailable,
+    policy_for_run,
+)
+from meridian_node_agent.errors import UsageError
+from meridian_node_agent.logs import EventLogger, configure_logging
+
+__all__ = [
+    "TOKEN_ENV",
+    "add_parsers",
+    "build_agent",
+    "build_applier",
+    "cmd_enroll",
+    "cmd_run",
+    "cmd_status",
+    "format_status",
+    "policy_for_run",
+    "serve_metrics",
+]
+
+TOKEN_ENV = "MERIDIAN_NODE_TOKEN"  # noqa: S105 - the variable's name, not a token
+
+
+def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    enroll = subparsers.add_parser(
+        "enroll",
+        help="enroll this node with the control plane",
+        description="Create the node key (once), send a CSR with a one-time enrollment token and store the "
+        "issued client certificate and the control plane's CA bundle under <state_dir>/identity.",
+    )
+    enroll.add_argument("--token", help=f"the one-time enrollment token (default: ${TOKEN_ENV})")
+    enroll.add_argument(
+        "--ca-bundle",
+        required=True,
+        metavar="PATH",
+        help="the control plane's CA certificate, obtained out of band; it authenticates the server",
+    )
+    enroll.set_defaults(handler=cmd_enroll)
+
+    run = subparsers.add_parser(
+        "run",
+        help="run the agent loop",
+        description="Heartbeat, fetch the signed desired state, verify it, apply it through ansible-runner "
+        "(unless the mode is observe-only), observe and report; repeat. In mode air-gapped: take the bundles "
+        "in air_gap.inbox, apply them, and write signed observations and journal summaries to air_gap.outbox "
+        "(docs/AIR_GAP.md). Exit status with --once: 0 when the cycle succeeded, 1 when the control plane was "
+        "unreachable or the state (or a bundle) was rejected or failed.",
+    )
+    run.add_argument("--once", action="store_true", help="run one cycle (no long-poll) and exit")
+    run.set_defaults(handler=cmd_run)
+
+    status = subparsers.add_parser(
+        "status",
+        help="show the node's lease, applied generation and last run",
+        description="Print a table: node, mode, lease epoch and expiry, applied generation, last run ident "
+        "and result, the agent's counters, and the client certificate's expiry and renewal, from the state "
+        "dir (the agent need not be running).",
+    )
+    status.add_argument(
+        "--json", action="store_true", help="print one JSON document (for scripts and monitoring) instead of a table"
+    )
+    status.set_defaults(handler=cmd_status)
+
+
+def _config(args: argparse.Namespace) -> AgentConfig:
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def cmd_enroll(args: argparse.Namespace) -> int:
+    config = _config(args)
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise UsageError(f"no enrollment token: pass --token or set {TOKEN_ENV}")
+    if config.control_plane is None:
+        raise UsageError(f"config {args.config}: mode {config.mode} has no control plane to enroll with")
+    identity = NodeIdentity(config.identity_dir)
+    try:
+        csr = identity.csr_pem(config.node_id)
+        control = config.control_plane
+        with ControlClient(str(control.url), args.ca_bundle, timeout=control.timeout_seconds) as client:
+            response = client.enroll(config.node_id, token, csr)
+        info = identity.store(response)
+    except IdentityError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ControlPlaneError as exc:
+        print(f"error: enrollment of node {config.node_id} failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"enrolled node {config.node_id}; certificate serial {info.serial:x} in {identity.cert_path}")
+    print(identity.describe_expiry(datetime.now(UTC)))
+    return 0
+
+
+def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
+    """The agent wired with the real client, applier and observer."""
+    from meridian_node_agent.agent_side.cycle import Agent
+    from meridian_node_agent.agent_side.observe import Observer
+
+    policy = policy_for_run(config)
+    if config.control_plane is None:
+        raise UsageError(f"mode {config.mode} is run from bundles, not by 'run'")
+    identity = NodeIdentity(config.identity_dir)
+    if not identity.enrolled:
+        raise UsageError(f"node {config.node_id} is not enrolled ({config.identity_dir}); run 'meridian-node enroll'")
+    client = ControlClient(
+        str(config.control_plane.url),
+        identity.ca_path,
+        identity.cert_path,
+        identity.key_path,
+        timeout=config.control_plane.timeout_seconds,
+    )
+    applier = build_applier(config)
+    observer = Observer(
+        store_path=policy.store.path,
+        engines=_engine_source(config, log),
+        placement=(policy.engines.port_range, policy.engines.bind_address),
+    )
+    metrics = None if config.metrics is None else serve_metrics(config.metrics.listen)
+    return Agent(config, policy, client, applier, observer, log=log, metrics=metrics)
+
+
+def serve_metrics(listen: str) -> Any:
+    """The Prometheus endpoint of ``metrics.listen``; prometheus-client is the ``metrics`` extra."""
+    missing = metrics_unavailable(listen)
+    if missing:
+        raise UsageError(missing)
+    from meridian_node_agent.agent_side.metrics import Metrics
+
+    return Metrics.serve(listen)
+
+
+def build_applier(config: AgentConfig) -> Any:
+    """``apply.via``: ansible-runner in this process, or a request to the root unit through the spool."""
+    if config.apply.via == "systemd":
+        from meridian_node_agent.agent_side.systemd_applier import SystemdApplier
+
+        return SystemdApplier(
+            state_dir=Path(config.state_dir),
+            apply_state_dir=Path(config.apply.state_dir),
+            timeout_seconds=config.apply.timeout_seconds,
+        )
+    from meridian_node_agent.apply.applier import Applier
+
+    return Applier(
+        state_dir=Path(config.state_dir),
+        node_id=config.node_id,
+        policy_path=config.policy,
+        keep_runs=config.journal.keep_runs,
+    )
+
+
+def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
+    """``apply.via: systemd``: the inventory the root apply unit writes (the agent has no Docker access
+    there, and must not be given it); in-process: the local Docker Engine, else no engines."""
+    from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
+        DockerEngine,
+        DockerEngineError,
+    )
+    from meridian_node_agent.agent_side.observe import DockerEngines, InventoryEngines, no_engines
+
+    if config.apply.via == "systemd":
+        return InventoryEngines(root_dir=Path(config.apply.state_dir), node_id=config.node_id, log=log)
+
+    try:
+        engine = DockerEngine.from_env(timeout=5)
+    except DockerEngineError as exc:
+        (log or EventLogger()).warning("engines-not-observed", reason=str(exc))
+        return no_engines
+    return DockerEngines(engine, state_dir=Path(config.state_dir), owner=f"agent:{config.node_id}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    configure_logging(config.log.level, config.log.format)
+    if config.mode == "air-gapped":
+        return _run_air_gapped(config, once=args.once)
+    agent = build_agent(config)
+    try:
+        status: int = agent.run(once=args.once)
+    except KeyboardInterrupt:
+        return 130
+    except StateStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        agent.client.close()
+    return status
+
+
+def _run_air_gapped(config: AgentConfig, *, once: bool) -> int:
+    """No control plane: bundles from the inbox, signed records to the outbox (``agent_side.airgap_agent``)."""
+    from meridian_node_agent.agent_side.airgap_agent import build_airgap_agent
+
+    agent = build_airgap_agent(config)
+    try:
+        return agent.run(once=once)
+    except KeyboardInterrupt:
+        return 130
+    except StateStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from meridian_node_agent.agent_side.cycle import read_status
+
+    config = _config(args)
+    state_dir = Path(config.state_dir)
+    try:
+        applied = StateStore(state_dir).load()
+    except StateStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    oplog = OpLog(state_dir / "oplog.jsonl")
+    try:
+        certificate: CertificateInfo | None = NodeIdentity(config.identity_dir).certificate()
+    except IdentityError:
+        certificate = None
+    now = datetime.now(UTC)
+    if args.json:
+        print(json.dumps(status_document(config, applied, read_status(state_dir), oplog, certificate), sort_keys=True))
+        return 0
+    print(
+        format_status(
+            config,
+            applied.generation,
+            applied.epoch,
+            read_status(state_dir),
+            oplog,
+            certificate,
+            now,
+            accepted=applied.accepted,
+        )
+    )
+    return 0
+
+
+def status_document(
+    config: AgentConfig,
+    applied: Any,
+    status: dict[str, Any] | None,
+    oplog: OpLog,
+    certificate: CertificateInfo | None,
+) -> dict[str, Any]:
+    """What ``status`` shows, as data: the agent's own status file as it wrote it, plus what is on disk."""
+    last = oplog.last()
+    return {
+        "node_id": config.node_id,
+        "mode": config.mode,
+        "applied": {"generation": applied.generation, "epoch": applied.epoch, "payload_sha256": applied.payload_sha256},
+        # A generation accepted (its apply started) and not recorded applied: it failed or was cut short.
+        "accepted": None
+        if applied.accepted is None
+        else {
+            "generation": applied.accepted.generation,
+            "epoch": applied.accepted.epoch,
+            "payload_sha256": applied.accepted.payload_sha256,
+        },
+        "last_operation": None if last is None else {k: v for k, v in asdict(last).items() if v is not None},
+        "agent": status,  # None when the agent has not written one yet
+        "certificate": None
+        if certificate is None
+        else {
+            "serial": f"{certificate.serial:x}",
+            "not_before": format_rfc3339(certificate.not_before),
+            "not_after": format_rfc3339(certificate.not_after),
+        },
+    }
+
+
+def format_status(
+    config: AgentConfig,
+    generation: int,
+    epoch: int,
+    status: dict[str, Any] | None,
+    oplog: OpLog,
+    certificate: CertificateInfo | None = None,
+    now: datetime | None = None,
+    accepted: Any = None,
+) -> str:
+    last = oplog.last()
+    run = (status or {}).get("last_run") or {}
+    counters = (status or {}).get("counters") or {}
+    rejections = counters.get("rejections") or {}
+    rows = [
+        ("node", config.node_id),
+        ("mode", config.mode),
+        ("lease epoch", _text((status or {}).get("lease_epoch"))),
+        ("lease expires", _text((status or {}).get("lease_expires_at"))),
+        ("applied generation", f"{generation} (epoch {epoch})"),
+        *([("accepted generation", _accepted_text(accepted, generation))] if accepted is not None else []),
+        ("last run", f"{last.run_ident} {last.result} at {last.at}" if last else "none"),
+        ("last run tasks", f"changed {run.get('changed', '-')}, failed {run.get('failed', '-')}" if run else "-"),
+        (
+            "counters",
+            f"cycles {counters.get('cycles', 0)}, applies {counters.get('applies', 0)}, "
+            f"apply failures {counters.get('apply_failures', 0)}, unavailable {counters.get('unavailable', 0)}, "
+            f"refused {counters.get('refused', 0)}, repairs {counters.get('repairs', 0)}"
+            if counters
+            else "-",
+        ),
+        ("supervision", _supervision_text((status or {}).get("supervision") or {})),
+        ("apply retry", _retry_text((status or {}).get("apply_retry"))),
+        ("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none"),
+        ("engines", _engines_text((status or {}).get("engines") or [])),
+        *([("air gap", _air_gap_text((status or {}).get("air_gap")))] if config.mode == "air-gapped" else []),
+        ("certificate", _certificate_text(certificate, now or datetime.now(UTC))),
+        ("cert renewal", _renewal_text(config, certificate, (status or {}).get("certificate") or {})),
+        ("status updated", _text((status or {}).get("updated_at"))),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _accepted_text(accepted: Any, applied: int) -> str:
+    return (
+        f"{accepted.generation} (epoch {accepted.epoch}), not applied: its apply failed or was cut short, so "
+        f"generation {applied} may not be what runs; nothing below {accepted.generation} is applied any more, "
+        f"and generation {accepted.generation} is applied again on retry. To go back, publish a new generation "
+        "with the old content"
+    )
+
+
+def _air_gap_text(air_gap: dict[str, Any] | None) -> str:
+    """The inbox's last bundle, the generation applied from bundles and the outbox's last record number."""
+    if not air_gap:
+        return "no pass yet (the agent has not written status.json)"
+    bundle = air_gap.get("last_bundle") or {}
+    last = "no bundle taken yet"
+    if bundle:
+        last = f"last bundle {bundle.get('name')} {bundle.get('result')}"
+        if bundle.get("reason"):
+            last += f" ({bundle['reason']}: {bundle.get('message')})"
+    sequence = air_gap.get("outbox_sequence")
+    return (
+        f"inbox {air_gap.get('inbox')} taken by {air_gap.get('taken_by')}; {last}; applied generation "
+        f"{air_gap.get('applied_generation')}"
+        + (
+            f" (generation {air_gap['accepted_generation']} accepted, its apply failed or was cut short: older "
+            "bundles are refused)"
+            if air_gap.get("accepted_generation")
+            else ""
+        )
+        + f"; outbox {air_gap.get('outbox')} at record "
+        f"{'none yet' if sequence is None else sequence}"
+    )
+
+
+def _supervision_text(engines: dict[str, Any]) -> str:
+    if not engines:
+        return "all engines as applied"
+    parts = []
+    for name, state in sorted(engines.items()):
+        text = f"{name}: {state.get('problem') or 'healthy'}"
+        if state.get("for_seconds") is not None:
+            text += f" for {state['for_seconds']} s"
+        if state.get("state") not in (None, "healthy"):
+            text += f" [{state['state']}]"
+        if state.get("repairs"):
+            text += f", {state['repairs']} repair(s)"
+            if state.get("backoff_seconds") is not None:
+                text += f", backoff {state['backoff_seconds']:g} s"
+            text += f", next in {state.get('next_repair_in_seconds')} s"
+            if state.get("next_repair_at"):
+                text += f" (at {state['next_repair_at']})"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def _retry_text(retry: dict[str, Any] | None) -> str:
+    if not retry:
+        return "none"
+    return (
+        f"generation {retry.get('generation')} failed {retry.get('failures')} time(s) [{retry.get('state')}], "
+        f"backoff {retry.get('backoff_seconds'):g} s, next attempt at {retry.get('next_attempt_at')} "
+        f"(in {retry.get('next_attempt_in_seconds')} s); last error: {retry.get('error')}"
+    )
+
+
+def _certificate_text(certificate: CertificateInfo | None, now: datetime) -> str:
+    if certificate is None:
+        return "none (not enrolled)"
+    left = certificate.remaining(now)
+    state = f"{left / 86400:.1f} day(s) left" if left > 0 else "EXPIRED: enroll again"
+    return f"serial {certificate.serial:x}, valid until {format_rfc3339(certificate.not_after)} ({state})"
+
+
+def _renewal_text(config: AgentConfig, certificate: CertificateInfo | None, renewal: dict[str, Any]) -> str:
+    if certificate is None:
+        return "-"
+    due = format_rfc3339(certificate.renew_after(config.certificate_renewal.remaining_fraction))
+    parts = [f"due from {due}"]
+    if renewal.get("last_renewed_at"):
+        parts.append(f"last renewed at {renewal['last_renewed_at']}")
+    if renewal.get("failures"):
+        parts.append(
+            f"last failed at {renewal.get('last_failed_at')} ({renewal['failures']} attempt(s)): "
+            f"{renewal.get('last_error')}; next attempt at {renewal.get('next_attempt_at')}"
+        )
+    return "; ".join(parts)
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _engines_text(engines: list[dict[str, Any]]) -> str:
+    if not engines:
+        return "none"
+    parts = []
+    for engine in engines:
+        flags = [str(engine.get("state", "?"))]
+        if engine.get("ready"):
+            flags.append("ready")
+        if engine.get("draining"):
+            flags.append("draining")
+        if not engine.get("managed"):
+            flags.append("unmanaged")
+        if engine.get("ready_since"):
+            flags.append(f"ready since {engine['ready_since']}")
+        if engine.get("restarts"):
+            flags.append(f"{engine['restarts']} restart(s)")
+        if engine.get("exit_reason"):
+            flags.append(f"last exit: {engine['exit_reason']}")
+        if engine.get("drifted"):
+            flags.append(f"changed by hand: {', '.join(engine['drifted'])}")
+        parts.append(f"{engine.get('name')} ({', '.join(flags)})")
+    return "; ".join(parts)

@@ -1,0 +1,297 @@
+"""The Docker Engine HTTP API, spoken with the standard library: the transport under ``docker.engine``.
+
+Why not the Docker SDK: an Ansible module pays its imports on every task, and ``docker`` (with
+``requests`` and ``urllib3`` under it) costs about 180 ms to import, more than the whole no-op converge of
+an engine. The calls meridian.node makes are few and plain JSON over HTTP/1.1, so they are made here
+directly, and a host needs no Python package to run the engine modules.
+
+Where the engine is, as the ``docker`` CLI reads it: ``DOCKER_HOST`` (``unix:///path`` or
+``tcp://host:port``), default ``unix:///var/run/docker.sock``; over TCP, ``DOCKER_TLS_VERIFY`` set to a
+non-empty value other than ``0`` means TLS with the engine verified against ``$DOCKER_CERT_PATH/ca.pem``
+and ``cert.pem``/``key.pem`` as the client certificate (``DOCKER_CERT_PATH`` defaults to ``~/.docker``).
+``ssh://`` is not supported: say so rather than guess.
+
+The API version is the engine's own (``/_ping`` reports it), capped at the newest this file was written
+against, so responses have the shape the code expects on old and new engines alike.
+
+Every failure is a ``DockerApiError``: ``status`` is the HTTP status when the engine answered (404: no such
+object), None when it could not be reached; the message is the engine's own explanation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import struct
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils.docker._http import HttpLiteError, exchange
+
+__all__ = ["DEFAULT_HOST", "MAX_API_VERSION", "DockerApi", "DockerApiError", "demultiplex"]
+
+DEFAULT_HOST = "unix:///var/run/docker.sock"
+# Newest API version whose responses this module was checked against (Docker Engine 27); older engines
+# are spoken to in their own version. 1.41 (Engine 20.10) is the oldest tested.
+MAX_API_VERSION = (1, 47)
+_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+class DockerApiError(Exception):
+    """A Docker Engine API call failed; ``status`` is None when the engine could not be reached."""
+
+    def __init__(self, reason: str, *, action: str = "", status: int | None = None) -> None:
+        super().__init__(f"Error {action}: {reason}" if action else reason)
+        self.reason = reason
+        self.status = status
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+
+@dataclass(frozen=True)
+class _Answer:
+    status: int
+    headers: dict[str, str]  # names lowercased
+    body: bytes
+
+
+class DockerApi:
+    """One Docker Engine endpoint; every method is one API call returning the engine's JSON."""
+
+    def __init__(self, host: str = DEFAULT_HOST, *, timeout: float = 60, tls: ssl.SSLContext | None = None) -> None:
+        scheme, rest = host.split("://", 1) if "://" in host else (host, "")
+        if scheme == "unix" and rest.startswith("/"):
+            self._target = rest
+        elif scheme == "tcp" and rest:
+            parsed = urllib.parse.urlsplit(f"//{rest}")
+            if not parsed.hostname or parsed.port is None:
+                raise DockerApiError(f"DOCKER_HOST {host!r}: a tcp:// address needs a host and a port")
+            self._target = f"{parsed.hostname}:{parsed.port}"
+        else:
+            raise DockerApiError(
+                f"DOCKER_HOST {host!r} is not supported: use unix:///path/to/docker.sock or tcp://host:port "
+                "(with DOCKER_TLS_VERIFY=1 for TLS); ssh:// is not supported"
+            )
+        self.host = host
+        self.timeout = timeout
+        self._scheme = scheme
+        self._tls = tls
+        self._prefix = ""
+
+    @classmethod
+    def from_env(cls, timeout: float = 60, environ: Mapping[str, str] | None = None) -> DockerApi:
+        """The engine the ``docker`` CLI would talk to, with the API version negotiated by one ping."""
+        env = os.environ if environ is None else environ
+        host = env.get("DOCKER_HOST") or DEFAULT_HOST
+        tls = None
+        if host.startswith("tcp://") and env.get("DOCKER_TLS_VERIFY", "") not in ("", "0"):
+            cert_path = env.get("DOCKER_CERT_PATH") or os.path.expanduser("~/.docker")
+            try:
+                tls = _tls_context(cert_path)
+            except (OSError, ssl.SSLError) as exc:
+                raise DockerApiError(
+                    f"DOCKER_TLS_VERIFY is set but the TLS files in {cert_path} (ca.pem, cert.pem, key.pem) "
+                    f"cannot be used: {exc}"
+                ) from exc
+        api = cls(host, timeout=timeout, tls=tls)
+        api.negotiate()
+        return api
+
+    def negotiate(self) -> str:
+        """Ping the engine and use its API version (capped at ``MAX_API_VERSION``); returns the version."""
+        answer = self._request("GET", "/_ping", "pinging the Docker Engine", versioned=False)
+        version = _parse_version(answer.headers.get("api-version", ""))
+        if version is None:
+            raise DockerApiError(f"the Docker Engine at {self.host} did not report an API version in its ping")
+        chosen = min(version, MAX_API_VERSION)
+        self._prefix = f"/v{chosen[0]}.{chosen[1]}"
+        return f"{chosen[0]}.{chosen[1]}"
+
+    # --- reading --------------------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        return _object(self._json("GET", "/info", "reading docker info"))
+
+    def containers(self, filters: Mapping[str, str | Sequence[str]]) -> list[dict[str, Any]]:
+        """Every container, running or not, that matches all ``filters`` (the engine's filter names)."""
+        query = {"all": "1", "filters": _filters(filters)}
+        return _objects(self._json("GET", "/containers/json", "listing containers", query=query))
+
+    def images(self, filters: Mapping[str, str | Sequence[str]]) -> list[dict[str, Any]]:
+        query = {"all": "1", "filters": _filters(filters)}
+        return _objects(self._json("GET", "/images/json", "listing images", query=query))
+
+    def inspect_image(self, reference: str) -> dict[str, Any]:
+        return _object(self._json("GET", f"/images/{_quote(reference)}/json", f"inspecting image {reference!r}"))
+
+    def inspect_container(self, container_id: str) -> dict[str, Any]:
+        path = f"/containers/{_quote(container_id)}/json"
+        return _object(self._json("GET", path, f"inspecting container {container_id[:12]}"))
+
+    def logs(self, container_id: str, tail: int) -> bytes:
+        """stdout and stderr interleaved as written, the last ``tail`` lines of each."""
+        tty = bool((self.inspect_container(container_id).get("Config") or {}).get("Tty"))
+        query = {"stdout": "1", "stderr": "1", "tail": str(tail), "timestamps": "0"}
+        body = self._request(
+            "GET", f"/containers/{_quote(container_id)}/logs", f"reading logs of {container_id[:12]}", query=query
+        ).body
+        return body if tty else demultiplex(body)
+
+    # --- changing -------------------------------------------------------------------------------------------
+
+    def create_container(self, name: str, config: Mapping[str, Any]) -> dict[str, Any]:
+        return _object(
+            self._json("POST", "/containers/create", f"creating container {name!r}", query={"name": name}, body=config)
+        )
+
+    def start(self, container_id: str) -> None:
+        self._request("POST", f"/containers/{_quote(container_id)}/start", f"starting {container_id[:12]}")
+
+    def stop(self, container_id: str, timeout: int) -> None:
+        # The engine answers only after the grace period and the kill: wait that long plus our own timeout.
+        self._request(
+            "POST",
+            f"/containers/{_quote(container_id)}/stop",
+            f"stopping {container_id[:12]}",
+            query={"t": str(timeout)},
+            timeout=self.timeout + timeout,
+        )
+
+    def remove(self, container_id: str, *, force: bool = False) -> None:
+        query = {"force": "1" if force else "0", "v": "0"}
+        self._request("DELETE", f"/containers/{_quote(container_id)}", f"removing {container_id[:12]}", query=query)
+
+    # --- transport ------------------------------------------------------------------------------------------
+
+    def _json(self, method: str, path: str, action: str, **kwargs: Any) -> Any:
+        body = self._request(method, path, action, **kwargs).body
+        try:
+            return json.loads(body) if body else None
+        except ValueError as exc:
+            raise DockerApiError(f"the engine's answer is not JSON ({exc})", action=action) from exc
+
+    def _connect(self, timeout: float) -> socket.socket:
+        if self._scheme == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(self._target)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+        address, _colon, port = self._target.rpartition(":")
+        sock = socket.create_connection((address, int(port)), timeout=timeout)
+        if self._tls is None:
+            return sock
+        try:
+            return self._tls.wrap_socket(sock, server_hostname=address)
+        except OSError:
+            sock.close()
+            raise
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        action: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        timeout: float | None = None,
+        versioned: bool = True,
+    ) -> _Answer:
+        url = (self._prefix if versioned else "") + path
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        payload = None if body is None else json.dumps(body).encode("utf-8")
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        try:
+            sock = self._connect(self.timeout if timeout is None else timeout)
+            try:
+                answer = exchange(
+                    sock, method, url, host="docker", headers=headers, body=payload, max_body=_MAX_RESPONSE_BYTES
+                )
+            finally:
+                sock.close()
+        except (OSError, HttpLiteError) as exc:
+            raise DockerApiError(_transport_text(exc, self.host), action=action) from exc
+        status, data = answer.status, answer.body
+        if status >= 400:
+            raise DockerApiError(_engine_message(status, data), action=action, status=status)
+        return _Answer(status, dict(answer.headers), data)
+
+
+def demultiplex(stream: bytes) -> bytes:
+    """The payload of Docker's multiplexed log stream (8-byte frame headers: stream, 0, 0, 0, size)."""
+    out = bytearray()
+    offset = 0
+    while offset + 8 <= len(stream):
+        (size,) = struct.unpack(">I", stream[offset + 4 : offset + 8])
+        out += stream[offset + 8 : offset + 8 + size]
+        offset += 8 + size
+    return bytes(out)
+
+
+def _tls_context(cert_path: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=os.path.join(cert_path, "ca.pem"))
+    context.load_cert_chain(os.path.join(cert_path, "cert.pem"), os.path.join(cert_path, "key.pem"))
+    return context
+
+
+def _filters(filters: Mapping[str, str | Sequence[str]]) -> str:
+    return json.dumps({key: [values] if isinstance(values, str) else list(values) for key, values in filters.items()})
+
+
+def _parse_version(text: str) -> tuple[int, int] | None:
+    major, dot, minor = text.strip().partition(".")
+    if not dot or not major.isdigit() or not minor.isdigit():
+        return None
+    return int(major), int(minor)
+
+
+def _quote(part: str) -> str:
+    return urllib.parse.quote(part, safe="/:")
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise DockerApiError(f"the Docker Engine answered {type(value).__name__} where an object was expected")
+    return value
+
+
+def _objects(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise DockerApiError("the Docker Engine answered something other than a list of objects")
+    return value
+
+
+def _engine_message(status: int, data: bytes) -> str:
+    text = data.decode("utf-8", errors="replace").strip()
+    try:
+        message = json.loads(text).get("message")
+    except (ValueError, AttributeError):
+        message = None
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
+    return f"{status}{' ' + phrase if phrase else ''}: {message or text or 'no explanation'}"
+
+
+def _transport_text(exc: BaseException, host: str) -> str:
+    reason = str(exc) or type(exc).__name__
+    if isinstance(exc, FileNotFoundError):
+        reason = f"no socket at {host} ({exc.strerror})"
+    elif isinstance(exc, PermissionError):
+        reason = f"permission denied on {host}; is this user in the 'docker' group?"
+    elif isinstance(exc, TimeoutError):
+        reason = f"no answer from {host} in time"
+    return reason

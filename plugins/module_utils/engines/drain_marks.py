@@ -1,0 +1,152 @@
+"""Durable draining marks: which engines must get no new work, kept on the host across restarts.
+
+One small JSON file per engine, ``<state_dir>/draining/<name>.json``, written atomically
+(``_fileutil.atomic_write``): a reader sees a whole mark or none. The mark is the first thing a drain or a
+drain-then-replace does, so the agent's observations (and through them the serving projection) drop the
+engine before any request could be cut off; it is cleared once a replacement is ready, or by undrain.
+
+The files hold nothing secret (engine name, time, reason), so they are world-readable: the agent runs
+unprivileged and must read marks written by root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
+
+__all__ = [
+    "DRAINING_DIR",
+    "DrainMark",
+    "DrainStateError",
+    "clear_draining",
+    "list_draining",
+    "mark_draining",
+    "read_mark",
+]
+
+DRAINING_DIR = "draining"
+# The contract's engine name: it becomes a file name, so nothing else may (no '/', no '..').
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$")
+_SUFFIX = ".json"
+_MAX_MARK_BYTES = 64 * 1024
+
+
+class DrainStateError(ValueError):
+    """A draining mark could not be read or written; the message names the file and the reason."""
+
+
+@dataclass(frozen=True)
+class DrainMark:
+    name: str
+    since: str  # RFC 3339 UTC
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"name": self.name, "since": self.since, "reason": self.reason}
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _mark_path(state_dir: str, name: str) -> str:
+    if not _NAME.match(name):
+        raise DrainStateError(
+            f"engine name {name!r} cannot name a draining mark: use 1-63 lowercase letters, digits, '.', '_' or '-'"
+        )
+    return os.path.join(state_dir, DRAINING_DIR, name + _SUFFIX)
+
+
+def read_mark(state_dir: str, name: str) -> DrainMark | None:
+    """The mark of engine ``name``, or None when it is not draining."""
+    path = _mark_path(state_dir, name)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_MAX_MARK_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise DrainStateError(f"cannot read draining mark {path}: {exc.strerror or exc}") from exc
+    return _parse(path, data, name)
+
+
+def _parse(path: str, data: bytes, name: str) -> DrainMark:
+    if len(data) > _MAX_MARK_BYTES:
+        raise DrainStateError(f"draining mark {path} is larger than {_MAX_MARK_BYTES} bytes; it is not ours")
+    try:
+        document: Any = json.loads(data)
+    except ValueError as exc:
+        raise DrainStateError(f"draining mark {path} is not JSON ({exc}); remove it or run undrain") from exc
+    if (
+        not isinstance(document, dict)
+        or document.get("name") != name
+        or not isinstance(document.get("since"), str)
+        or not isinstance(document.get("reason"), str)
+    ):
+        raise DrainStateError(
+            f"draining mark {path} must be an object with name {name!r}, since and reason strings; "
+            "remove it or run undrain"
+        )
+    return DrainMark(name=name, since=document["since"], reason=document["reason"])
+
+
+def mark_draining(state_dir: str, name: str, *, reason: str, now: str | None = None) -> tuple[DrainMark, bool]:
+    """Mark ``name`` draining, durably; returns the mark and whether it is new.
+
+    An engine already marked keeps its first ``since``: the drain started then, and a retry must not
+    reset how long it has been draining.
+    """
+    existing = read_mark(state_dir, name)
+    if existing is not None:
+        return existing, False
+    mark = DrainMark(name=name, since=now or _now(), reason=reason)
+    path = _mark_path(state_dir, name)
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        atomic_write(path, json.dumps(mark.as_dict(), sort_keys=True).encode("utf-8") + b"\n", mode=0o644)
+    except OSError as exc:
+        raise DrainStateError(f"cannot write draining mark {path}: {exc.strerror or exc}") from exc
+    return mark, True
+
+
+def clear_draining(state_dir: str, name: str) -> bool:
+    """Remove the mark of ``name``; returns whether there was one."""
+    path = _mark_path(state_dir, name)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise DrainStateError(f"cannot remove draining mark {path}: {exc.strerror or exc}") from exc
+    fsync_directory(os.path.dirname(path))
+    return True
+
+
+def list_draining(state_dir: str) -> list[DrainMark]:
+    """Every engine marked draining, by name. Temporary files of an interrupted write are not marks."""
+    directory = os.path.join(state_dir, DRAINING_DIR)
+    try:
+        entries = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise DrainStateError(f"cannot list draining marks in {directory}: {exc.strerror or exc}") from exc
+    marks = []
+    for entry in entries:
+        if entry.startswith(".") or not entry.endswith(_SUFFIX):
+            continue
+        name = entry[: -len(_SUFFIX)]
+        if not _NAME.match(name):
+            continue
+        mark = read_mark(state_dir, name)
+        if mark is not None:
+            marks.append(mark)
+    return marks

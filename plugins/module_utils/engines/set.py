@@ -1,0 +1,806 @@
+"""Converge a host's whole set of engines in one run: ``meridian.node.engine_set`` without Ansible.
+
+Every engine is converged with ``engines.instance``'s own steps (``prepare_engine``, ``check_placement``,
+``apply_engine``, ``report_engine``), so one engine in a set ends exactly as ``engines.instance`` alone would
+leave it. What the set adds is the order, and the safety argument is the same: nothing changes before
+everything was checked.
+
+1. Read once: the policy, every container (one listing), and the desired state when it comes as a signed
+   envelope (verified here with ``trust.desired_state.reconcile_desired_state``; this side never trusts the
+   agent), whose every artifact must already be in the store as signed (``_check_artifacts``). NVML is read
+   only when a new engine asks for GPUs.
+2. Prepare every engine side by side (the drift check inspects each container): spec, policy, volumes,
+   driver settings, ownership, plan. Then, for every engine to be created, placement against the host *and*
+   the set (``engines.set_plan``), and the dropped engines of ``owner`` split by ``engines.prune.prune_order``.
+   Every refusal is collected; any refusal fails the run before anything changed.
+3. Check mode stops here and reports what would change.
+4. Act: drain and remove the dropped engines in a listed engine's way; converge the engines wave by wave
+   (``engines.set_plan.waves``), up to ``parallel`` at a time, each one's actions in ``engines.instance``'s
+   order (drain before replacing, its own timeouts); then, if every engine converged, drain and remove the
+   other dropped engines and, for an envelope with ``record``, record its generation as applied, as step 1
+   verified it.
+
+An engine that fails does not stop the others under way; the engines that wait on it are not started.
+Environment values never leave: they are masked in every string of the result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
+    ContainerInfo,
+    DockerEngine,
+    DockerEngineError,
+    address_overlaps,
+    port_bind_problem,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, clear_draining
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
+    LABEL_MIN_VRAM,
+    LABEL_OWNER,
+    EngineInstanceError,
+    EngineRun,
+    Options,
+    apply_engine,
+    check_placement,
+    label_spec,
+    load_engine_policy,
+    prepare_engine,
+    report_engine,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.plan import Action
+from ansible_collections.meridian.node.plugins.module_utils.engines.prune import PruneOrder, prune_order
+from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan import (
+    Held,
+    Member,
+    duplicate_names,
+    needs,
+    placement_inputs,
+    port_clashes,
+    port_handover,
+    waves,
+)
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
+
+__all__ = ["MASK", "EngineSetError", "SetOptions", "converge_set", "run_engine_set"]
+
+MASK = "********"
+_T = TypeVar("_T")
+
+
+class EngineSetError(Exception):
+    """The set was refused or an engine failed; ``result`` carries what the module returns beside ``msg``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        result: Mapping[str, Any] | None = None,
+        missing_library: tuple[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.result = dict(result or {})
+        self.missing_library = missing_library
+
+
+@dataclass(frozen=True)
+class SetOptions:
+    """How to converge the set, beside the engines themselves."""
+
+    owner: str | None = None
+    prune: bool = False
+    wait_ready: bool = True
+    parallel: int = 8
+    ready_timeout_s: float = 600
+    drain_timeout_s: float = 300
+    drain_grace_s: float = 10
+    policy_path: str = "/etc/meridian/policy.yaml"
+    state_dir: str = "/var/lib/meridian-node-apply"
+    store_path: str | None = None
+    prune_reason: str = "the engine set no longer lists it"
+
+
+@dataclass
+class _Outcome:
+    """One engine's or one prune's end: its result, and the failure (message, check) if it failed."""
+
+    result: dict[str, Any] = field(default_factory=dict)
+    failure: tuple[str, str] | None = None
+
+
+# --- the module's entry point --------------------------------------------------------------------------
+
+
+def run_engine_set(
+    params: Mapping[str, Any],
+    *,
+    check_mode: bool,
+    engine: DockerEngine | None = None,
+    gpu_facts: Callable[[], Mapping[str, Any]] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any]:
+    """The module's whole run from its parameters; raises ``EngineSetError`` with the module's failure."""
+    envelope_path = params.get("envelope")
+    if params.get("record") and not envelope_path:
+        raise EngineSetError("record: true needs envelope (and node_id): only a signed desired state is recorded")
+    parallel = int(params.get("parallel") or 0)
+    if parallel < 1:
+        raise EngineSetError(f"parallel must be at least 1, got {params.get('parallel')!r}")
+    owner = params.get("owner") or None
+    prune = params.get("prune")
+    verified: dict[str, Any] | None = None
+    envelope: bytes | None = None
+    if envelope_path:
+        envelope, verified = _verify(params, check_mode=check_mode)
+        store_warnings = _check_artifacts(verified, params, check_mode=check_mode)
+        if params.get("record") and not check_mode and not verified["already_applied"]:
+            # Accepted before any engine changes: an apply cut short from here on still moves the floor.
+            _record(verified, params, accepted=True)
+        owner = owner or f"agent:{params['node_id']}"
+        prune = True if prune is None else prune
+        specs = _envelope_engines(verified)
+        reason = f"generation {verified['generation']} no longer lists it"
+    else:
+        store_warnings = []
+        specs = [dict(spec) for spec in params.get("engines") or []]
+        reason = f"the engine set of owner {owner!r} no longer lists it"
+    if prune and not owner:
+        raise EngineSetError("prune: true needs owner: only the engines of one owner are ever pruned")
+    options = SetOptions(
+        owner=owner,
+        prune=bool(prune),
+        wait_ready=bool(params.get("wait_ready", True)),
+        parallel=parallel,
+        ready_timeout_s=_number(params.get("ready_timeout"), 600),
+        drain_timeout_s=_number(params.get("drain_timeout"), 300),
+        drain_grace_s=_number(params.get("drain_grace"), 10),
+        policy_path=str(params.get("policy") or "/etc/meridian/policy.yaml"),
+        state_dir=str(params.get("state_dir") or "/var/lib/meridian-node-apply"),
+        store_path=params.get("store_path"),
+        prune_reason=reason,
+    )
+    secrets = [str(value) for spec in specs for value in (spec.get("env") or {}).values() if str(value)]
+    own_engine = engine is None
+    try:
+        if engine is None:
+            try:
+                engine = DockerEngine.from_env()
+            except DockerEngineError as exc:
+                raise EngineSetError(str(exc), result={"check": "docker"}) from exc
+        try:
+            result = converge_set(
+                specs, options, check_mode=check_mode, engine=engine, gpu_facts=gpu_facts, sleep=sleep, clock=clock
+            )
+        except EngineSetError as exc:
+            if verified is not None:
+                exc.result.update(generation=verified["generation"], recorded=False)
+            raise _masked_error(exc, secrets) from None
+        if verified is not None and envelope is not None:
+            result["generation"] = verified["generation"]
+            result["recorded"] = False
+            if params.get("record") and not verified["already_applied"]:
+                if check_mode:
+                    result["changed"] = True  # it would record
+                else:
+                    try:
+                        result["recorded"] = _record(verified, params)
+                    except EngineSetError as exc:
+                        exc.result.update(result, generation=verified["generation"], recorded=False)
+                        raise _masked_error(exc, secrets) from None
+                    result["changed"] = result["changed"] or result["recorded"]
+        if store_warnings:
+            result["warnings"] = [*store_warnings, *result.get("warnings", [])]
+        masked: dict[str, Any] = _mask(result, secrets)
+        return masked
+    finally:
+        if own_engine and engine is not None:
+            engine.close()
+
+
+def _number(value: Any, default: float) -> float:
+    return default if value is None else float(value)
+
+
+def _verify(params: Mapping[str, Any], *, check_mode: bool) -> tuple[bytes, dict[str, Any]]:
+    """The envelope's bytes and its verified summary with the engines' environment values.
+
+    Imported here: pydantic and cryptography are needed only for an envelope, never for a list of engines.
+    """
+    from ansible_collections.meridian.node.plugins.module_utils.trust.verify import missing_libraries
+
+    for package, error in missing_libraries():
+        raise EngineSetError(f"{package} is needed to verify an envelope", missing_library=(package, error))
+    from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStoreError
+    from ansible_collections.meridian.node.plugins.module_utils.trust.desired_state import (
+        EnvelopeInputError,
+        read_envelope,
+        reconcile_desired_state,
+    )
+    from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError
+    from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection
+
+    path = str(params["envelope"])
+    try:
+        data = read_envelope(path)
+        outcome = reconcile_desired_state(
+            data,
+            policy_path=str(params.get("policy") or "/etc/meridian/policy.yaml"),
+            node_id=str(params["node_id"]),
+            state_dir=str(params.get("state_dir") or "/var/lib/meridian-node-apply"),
+            record=False,
+            check_mode=check_mode,
+            secrets=True,
+        )
+    except Rejection as exc:
+        raise EngineSetError(
+            f"Error verifying desired state {path}: {exc}",
+            result={"rejection": exc.code.value, "check": "envelope"},
+        ) from None
+    except (PolicyError, StateStoreError, EnvelopeInputError) as exc:
+        raise EngineSetError(f"Error verifying desired state {path}: {exc}", result={"check": "envelope"}) from None
+    return data, outcome.result
+
+
+def _record(verified: Mapping[str, Any], params: Mapping[str, Any], *, accepted: bool = False) -> bool:
+    """Record the generation as applied (or, with ``accepted``, as accepted before its engines change), as the
+    verification at the start of this run accepted it.
+
+    Not verified a second time: that verification decides (a state that expires, or whose epoch is overtaken,
+    while its engines converge was still the state to apply when the run began), and verifying again cost as
+    much as the first time. ``StateStore`` still refuses, under its lock, a generation below the recorded or
+    accepted one or either with other bytes, so a newer apply that recorded meanwhile is never undone.
+    """
+    from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
+
+    store = StateStore(str(params.get("state_dir") or "/var/lib/meridian-node-apply"))
+    record = store.record_accepted if accepted else store.record_applied
+    try:
+        record(int(verified["generation"]), int(verified["lease_epoch"]), str(verified["payload_sha256"]))
+    except (StateStoreError, ValueError) as exc:
+        if accepted:
+            raise EngineSetError(
+                f"recording desired state {params['envelope']} as accepted failed, so nothing was changed: {exc}",
+                result={"check": "record", "generation": verified["generation"], "recorded": False},
+            ) from None
+        raise EngineSetError(
+            f"every engine converged, but recording desired state {params['envelope']} failed: {exc}",
+            result={"check": "record"},
+        ) from None
+    return True
+
+
+def _check_artifacts(verified: Mapping[str, Any], params: Mapping[str, Any], *, check_mode: bool) -> list[str]:
+    """Refuse a state that lists an artifact the store does not hold as its signed manifest says; the warnings.
+
+    The reconcile playbook makes the artifacts present in a step before this one, and skips that step when its
+    caller says the state lists none (``meridian_state_artifacts``). The caller is not trusted: each listed
+    artifact must be recorded in the store with the manifest's files, intact, and be the promoted version, or
+    nothing changes. In check mode the artifact step only planned, so a missing artifact is a warning.
+    """
+    artifacts = verified.get("artifacts") or []
+    if not artifacts:
+        return []
+    import json
+
+    from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import ArtifactStoreError
+    from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store
+    from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError, load_policy
+    from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection, verify_artifact_manifest
+
+    policy_path = str(params.get("policy") or "/etc/meridian/policy.yaml")
+    generation = verified["generation"]
+    problems: list[str] = []
+    try:
+        policy = load_policy(policy_path)
+        store = Store(params["store_path"]) if params.get("store_path") else Store.for_policy(policy.store)
+        for artifact in artifacts:
+            name, version = str(artifact["name"]), str(artifact["version"])
+            what = f"artifact {name!r} version {version!r}"
+            try:
+                # The same bytes verified_artifact is handed (the manifest as a dict, serialised).
+                manifest = verify_artifact_manifest(json.dumps(artifact["manifest"]).encode("utf-8"), policy).manifest
+            except Rejection as exc:
+                problems.append(f"{what}: its manifest is rejected ({exc.code.value}): {exc.message}")
+                continue
+            observed = store.observe(name, version)
+            record = observed.versions.get((name, version))
+            files = tuple((entry.path, entry.sha256, entry.size) for entry in manifest.files)
+            if record is None:
+                problems.append(f"{what} is not in the store {store.root}")
+            elif record.files != files:
+                problems.append(f"{what} is in the store {store.root} with other files than its signed manifest lists")
+            elif not observed.intact:
+                problems.append(
+                    f"{what} in the store {store.root} no longer matches its record (files or blobs changed)"
+                )
+            elif observed.current.get(name) != version:
+                current = observed.current.get(name)
+                problems.append(f"{what} is not the promoted version in the store {store.root} (current: {current})")
+    except (PolicyError, ArtifactStoreError, OSError) as exc:
+        problems.append(f"the store could not be read: {exc}")
+    if not problems:
+        return []
+    why = (
+        f"generation {generation} lists artifacts the store does not hold as signed: {'; '.join(problems)}. "
+        "The reconcile playbook's artifact step (meridian.node.verified_artifact) makes them present, and is "
+        "skipped when the caller says the state lists none (meridian_state_artifacts: false)"
+    )
+    if check_mode:
+        return [f"{why}; a real run would fail here"]
+    raise EngineSetError(
+        f"nothing was changed: {why}; run the apply again with that step (meridian_state_artifacts unset or true)",
+        result={"check": "artifact", "generation": generation, "recorded": False, "engines": {}, "pruned": []},
+    )
+
+
+def _envelope_engines(verified: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The verified state's engines as engine parameters, environment values put back in."""
+    env = verified.get("engine_env") or {}
+    specs = []
+    for summary in verified.get("engines") or []:
+        spec = {key: value for key, value in summary.items() if key != "env_keys"}
+        spec["env"] = dict(env.get(summary["name"]) or {})
+        specs.append(spec)
+    return specs
+
+
+def _mask(value: Any, secrets: Sequence[str]) -> Any:
+    """``value`` with every secret replaced by ``MASK`` wherever it appears in a string (keys included)."""
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        for secret in sorted(secrets, key=len, reverse=True):
+            value = value.replace(secret, MASK)
+        return value
+    if isinstance(value, Mapping):
+        return {_mask(key, secrets): _mask(item, secrets) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mask(item, secrets) for item in value]
+    return value
+
+
+def _masked_error(exc: EngineSetError, secrets: Sequence[str]) -> EngineSetError:
+    return EngineSetError(_mask(str(exc), secrets), result=_mask(exc.result, secrets))
+
+
+# --- the set -------------------------------------------------------------------------------------------
+
+
+def _engine_options(spec: Mapping[str, Any], options: SetOptions) -> Options:
+    def pick(key: str, default: float) -> float:
+        value = spec.get(key)
+        return default if value is None else float(value)
+
+    return Options(
+        state=spec.get("state") or "started",
+        health_path=spec.get("health_path"),
+        replace_strategy=spec.get("replace_strategy") or "drain-then-replace",
+        wait_ready=options.wait_ready,
+        ready_timeout_s=pick("ready_timeout", options.ready_timeout_s),
+        drain_timeout_s=pick("drain_timeout", options.drain_timeout_s),
+        drain_grace_s=pick("drain_grace", options.drain_grace_s),
+        policy_path=options.policy_path,
+        state_dir=options.state_dir,
+        store_path=options.store_path,
+        owner=options.owner,
+    )
+
+
+def _held(container: ContainerInfo) -> Held:
+    spec = label_spec(container)
+    try:
+        vram = int(container.labels.get(LABEL_MIN_VRAM, "0"))
+    except ValueError:
+        vram = 0
+    gpus = spec.get("gpus")
+    ports = [p.host_port for p in container.ports if p.protocol == "tcp"]
+    return Held(
+        name=container.name,
+        port=ports[0] if ports else None,
+        gpus=tuple(str(gpu) for gpu in gpus) if isinstance(gpus, list) else (),
+        min_vram_mib=vram,
+        owned=container.owned,
+        owner=container.labels.get(LABEL_OWNER, ""),
+    )
+
+
+def _member(run: EngineRun) -> Member:
+    spec = run.spec
+    actions = run.plan.actions
+    return Member(
+        name=run.name,
+        state=run.options.state,
+        port=None if spec is None else spec.port,
+        gpus=() if spec is None else tuple(spec.gpus),
+        min_vram_mib=0 if spec is None else spec.min_vram_mib,
+        creates=Action.CREATE in actions,
+        retires=Action.REMOVE in actions,
+        current=None if run.current is None else _held(run.current),
+    )
+
+
+def _pool_map(function: Callable[[Any], _T], items: Sequence[Any], parallel: int) -> list[_T]:
+    """``function`` over ``items``, up to ``parallel`` at a time, results in order; all finish before it returns."""
+    if len(items) <= 1 or parallel <= 1:
+        return [function(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(parallel, len(items))) as pool:
+        return list(pool.map(function, items))
+
+
+def _failure_text(failures: Iterable[tuple[str, str, str]]) -> str:
+    return "; ".join(f"engine {name!r} (check {check}): {message}" for name, message, check in failures)
+
+
+def converge_set(
+    specs: Sequence[Mapping[str, Any]],
+    options: SetOptions,
+    *,
+    check_mode: bool,
+    engine: DockerEngine,
+    gpu_facts: Callable[[], Mapping[str, Any]] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any]:
+    """Plan the whole set, then (outside check mode) act; returns the module's result.
+
+    Raises ``EngineSetError`` with ``check`` and the per-engine results for a refusal (nothing changed) or
+    for engines that failed while converging.
+    """
+    names = [str(spec.get("name")) for spec in specs]
+    twice = duplicate_names(names)
+    if twice:
+        raise EngineSetError(
+            f"engines {twice} are listed more than once; list each engine once", result={"check": "spec"}
+        )
+    policy = _load_policy(options.policy_path)
+    try:
+        containers = engine.list_containers()
+    except DockerEngineError as exc:
+        raise EngineSetError(str(exc), result={"check": "docker"}) from exc
+    by_name = {container.name: container for container in containers}
+
+    def prepare(spec: Mapping[str, Any]) -> EngineRun | tuple[str, str]:
+        try:
+            return prepare_engine(
+                spec,
+                _engine_options(spec, options),
+                engine,
+                check_mode=check_mode,
+                policy=policy,
+                containers=by_name,
+            )
+        except EngineInstanceError as exc:
+            return str(exc), exc.check
+        except DockerEngineError as exc:
+            return str(exc), "docker"
+
+    prepared = _pool_map(prepare, list(specs), options.parallel)
+    refusals: list[tuple[str, str, str]] = []
+    runs: dict[str, EngineRun] = {}
+    for name, outcome in zip(names, prepared):
+        if isinstance(outcome, EngineRun):
+            runs[name] = outcome
+        else:
+            refusals.append((name, outcome[0], outcome[1]))
+    order = _prune_order(runs, containers, options) if options.prune else PruneOrder([], [])
+    if not refusals:
+        refusals.extend(_place(runs, containers, order, gpu_facts))
+    if refusals:
+        engines = {name: {"failed": True, "msg": message, "check": check} for name, message, check in refusals}
+        raise EngineSetError(
+            f"nothing was changed: {_failure_text(refusals)}",
+            result={"check": refusals[0][2] if len(refusals) == 1 else "engines", "engines": engines, "pruned": []},
+        )
+    pruned = [{"name": name, "reason": "first"} for name in order.first]
+    pruned += [{"name": name, "reason": "later"} for name in order.later]
+    if check_mode:
+        results = {name: report_engine(run, True) for name, run in runs.items()}
+        return _set_result(results, runs, pruned, by_name, check_mode=True)
+    return _act(runs, order, by_name, options, engine, sleep, clock)
+
+
+def _load_policy(path: str) -> Policy:
+    try:
+        return load_engine_policy(path)
+    except EngineInstanceError as exc:
+        raise EngineSetError(str(exc), result={"check": exc.check}) from exc
+
+
+def _prune_order(runs: Mapping[str, EngineRun], containers: Sequence[ContainerInfo], options: SetOptions) -> PruneOrder:
+    """The owner's engines the set does not list, split into those in a listed engine's way and the others."""
+    mine = [
+        _held(container)
+        for container in containers
+        if container.owned
+        and container.instance == container.name
+        and container.labels.get(LABEL_OWNER) == options.owner
+    ]
+    desired = [_member(run).as_desired() for run in runs.values()]
+    return prune_order([held.as_engine() for held in mine], desired)
+
+
+def _place(
+    runs: Mapping[str, EngineRun],
+    containers: Sequence[ContainerInfo],
+    order: PruneOrder,
+    gpu_facts: Callable[[], Mapping[str, Any]] | None,
+) -> list[tuple[str, str, str]]:
+    """Placement of every engine to be created, against the host and the rest of the set; the refusals."""
+    members = {name: _member(run) for name, run in runs.items()}
+    listed, pruned_first = set(runs), set(order.first)
+    outside = [_held(c) for c in containers if c.owned and c.name not in listed and c.name not in pruned_first]
+    first = [_held(c) for c in containers if c.owned and c.name in pruned_first]
+    creating = [run for run in runs.values() if Action.CREATE in run.plan.actions and run.spec is not None]
+    facts: Mapping[str, Any] | None = None
+    if any(run.spec is not None and run.spec.gpus and run.settings is not None for run in creating):
+        # NVML only when a new engine asks for GPUs: a no-op converge never loads it.
+        facts = (gpu_facts or _read_gpus)()
+    refusals: list[tuple[str, str, str]] = []
+    for port, clashing in port_clashes(list(members.values())):
+        refusals.append(
+            (
+                clashing[0],
+                f"engines {clashing} all ask for port {port}; give each engine its own port",
+                "placement-port",
+            )
+        )
+    if refusals:
+        return refusals
+    for run in creating:
+        spec = run.spec
+        if spec is None or run.settings is None:
+            continue  # check mode before the artifact is in the store: placement needs the settings
+        member = members[run.name]
+        inputs = placement_inputs(member, list(members.values()), outside=outside, pruned_first=first)
+
+        def port_taken(port: int, run: EngineRun = run, member: Member = member) -> str | None:
+            holders = [
+                _held(c)
+                for c in containers
+                if any(
+                    p.host_port == port and p.protocol == "tcp" and address_overlaps(p.host_ip, run.bind)
+                    for p in c.ports
+                )
+            ]
+            if not holders:
+                return port_bind_problem(run.bind, port)
+            handover = port_handover(member, holders, members, order.first)
+            if handover.blocker is None:
+                return None
+            holder = handover.blocker
+            whose = "" if holder.owned else " (not a meridian.node engine)"
+            return f"port {port} on {run.bind} is published by container {holder.name!r}{whose}, which this run keeps"
+
+        try:
+            check_placement(
+                run,
+                spec,
+                gpu_facts=facts if spec.gpus else None,
+                others=inputs.others,
+                replaced=inputs.replaced,
+                freed=inputs.freed,
+                arriving=inputs.arriving,
+                port_taken=port_taken,
+            )
+        except EngineInstanceError as exc:
+            refusals.append((run.name, str(exc), exc.check))
+        except DockerEngineError as exc:
+            refusals.append((run.name, str(exc), "docker"))
+    return refusals
+
+
+def _read_gpus() -> Mapping[str, Any]:
+    from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
+
+    return collect_gpu_facts(processes=False, nvlink=False)
+
+
+def _act(
+    runs: Mapping[str, EngineRun],
+    order: PruneOrder,
+    by_name: Mapping[str, ContainerInfo],
+    options: SetOptions,
+    engine: DockerEngine,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+) -> dict[str, Any]:
+    pruned: list[dict[str, Any]] = []
+    failures: list[tuple[str, str, str]] = []
+
+    def prune(item: tuple[str, str]) -> _Outcome:
+        name, reason = item
+        return _prune(by_name[name], reason, options, engine, sleep, clock)
+
+    first = [(name, "first") for name in order.first]
+    for (name, reason), outcome in zip(first, _pool_map(prune, first, options.parallel)):
+        if outcome.failure is None:
+            pruned.append({"name": name, "reason": reason})
+        else:
+            failures.append((name, *outcome.failure))
+    outcomes: dict[str, _Outcome] = {}
+    if failures:
+        for name in runs:
+            outcomes[name] = _Outcome(
+                {
+                    "failed": True,
+                    "msg": "not converged: a dropped engine in its way could not be pruned",
+                    "check": "blocked",
+                }
+            )
+    else:
+        _converge_waves(runs, options, sleep, clock, outcomes)
+        failures.extend(
+            (name, outcome.failure[0], outcome.failure[1])
+            for name, outcome in outcomes.items()
+            if outcome.failure is not None
+        )
+    if not failures:
+        later = [(name, "later") for name in order.later]
+        for (name, reason), outcome in zip(later, _pool_map(prune, later, options.parallel)):
+            if outcome.failure is None:
+                pruned.append({"name": name, "reason": reason})
+            else:
+                failures.append((name, *outcome.failure))
+    results = {name: _with_failure(outcomes[name]) for name in runs}
+    result = _set_result(results, runs, pruned, by_name, check_mode=False)
+    if failures:
+        result["check"] = failures[0][2] if len(failures) == 1 else "engines"
+        raise EngineSetError(f"{len(failures)} engine(s) failed: {_failure_text(failures)}", result=result)
+    return result
+
+
+def _converge_waves(
+    runs: Mapping[str, EngineRun],
+    options: SetOptions,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+    outcomes: dict[str, _Outcome],
+) -> None:
+    """Act on the engines wave by wave; engines with nothing to do are probed alongside the first wave."""
+    acting = [name for name, run in runs.items() if run.plan.actions]
+    idle = [name for name, run in runs.items() if not run.plan.actions]
+    plan = waves([_member(run) for run in runs.values()], acting)
+    members = {name: _member(run) for name, run in runs.items()}
+    failed: set[str] = set()
+
+    def act(name: str, retire_only: bool = False) -> _Outcome:
+        run = runs[name]
+        if not run.plan.actions:
+            return _guard(lambda: report_engine(run, False))
+        return _guard(lambda: apply_engine(run, sleep, clock, retire_only=retire_only))
+
+    def unblocked(names: Sequence[str]) -> list[str]:
+        """``names`` less those that need what a failed engine still holds; those are failed as blocked."""
+        free = []
+        for name in names:
+            blockers = _blockers(name, members, failed)
+            if not blockers:
+                free.append(name)
+                continue
+            outcomes[name] = _Outcome(
+                {**runs[name].result(), "failed": True},
+                (f"not converged: it needs the port or GPU of {blockers}, which failed", "blocked"),
+            )
+            failed.add(name)
+        return free
+
+    for index, wave in enumerate(plan):
+        names = unblocked(wave.names)
+        if wave.retire_first:
+            retired = _pool_map(lambda name: act(name, retire_only=True), names, options.parallel)
+            for name, outcome in zip(names, retired):
+                if outcome.failure is not None:
+                    outcomes[name] = outcome
+                    failed.add(name)
+            names = unblocked([name for name in names if name not in failed])
+        batch = names + (idle if index == 0 else [])
+        for name, outcome in zip(batch, _pool_map(act, batch, options.parallel)):
+            outcomes[name] = outcome
+            if outcome.failure is not None:
+                failed.add(name)
+    if not plan:
+        for name, outcome in zip(idle, _pool_map(act, idle, options.parallel)):
+            outcomes[name] = outcome
+
+
+def _blockers(name: str, members: Mapping[str, Member], failed: set[str]) -> str:
+    return ", ".join(sorted(other for other in failed if needs(members[name], members[other])))
+
+
+def _with_failure(outcome: _Outcome) -> dict[str, Any]:
+    if outcome.failure is None:
+        return outcome.result
+    return {**outcome.result, "failed": True, "msg": outcome.failure[0], "check": outcome.failure[1]}
+
+
+def _guard(step: Callable[[], dict[str, Any]]) -> _Outcome:
+    """One engine's step, its failure kept as its outcome instead of ending the others'."""
+    try:
+        return _Outcome(step())
+    except EngineInstanceError as exc:
+        return _Outcome({**exc.result, "failed": True}, (str(exc), exc.check))
+    except DockerEngineError as exc:
+        return _Outcome({"failed": True}, (str(exc), "docker"))
+    except DrainStateError as exc:
+        return _Outcome({"failed": True}, (str(exc), "drain-state"))
+
+
+def _prune(
+    container: ContainerInfo,
+    reason: str,
+    options: SetOptions,
+    engine: DockerEngine,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+) -> _Outcome:
+    """Drain a dropped engine (its requests finish), stop it, remove it; as meridian.node.drain then
+    engine_instance state absent would."""
+    why = options.prune_reason + (", and a listed engine needs its port or GPU" if reason == "first" else "")
+    drain = DrainOptions(
+        state="drained",
+        timeout_s=options.drain_timeout_s,
+        grace_s=options.drain_grace_s,
+        stop=True,
+        state_dir=options.state_dir,
+        reason=why,
+    )
+    try:
+        drain_engine(container.name, drain, engine=engine, check_mode=False, sleep=sleep, clock=clock)
+        current = engine.find_owned(container.name)
+        if current is not None:
+            if current.id != container.id:
+                # Someone made a new container under that name meanwhile: it is not the one planned away.
+                return _Outcome(
+                    failure=(f"container {container.name!r} was replaced while it was pruned; left alone", "prune")
+                )
+            engine.remove(current, force=current.state in ("restarting", "paused"))
+        clear_draining(options.state_dir, container.name)
+    except DrainError as exc:
+        return _Outcome(failure=(str(exc), "drain"))
+    except DockerEngineError as exc:
+        return _Outcome(failure=(str(exc), "docker"))
+    except DrainStateError as exc:
+        return _Outcome(failure=(str(exc), "drain-state"))
+    return _Outcome()
+
+
+def _set_result(
+    results: Mapping[str, Mapping[str, Any]],
+    runs: Mapping[str, EngineRun],
+    pruned: Sequence[Mapping[str, Any]],
+    by_name: Mapping[str, ContainerInfo],
+    *,
+    check_mode: bool,
+) -> dict[str, Any]:
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    for name, run in runs.items():
+        diff = run.plan.diff()
+        before[name], after[name] = diff["before"], diff["after"]
+    for entry in pruned:
+        container = by_name.get(str(entry["name"]))
+        if container is not None:
+            before[str(entry["name"])] = {
+                "state": "started" if container.running else "stopped",
+                "config_hash": container.config_hash,
+                "spec": label_spec(container),
+            }
+            after[str(entry["name"])] = {}
+    changed = bool(pruned) or any(
+        bool(result.get("done")) or (check_mode and bool(result.get("actions"))) for result in results.values()
+    )
+    warnings = [f"engine {name!r}: {result['pending']}" for name, result in results.items() if result.get("pending")]
+    return {
+        "changed": changed,
+        "engines": {name: dict(result) for name, result in results.items()},
+        "pruned": list(pruned),
+        "diff": {"before": before, "after": after},
+        **({"warnings": warnings} if warnings else {}),
+    }

@@ -1,0 +1,278 @@
+"""``make molecule``: build what the molecule scenarios need, then run them.
+
+The scenarios (``molecule/<name>/``) run against systemd-booting Debian containers and a control plane on
+this machine, so something has to exist before molecule starts and be removed after it ends. This entry
+point does that, once for all scenarios:
+
+* the systemd host images (``systemd_host.ensure_host_image``), one per Debian suite, and for each suite a
+  wheelhouse (the project wheel built from this checkout plus every dependency for that suite's Python);
+* the collections molecule and the playbooks load, in a directory that holds nothing else: this checkout
+  built with ``ansible-galaxy collection build`` and installed with ``ansible-galaxy collection install``
+  (what an operator does), and community.docker / ansible.posix taken from the ``ansible`` wheel on PyPI
+  (Galaxy is not reachable here), cached under ``cache_dir()``;
+* a devserver (``meridian-node-devserver serve``) on 127.0.0.1 that the nodes enroll with, and the
+  stand-in vLLM engine image the published states name;
+* an air-gap authority key for the air-gapped nodes' bundles (``make-bundle --key``), and the public half
+  their policy trusts;
+* ``site.json``, which tells the playbooks all of the above (``MERIDIAN_MOLECULE_SITE``).
+
+Then ``molecule test -s NAME`` for each scenario, timed; the engines the scenarios started are removed
+and the devserver stopped whatever happened. Run it as ``make molecule`` or
+``python -m ansible_collections.meridian.node.tests.support.molecule_site [SCENARIO ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.meridian.node.tests.support.standin_image import (
+    LocalImage,
+    _locked,
+    cache_dir,
+    ensure_base_image,
+    ensure_engine_image,
+)
+from ansible_collections.meridian.node.tests.support.systemd_host import (
+    BROUGHT_PYTHON,
+    CHECKOUT,
+    SystemdHostError,
+    ensure_host_image,
+    ensure_python_image,
+    ensure_wheelhouse,
+)
+
+__all__ = ["ENGINE_REPOSITORY", "PORT_RANGE", "SCENARIOS", "collections_path", "main", "third_party_collections"]
+
+MOLECULE_DIR = CHECKOUT / "molecule"
+# The order `make molecule` runs them in; each molecule.yml names the suites it boots.
+SCENARIOS = ("node_agent", "node_agent_airgap", "ansible_pull", "engines")
+# The collections the scenarios need besides ours, from this release of the `ansible` package.
+ANSIBLE_PACKAGE = "ansible==12.3.0"
+THIRD_PARTY = ("community/docker", "community/library_inventory_filtering_v1", "ansible/posix")
+# Engines the scenarios start run on this machine's Docker Engine: a repository and a port range of their
+# own keep the reconcile playbook's pruning away from other suites' engines on the same engine.
+ENGINE_REPOSITORY = "meridian-node/molecule-standin"
+PORT_RANGE = (9500, 9599)
+SUITES = ("bullseye", "bookworm", "trixie")
+
+
+class MoleculeSiteError(SystemdHostError):
+    """Preparing the scenarios' site failed; the message says what and how to fix it."""
+
+
+def _run(argv: Sequence[str], what: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(list(argv), capture_output=True, text=True, check=False, timeout=900, **kwargs)
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).splitlines()[-30:])
+        raise MoleculeSiteError(f"{what} failed ({' '.join(argv)} exited {result.returncode}):\n{tail}")
+    return result
+
+
+def _bin(name: str) -> str:
+    """A tool of the interpreter running this (the venv's), which need not be on PATH."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def third_party_collections() -> Path:
+    """A directory holding ``ansible_collections/`` with THIRD_PARTY, extracted once from the ``ansible`` wheel."""
+    version = ANSIBLE_PACKAGE.split("==")[1]
+    root = cache_dir() / "collections" / f"ansible-{version}"
+    if (root / ".complete").is_file():
+        return root
+    with _locked(cache_dir() / "collections.lock"):
+        if (root / ".complete").is_file():
+            return root
+        with tempfile.TemporaryDirectory(prefix="ansible-wheel-") as download:
+            _run(
+                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                 "--dest", download, ANSIBLE_PACKAGE],
+                f"downloading the {ANSIBLE_PACKAGE} wheel for its collections (needs PyPI)",
+            )  # fmt: skip
+            (wheel,) = Path(download).glob("ansible-*.whl")
+            shutil.rmtree(root, ignore_errors=True)
+            with zipfile.ZipFile(wheel) as archive:
+                prefixes = tuple(f"ansible_collections/{name}/" for name in THIRD_PARTY)
+                archive.extractall(root, [name for name in archive.namelist() if name.startswith(prefixes)])
+        missing = [name for name in THIRD_PARTY if not (root / "ansible_collections" / name / "plugins").is_dir()]
+        if missing:
+            raise MoleculeSiteError(f"{ANSIBLE_PACKAGE} has no {', '.join(missing)}: pick a release that has them")
+        (root / ".complete").write_text(ANSIBLE_PACKAGE + "\n")
+    return root
+
+
+def collections_path(work: Path) -> Path:
+    """``work/collections``: meridian.node as ``ansible-galaxy collection install`` puts the tarball built
+    from this checkout, beside copies of THIRD_PARTY, and nothing else (not the checkout itself)."""
+    dist, path = work / "dist", work / "collections"
+    galaxy = _bin("ansible-galaxy")
+    _run(
+        [galaxy, "collection", "build", "--force", "--output-path", str(dist), str(CHECKOUT)], "building the collection"
+    )
+    (tarball,) = dist.glob("meridian-node-*.tar.gz")
+    _run(
+        [galaxy, "collection", "install", "--offline", "--force", "-p", str(path), str(tarball)],
+        "installing the collection",
+    )
+    for name in THIRD_PARTY:
+        shutil.copytree(third_party_collections() / "ansible_collections" / name, path / "ansible_collections" / name)
+    return path
+
+
+def _standin_engine(client: Any) -> LocalImage:
+    """The stand-in vLLM image under ENGINE_REPOSITORY, pinned by id as the policy requires."""
+    from ansible_collections.meridian.node.tests.support.engine_harness import SERVER
+
+    image = ensure_engine_image(client, ensure_base_image(client), SERVER, engine="vllm")
+    tag = image.tag.rsplit(":", 1)[1]
+    client.images.get(image.id).tag(ENGINE_REPOSITORY, tag=tag)
+    return LocalImage(tag=f"{ENGINE_REPOSITORY}:{tag}", id=image.id)
+
+
+@dataclass
+class Timing:
+    scenario: str
+    seconds: float
+    returncode: int
+
+
+@contextmanager
+def _site(work: Path, suites: Sequence[str]) -> Iterator[dict[str, Any]]:
+    import docker
+
+    from ansible_collections.meridian.node.tests.devserver.devserver_process import devserver_command, running
+
+    client = docker.from_env(timeout=300)
+    run = secrets.token_hex(3)
+    # Where the system's Python is too old for the agent, the image carries the one the role is pointed at.
+    images = {
+        suite: ensure_python_image(suite, client=client)
+        if suite in BROUGHT_PYTHON
+        else ensure_host_image(suite, client=client)
+        for suite in suites
+    }
+    wheelhouses = {suite: str(ensure_wheelhouse(suite)) for suite in suites}
+    engine = _standin_engine(client)
+    collections = collections_path(work)
+    authority = _airgap_authority(work)
+    with running(work / "devserver") as server:
+        site = {
+            "run": run,
+            "images": images,
+            "wheelhouses": wheelhouses,
+            "collections_path": str(collections),
+            "devserver": {
+                "command": devserver_command(),
+                "data_dir": str(server.data_dir),
+                "url": server.base_url,
+                "ca_bundle": server.ca_bundle.read_text(),
+                "control_public_key": server.control_public_key.read_text(),
+            },
+            "engine": {"image": engine.pinned, "repository": ENGINE_REPOSITORY, "port_range": list(PORT_RANGE)},
+            "engine_prefix": f"mn-mol-{run}-",
+            "airgap": authority,
+        }
+        try:
+            yield site
+        finally:
+            _remove_engines(site)
+            client.close()
+
+
+def _airgap_authority(work: Path) -> dict[str, Any]:
+    """A fresh air-gap authority key for this run: the private PEM (0600, for make-bundle on this machine), its
+    public PEM (for the nodes' policy) and the command that makes bundles."""
+    from ansible_collections.meridian.node.plugins.module_utils.trust.dsse import (
+        generate_private_key_pem,
+        load_private_key_pem,
+        public_key_pem,
+    )
+
+    pem, _keyid = generate_private_key_pem()
+    path = work / "airgap-authority.pem"
+    path.touch(mode=0o600)
+    path.write_bytes(pem)
+    return {
+        "authority_key": str(path),
+        "authority_public_key": public_key_pem(load_private_key_pem(pem)).decode(),
+        "make_bundle": [_bin("meridian-node")],
+    }
+
+
+def _remove_engines(site: dict[str, Any]) -> None:
+    import docker
+
+    client = docker.from_env(timeout=60)
+    try:
+        for container in client.containers.list(all=True, filters={"name": site["engine_prefix"]}):
+            container.remove(force=True)
+    finally:
+        client.close()
+
+
+def run_scenarios(scenarios: Sequence[str], *, suites: Sequence[str] = SUITES) -> list[Timing]:
+    timings: list[Timing] = []
+    # Not under /tmp: scenarios bind-mount it into the targets, and trixie mounts a tmpfs on /tmp.
+    with tempfile.TemporaryDirectory(prefix="meridian-molecule-", dir="/var/tmp") as scratch:
+        work = Path(scratch)
+        started = time.monotonic()
+        with _site(work, suites) as site:
+            print(f"molecule site ready in {time.monotonic() - started:.0f} s (run {site['run']})", flush=True)
+            (work / "site.json").write_text(json.dumps(site, indent=2))
+            env = {key: value for key, value in os.environ.items() if key != "ANSIBLE_PYTHON_INTERPRETER"}
+            env |= {
+                "MERIDIAN_MOLECULE_SITE": str(work / "site.json"),
+                "MERIDIAN_MOLECULE_RUN": site["run"],
+                "MERIDIAN_MOLECULE_WORK": str(work),
+                "NO_COLOR": "1",  # CI keeps the log as text
+                "ANSIBLE_NOCOLOR": "1",
+                "ANSIBLE_COLLECTIONS_PATH": site["collections_path"],
+                # Only that path: not the checkout that the editable install puts on sys.path, so the roles
+                # and modules the scenarios run are the ones `ansible-galaxy collection install` put there.
+                "ANSIBLE_COLLECTIONS_SCAN_SYS_PATH": "false",
+                # Molecule shells out to ansible-config and ansible-playbook: the venv's.
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+                **{f"MERIDIAN_MOLECULE_IMAGE_{suite.upper()}": image for suite, image in site["images"].items()},
+            }
+            for scenario in scenarios:
+                begin = time.monotonic()
+                print(f"--- molecule test -s {scenario}", flush=True)
+                result = subprocess.run([_bin("molecule"), "test", "-s", scenario], cwd=CHECKOUT, env=env, check=False)
+                timings.append(Timing(scenario, time.monotonic() - begin, result.returncode))
+                # The engines a scenario started outlive its targets (they run on this machine's engine).
+                _remove_engines(site)
+    return timings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make molecule", description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenarios", nargs="*", default=list(SCENARIOS), help=f"default: {' '.join(SCENARIOS)}")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.scenarios if not (MOLECULE_DIR / name / "molecule.yml").is_file()]
+    if unknown:
+        parser.error(f"no scenario {', '.join(unknown)} in {MOLECULE_DIR} (there are: {', '.join(SCENARIOS)})")
+    timings = run_scenarios(args.scenarios)
+    print("\nscenario           seconds  result")
+    for timing in timings:
+        print(f"{timing.scenario:<18} {timing.seconds:7.0f}  {'passed' if timing.returncode == 0 else 'FAILED'}")
+    failed = [timing.scenario for timing in timings if timing.returncode != 0]
+    print(f"{len(timings) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""A node for agent-loop tests: a policy trusting a devserver's control key, a config, an enrolled identity.
+
+The devserver is the real ``meridian-node-devserver serve`` process (tests/devserver/devserver_process.py);
+operator verbs (publish, fence) run as separate processes against its data dir, as an operator would.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
+from meridian_node_agent.agent_side.cycle import Agent
+from meridian_node_agent.cli.agent import build_agent
+from meridian_node_agent.config import AgentConfig, load_config
+from meridian_node_agent.logs import EventLogger
+
+__all__ = ["Node", "make_node", "publish"]
+
+_documents = itertools.count(1)
+
+
+@dataclass
+class Node:
+    node_id: str
+    root: Path
+    config_path: Path
+    config: AgentConfig
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.config.state_dir)
+
+    @property
+    def journal(self) -> Path:
+        return self.state_dir / "journal"
+
+    def journal_runs(self) -> list[str]:
+        return sorted(p.name for p in self.journal.iterdir()) if self.journal.exists() else []
+
+    def applied_file(self) -> Path:
+        return self.state_dir / "applied.json"
+
+    def oplog_lines(self) -> list[str]:
+        path = self.state_dir / "oplog.jsonl"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def agent(self, **overrides: Any) -> Agent:
+        agent: Agent = build_agent(self.config, log=EventLogger())
+        for name, value in overrides.items():
+            setattr(agent, name, value)
+        return agent
+
+
+def make_node(
+    server: DevServer,
+    root: Path,
+    node_id: str,
+    *,
+    mode: str = "managed-host",
+    trusted_control_key: Path | None = None,
+    enroll: bool = True,
+    keep_runs: int = 20,
+) -> Node:
+    """Write policy + config under ``root`` and (by default) enroll ``node_id`` with ``server``."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "keys").mkdir(exist_ok=True)
+    key = root / "keys" / "control.pem"
+    key.write_bytes((trusted_control_key or server.control_public_key).read_bytes())
+    policy = {
+        "trust": {"control": {"threshold": 1, "public_keys": ["keys/control.pem"]}},
+        "store": {"path": str(root / "store"), "max_bytes": "1G"},
+        "agent": {"allowed_modes": ["observe-only", "managed-host"]},
+    }
+    (root / "policy.yaml").write_text(yaml.safe_dump(policy, sort_keys=False))
+    config = {
+        "node_id": node_id,
+        "mode": mode,
+        "policy": "policy.yaml",
+        "state_dir": "state",
+        "control_plane": {"url": server.base_url, "long_poll_seconds": 0, "heartbeat_seconds": 1},
+        "backoff": {"initial_seconds": 1.0, "max_seconds": 8.0},
+        "journal": {"keep_runs": keep_runs},
+        "log": {"format": "json", "level": "info"},
+    }
+    config_path = root / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    loaded = load_config(config_path)
+    if enroll:
+        enroll_node(server, loaded.identity_dir, node_id).close()
+    return Node(node_id=node_id, root=root, config_path=config_path, config=loaded)
+
+
+def publish(server: DevServer, node_id: str, *, ttl: int | None = None, document: dict[str, Any] | None = None) -> int:
+    """Publish a desired state (no engines, no artifacts by default); return its generation."""
+    path = server.data_dir.parent / f"desired-{node_id}-{next(_documents)}.yaml"
+    path.write_text(yaml.safe_dump(document if document is not None else {"engines": [], "artifacts": []}))
+    extra = ["--ttl", str(ttl)] if ttl is not None else []
+    output = server.cli("publish", node_id, str(path), *extra).stdout
+    return int(output.split("generation ")[1].split()[0])
+
+
+def now() -> datetime:
+    return datetime.now(UTC)

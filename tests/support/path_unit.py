@@ -1,0 +1,82 @@
+"""The privilege split's systemd units, played by the tests: the root verb, and a path unit that runs it.
+
+``apply_spooled`` runs the real ``meridian-node apply-spooled`` (what ``meridian-node-apply.service``
+starts); ``PathUnit`` plays ``meridian-node-apply.path`` (``PathChanged=`` on the request file): each new
+request file starts the verb once, in a thread, until the ``with`` block ends.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from meridian_node_agent.agent_side.systemd_applier import watch_directory
+from meridian_node_agent.boundary.spool import REQUEST_FILE, SPOOL_DIR
+
+
+def apply_spooled(config_path: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """One run of the root verb; ``env`` is root's environment (default: this process's, as it is now)."""
+    return subprocess.run(
+        [sys.executable, "-m", "meridian_node_agent.cli", "--config", str(config_path), "apply-spooled"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=None if env is None else dict(env),
+        check=False,
+    )
+
+
+class PathUnit:
+    """``PathChanged=`` on the request file starting a oneshot that runs the real verb.
+
+    ``before`` is an attacker's move between the agent's write and root's read; ``env`` is root's
+    environment, fixed when the unit starts however this process's environment changes meanwhile.
+    """
+
+    def __init__(
+        self,
+        config_path: Path,
+        state_dir: Path,
+        *,
+        before: Callable[[Path], None] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config_path = config_path
+        self.before = before
+        self.env = None if env is None else dict(env)
+        self.spool = state_dir / SPOOL_DIR
+        self.runs: list[subprocess.CompletedProcess[str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> PathUnit:
+        self.spool.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=330)
+
+    def _loop(self) -> None:
+        seen: tuple[int, int] | None = None
+        with watch_directory(self.spool) as watch:
+            while not self._stop.is_set():
+                current = self._request_identity()
+                if current is not None and current != seen:
+                    seen = current
+                    if self.before is not None:
+                        self.before(self.spool)
+                        seen = self._request_identity()
+                    self.runs.append(apply_spooled(self.config_path, self.env))
+                watch.wait(0.2)
+
+    def _request_identity(self) -> tuple[int, int] | None:
+        try:
+            stat = (self.spool / REQUEST_FILE).stat()
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns

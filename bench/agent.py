@@ -77,7 +77,7 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.support.engine_harness import free_ports
 from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image, ensure_engine_image
 from meridian_node_agent.agent_side.control_client import DesiredStateFetch
-from meridian_node_agent.agent_side.cycle import Agent, Outcome, read_status
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus, read_status
 from meridian_node_agent.agent_side.observe import DockerEngines, Observer
 from meridian_node_agent.cli.agent import build_agent
 from meridian_node_agent.config import load_config
@@ -623,7 +623,7 @@ def unchanged_cycles(
             fail("the applied state was not taken up for supervision")
     try:
         first = agent.cycle(wait=0)
-        if first.outcome != Outcome.UNCHANGED:
+        if first.outcome != CycleStatus.UNCHANGED:
             fail(f"the published state was not already applied: the first cycle was {first.outcome}")
         for _ in range(5):  # warm caches and the TLS connection, as a running agent has
             if clock is not None:
@@ -643,7 +643,7 @@ def unchanged_cycles(
             total += time.process_time() - start
             if profiler is not None:
                 profiler.disable()
-            if outcome.outcome != Outcome.UNCHANGED:
+            if outcome.outcome != CycleStatus.UNCHANGED:
                 fail(f"a cycle with nothing new was {outcome.outcome}")
         if profiler is not None:
             print(f"where the CPU of {cycles} cycles goes ({'as in service' if in_service else 'back to back'}):")

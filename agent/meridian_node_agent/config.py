@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import (
     YamlFileError,
     parse_yaml,
@@ -73,7 +74,7 @@ def metrics_unavailable(listen: str) -> str | None:
     )
 
 
-class ConfigError(ValueError):
+class ConfigError(MeridianError, ValueError):
     """The config file is unreadable or invalid; the message names the file and the field."""
 
 
@@ -81,31 +82,31 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class ControlPlane(_Section):
+class ControlPlaneConfig(_Section):
     url: AnyHttpUrl
     timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 10.0
     long_poll_seconds: Annotated[int, Field(ge=0, le=300)] = 30
     heartbeat_seconds: Annotated[int, Field(ge=1, le=3600)] = 15
 
     @model_validator(mode="after")
-    def _tls_only(self) -> "ControlPlane":
+    def _tls_only(self) -> "ControlPlaneConfig":
         if self.url.scheme != "https":
             raise ValueError(f"url must be https:// (mutual TLS is how the node proves who it is), got {self.url}")
         return self
 
 
-class Backoff(_Section):
+class BackoffConfig(_Section):
     initial_seconds: Annotated[float, Field(gt=0)] = 1.0
     max_seconds: Annotated[float, Field(gt=0)] = 60.0
 
     @model_validator(mode="after")
-    def _ordered(self) -> "Backoff":
+    def _ordered(self) -> "BackoffConfig":
         if self.max_seconds < self.initial_seconds:
             raise ValueError(f"max_seconds ({self.max_seconds}) is below initial_seconds ({self.initial_seconds})")
         return self
 
 
-class CertificateRenewal(_Section):
+class CertificateRenewalConfig(_Section):
     """When the agent replaces its client certificate (and key) with a new one from the control plane."""
 
     # Renew once less than this fraction of the certificate's lifetime is left: a third of a 30-day
@@ -116,7 +117,7 @@ class CertificateRenewal(_Section):
     retry_max_seconds: Annotated[float, Field(gt=0, le=86400)] = 3600.0
 
     @model_validator(mode="after")
-    def _ordered(self) -> "CertificateRenewal":
+    def _ordered(self) -> "CertificateRenewalConfig":
         if self.retry_max_seconds < self.retry_initial_seconds:
             raise ValueError(
                 f"retry_max_seconds ({self.retry_max_seconds}) is below retry_initial_seconds "
@@ -174,7 +175,7 @@ class Supervision(_Section):
         return self
 
 
-class Metrics(_Section):
+class MetricsConfig(_Section):
     listen: Annotated[str, Field(pattern=r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$")] = "127.0.0.1:9464"
 
 
@@ -188,14 +189,14 @@ class AgentConfig(_Section):
     mode: Mode = "observe-only"
     policy: str = DEFAULT_POLICY_PATH
     state_dir: str = DEFAULT_STATE_DIR
-    control_plane: ControlPlane | None = None
-    backoff: Backoff = Field(default_factory=Backoff)
-    certificate_renewal: CertificateRenewal = Field(default_factory=CertificateRenewal)
+    control_plane: ControlPlaneConfig | None = None
+    backoff: BackoffConfig = Field(default_factory=BackoffConfig)
+    certificate_renewal: CertificateRenewalConfig = Field(default_factory=CertificateRenewalConfig)
     journal: Journal = Field(default_factory=Journal)
     apply: Apply = Field(default_factory=Apply)
     supervision: Supervision = Field(default_factory=Supervision)
     air_gap: AirGap | None = None
-    metrics: Metrics | None = None
+    metrics: MetricsConfig | None = None
     log: Log = Field(default_factory=Log)
 
     @model_validator(mode="after")

@@ -25,6 +25,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 __all__ = ["LOCK_MODE", "LOCK_WAIT_SECONDS", "LockError", "LockTimeout", "hold_fd", "hold_lock", "open_private_lock"]
 
 LOCK_MODE = 0o600
@@ -36,11 +38,11 @@ _POLL_SECONDS = 0.05
 _ATTEMPTS = 5
 
 
-class LockError(OSError):
+class LockError(MeridianError, OSError):
     """A lock file cannot be made safe to use (a directory in its place, a read-only filesystem...)."""
 
 
-class LockTimeout(RuntimeError):
+class LockTimeout(MeridianError, RuntimeError):
     """The lock was held by someone else for longer than the wait allowed; the message says what to do."""
 
     def __init__(self, path: str, waited: float, what: str) -> None:

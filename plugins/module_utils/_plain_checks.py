@@ -16,6 +16,8 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 __all__ = [
     "FieldError",
     "check_bool",
@@ -31,7 +33,7 @@ __all__ = [
 ]
 
 
-class FieldError(ValueError):
+class FieldError(MeridianError, ValueError):
     """One or more problems in a document, each ``where: what is wrong``."""
 
     def __init__(self, where: str, problem: str) -> None:

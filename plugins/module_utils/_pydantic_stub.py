@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 
 class BaseModel:
     pass
 
 
-class ValidationError(ValueError):
+class ValidationError(MeridianError, ValueError):
     pass
 
 

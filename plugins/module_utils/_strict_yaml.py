@@ -12,6 +12,8 @@ import os
 import traceback
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 try:
     import yaml
 except ImportError:
@@ -19,12 +21,19 @@ except ImportError:
 else:
     YAML_IMPORT_ERROR = None
 
-__all__ = ["DEFAULT_MAX_BYTES", "YAML_IMPORT_ERROR", "YamlFileError", "parse_yaml", "read_text_file"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "YAML_IMPORT_ERROR",
+    "MissingLibraryError",
+    "YamlFileError",
+    "parse_yaml",
+    "read_text_file",
+]
 
 DEFAULT_MAX_BYTES = 1024 * 1024
 
 
-class YamlFileError(ValueError):
+class YamlFileError(MeridianError, ValueError):
     """The file cannot be read or is not valid YAML; the message says which and where."""
 
 
@@ -43,10 +52,15 @@ def read_text_file(path: os.PathLike[str] | str, *, what: str, max_bytes: int = 
         raise YamlFileError(f"{what}: the file is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
 
 
+class MissingLibraryError(MeridianError):
+    """A Python package this host needs is not installed; modules report it with ``missing_required_lib``
+    before they read anything (``trust.verify.missing_libraries``)."""
+
+
 def parse_yaml(text: str, *, what: str) -> Any:
     """Parse YAML with a safe loader that refuses duplicate keys."""
     if YAML_IMPORT_ERROR is not None:
-        raise RuntimeError(
+        raise MissingLibraryError(
             "meridian.node needs the Python package 'PyYAML' on this host; install it (pip install PyYAML) "
             "or install the meridian-node package, which depends on it."
         )

@@ -26,6 +26,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import short_repr
 from ansible_collections.meridian.node.plugins.module_utils.engine_rules import (
     DRIVERS,
@@ -267,7 +268,7 @@ def _location(loc: Any) -> str:
 # --- reading signed bytes -------------------------------------------------------------------------------
 
 
-class JsonError(ValueError):
+class JsonError(MeridianError, ValueError):
     """Bytes that are not one JSON document with one meaning: not UTF-8, not RFC 8259 JSON (``NaN``,
     ``Infinity``, a number no 64-bit float holds, a lone UTF-16 surrogate), or an object naming a key twice."""
 

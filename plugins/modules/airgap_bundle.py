@@ -36,17 +36,6 @@ options:
     description:
       - This node's id; a bundle for any other node is refused. Required with O(state=unpacked).
     type: str
-  policy:
-    description:
-      - The host policy (trusted keys, C(air_gap.scratch_dir) and caps, the store).
-    type: path
-    default: /etc/meridian/policy.yaml
-  state_dir:
-    description:
-      - Directory holding the applied-state record C(applied.json) that decides replay.
-      - Pass the same directory to C(reconcile.yml) as C(meridian_state_dir).
-    type: path
-    default: /var/lib/meridian-node-apply
   state:
     description:
       - V(unpacked) verifies, unpacks and stages; V(absent) removes O(directory).
@@ -59,6 +48,7 @@ options:
     type: path
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.host
 attributes:
   check_mode:
     support: full
@@ -122,7 +112,6 @@ member:
   type: str
 """
 
-import traceback
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Optional
@@ -130,6 +119,7 @@ from typing import Optional
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
+from ansible_collections.meridian.node.plugins.module_utils._module import HOST_ARGS
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader import (
     BundleRefused,
     check_bundle,
@@ -152,8 +142,7 @@ def main() -> None:
         argument_spec={
             "bundle": {"type": "path"},
             "node_id": {"type": "str"},
-            "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
+            **HOST_ARGS,
             "state": {"type": "str", "choices": ["unpacked", "absent"], "default": "unpacked"},
             "directory": {"type": "path"},
         },
@@ -167,9 +156,6 @@ def main() -> None:
         policy = load_policy(params["policy"])
     except PolicyError as exc:
         module.fail_json(msg=f"Error reading policy {params['policy']}: {exc}")
-    except RuntimeError as exc:
-        # The policy reader's way of saying a required package (PyYAML) is missing on this host.
-        module.fail_json(msg=str(exc), exception=traceback.format_exc())
     if params["state"] == "absent":
         try:
             removed = False if module.check_mode else discard_work_dir(params["directory"], policy.air_gap.scratch_dir)

@@ -34,17 +34,6 @@ options:
       - This node's id; a state for any other node is refused.
     type: str
     required: true
-  policy:
-    description:
-      - The host policy (trusted control keys and threshold).
-    type: path
-    default: /etc/meridian/policy.yaml
-  state_dir:
-    description:
-      - Directory holding the applied-state record C(applied.json).
-      - Use the root-owned C(apply.state_dir) of the agent's config, never a directory an unprivileged user can write.
-    type: path
-    default: /var/lib/meridian-node-apply
   record:
     description:
       - Record the generation as applied (run this last, after everything else converged).
@@ -57,6 +46,7 @@ options:
     default: false
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.host
 attributes:
   check_mode:
     support: full
@@ -133,10 +123,10 @@ rejection:
   type: str
 """
 
-import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
+from ansible_collections.meridian.node.plugins.module_utils._module import HOST_ARGS
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust.desired_state import (
     EnvelopeInputError,
@@ -152,8 +142,7 @@ def main() -> None:
         argument_spec={
             "envelope": {"type": "path", "required": True},
             "node_id": {"type": "str", "required": True},
-            "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
+            **HOST_ARGS,
             "record": {"type": "bool", "default": False},
             "secrets": {"type": "bool", "default": False},
         },
@@ -176,9 +165,6 @@ def main() -> None:
         module.fail_json(msg=f"Error verifying desired state {params['envelope']}: {exc}", rejection=exc.code.value)
     except (PolicyError, StateStoreError, EnvelopeInputError) as exc:
         module.fail_json(msg=f"Error verifying desired state {params['envelope']}: {exc}")
-    except RuntimeError as exc:
-        # The policy reader's way of saying a required package (PyYAML) is missing on this host.
-        module.fail_json(msg=str(exc), exception=traceback.format_exc())
     result = outcome.result
     before = result["applied_generation_before"]
     diff = {

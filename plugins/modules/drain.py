@@ -66,12 +66,6 @@ options:
       - Seconds the engine gets to shut down after its stop signal before it is killed. Defaults to the
         driver's (long enough for that engine's own shutdown).
     type: int
-  state_dir:
-    description:
-      - The root-owned state directory of the host's apply side (the agent's C(apply.state_dir)).
-      - Draining marks live in C(<state_dir>/draining/).
-    type: path
-    default: /var/lib/meridian-node-apply
   reason:
     description:
       - Why the engine is drained, recorded in its mark.
@@ -79,6 +73,7 @@ options:
     default: drained by meridian.node.drain
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.host.state_dir
 attributes:
   check_mode:
     support: full
@@ -168,6 +163,7 @@ container:
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.meridian.node.plugins.module_utils._module import STATE_DIR_ARGS
 from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
 
@@ -182,7 +178,7 @@ def main() -> None:
             "force": {"type": "bool", "default": False},
             "stop": {"type": "bool", "default": True},
             "stop_timeout": {"type": "int"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
+            **STATE_DIR_ARGS,
             "reason": {"type": "str", "default": "drained by meridian.node.drain"},
         },
         supports_check_mode=True,

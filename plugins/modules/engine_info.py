@@ -27,18 +27,6 @@ requirements:
     needed.
   - nvidia-ml-py on the managed host for VRAM capacity; without it (or without a GPU) no VRAM is reported.
 options:
-  policy:
-    description:
-      - The host's policy file. Its C(engines.bind_address) and C(engines.port_range) decide which ports count
-        as free.
-    type: path
-    default: /etc/meridian/policy.yaml
-  state_dir:
-    description:
-      - The root-owned state directory of the host's apply side (the agent's C(apply.state_dir)).
-      - Draining marks are read from C(<state_dir>/draining/).
-    type: path
-    default: /var/lib/meridian-node-apply
   managed_only:
     description:
       - List only the engines run by M(meridian.node.engine_instance), leaving out everybody else's.
@@ -66,6 +54,7 @@ options:
     default: true
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.host
 attributes:
   check_mode:
     support: full
@@ -182,6 +171,7 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
+from ansible_collections.meridian.node.plugins.module_utils._module import HOST_ARGS
 from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YAML_IMPORT_ERROR
 from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
 from ansible_collections.meridian.node.plugins.module_utils.engines.discovery import engine_info
@@ -200,8 +190,7 @@ def _gpu_facts() -> Mapping[str, Any]:
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
-            "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-            "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
+            **HOST_ARGS,
             "managed_only": {"type": "bool", "default": False},
             "owner": {"type": "str"},
             "probe": {"type": "bool", "default": True},

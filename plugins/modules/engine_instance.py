@@ -206,17 +206,6 @@ options:
       - Seconds to wait when draining an engine that publishes no in-flight metrics (Ollama, generic servers).
     type: int
     default: 10
-  policy:
-    description:
-      - The host policy file.
-    type: path
-    default: /etc/meridian/policy.yaml
-  state_dir:
-    description:
-      - The root-owned state directory of the host's apply side (the agent's C(apply.state_dir)).
-      - Draining marks live in C(<state_dir>/draining/).
-    type: path
-    default: /var/lib/meridian-node-apply
   store_path:
     description:
       - The artifact store to resolve O(model.artifact) in. Defaults to the policy's C(store.path).
@@ -230,6 +219,7 @@ options:
     type: str
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.host
 attributes:
   check_mode:
     support: full

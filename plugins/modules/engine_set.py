@@ -233,23 +233,13 @@ options:
       - Seconds to wait when draining an engine that publishes no in-flight metrics, for the engines that set none.
     type: int
     default: 10
-  policy:
-    description:
-      - The host policy file.
-    type: path
-    default: /etc/meridian/policy.yaml
-  state_dir:
-    description:
-      - The root-owned state directory of the host's apply side - draining marks, and with O(envelope) the
-        applied-state record.
-    type: path
-    default: /var/lib/meridian-node-apply
   store_path:
     description:
       - The artifact store to resolve models in. Defaults to the policy's C(store.path).
     type: path
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.host
   - meridian.node.attributes.action
 attributes:
   action:

@@ -83,11 +83,6 @@ options:
     type: list
     elements: str
     default: []
-  policy:
-    description:
-      - The host policy (trusted keys, store path and byte budget).
-    type: path
-    default: /etc/meridian/policy.yaml
   timeout:
     description:
       - Seconds to wait for a connection or for the next bytes of a download.
@@ -104,6 +99,7 @@ options:
     type: float
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.host.policy
 attributes:
   check_mode:
     support: full
@@ -183,6 +179,8 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._module import POLICY_ARGS
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import ArtifactError, FetchConfig
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import (
     ArtifactStoreError,
@@ -210,7 +208,7 @@ def main() -> None:
             "promote": {"type": "bool", "default": True},
             "verify": {"type": "str", "choices": ["quick", "full"], "default": "quick"},
             "in_use": {"type": "list", "elements": "str", "default": []},
-            "policy": {"type": "path", "default": policy.DEFAULT_POLICY_PATH},
+            **POLICY_ARGS,
             "timeout": {"type": "float", "default": 30},
             "attempts": {"type": "int", "default": 5},
             "lock_timeout": {"type": "float"},
@@ -223,15 +221,12 @@ def main() -> None:
         result = run(module.params, check_mode=module.check_mode, diff=module._diff, warn=module.warn)
     except (policy.PolicyError, Rejection, ArtifactError, ArtifactStoreError, ManifestInputError) as exc:
         module.fail_json(msg=f"Error making artifact {module.params['state']}: {exc}")
-    except RuntimeError as exc:
-        # The policy reader's way of saying a required package (PyYAML) is missing on this host.
-        module.fail_json(msg=str(exc), exception=traceback.format_exc())
     except OSError as exc:
         module.fail_json(msg=f"Error making artifact {module.params['state']}: {exc}", exception=traceback.format_exc())
     module.exit_json(**result)
 
 
-class ManifestInputError(ValueError):
+class ManifestInputError(MeridianError, ValueError):
     """The ``manifest`` option is neither a readable envelope file nor an envelope dictionary."""
 
 

@@ -15,32 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.meridian.node.tests.support.systemd_units import UNITS
+from ansible_collections.meridian.node.tests.support.systemd_units import read_unit as _unit
 from meridian_node_agent.boundary.spool import REQUEST_FILE, SPOOL_DIR
 from meridian_node_agent.cli import build_parser
 from meridian_node_agent.cli.agent import cmd_run
 from meridian_node_agent.config import DEFAULT_CONFIG_PATH, AgentConfig, Apply
 from meridian_node_agent.root_side.apply_unit import cmd_apply_spooled
 
-UNITS = Path(__file__).resolve().parents[2] / "systemd"
 AGENT, PATH, APPLY = "meridian-node.service", "meridian-node-apply.path", "meridian-node-apply.service"
 DEFAULT_STATE_DIR = AgentConfig.model_fields["state_dir"].default
 DEFAULT_APPLY_STATE_DIR = Apply.model_fields["state_dir"].default
-
-
-def _unit(name: str) -> dict[str, dict[str, list[str]]]:
-    """Sections → key → every value assigned (systemd keys may repeat), comments and blanks skipped."""
-    sections: dict[str, dict[str, list[str]]] = {}
-    current: dict[str, list[str]] = {}
-    for line in (UNITS / name).read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = sections.setdefault(line[1:-1], {})
-            continue
-        key, _equals, value = line.partition("=")
-        current.setdefault(key.strip(), []).append(value.strip())
-    return sections
 
 
 def _one(name: str, section: str, key: str) -> str:

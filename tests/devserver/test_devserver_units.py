@@ -26,7 +26,7 @@ from meridian_node_agent.agent_side.identity import IdentityError, NodeIdentity
 from meridian_node_agent.devserver.app import create_app
 from meridian_node_agent.devserver.ca import CertificateAuthority, CsrError, PeerCertificateError
 from meridian_node_agent.devserver.control import ControlPlane, ProtocolError, open_control_plane
-from meridian_node_agent.devserver.store import Store, StoreConflict
+from meridian_node_agent.devserver.store import Database, StoreConflict
 from meridian_node_agent.devserver.tls import peer_certificate_der, server_ssl_context, tls_extension
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -63,7 +63,7 @@ def test_private_keys_are_0600_and_reused_when_the_data_dir_is_reopened(tmp_path
 
 def test_enrollment_tokens_are_stored_as_digests_never_as_values(tmp_path: Path) -> None:
     database = tmp_path / "db.sqlite3"
-    store = Store(str(database))
+    store = Database(str(database))
     store.put_token("rack-1", "super-secret-token-value", NOW)
     store.close()
     dump = "\n".join(sqlite3.connect(database).iterdump())
@@ -72,7 +72,7 @@ def test_enrollment_tokens_are_stored_as_digests_never_as_values(tmp_path: Path)
 
 
 def test_memory_database_is_one_database_for_every_thread() -> None:
-    store = Store(":memory:")
+    store = Database(":memory:")
     seen: list[int] = []
 
     def publish() -> None:
@@ -89,7 +89,7 @@ def test_memory_database_is_one_database_for_every_thread() -> None:
 
 
 def test_failed_signing_consumes_no_generation() -> None:
-    store = Store(":memory:")
+    store = Database(":memory:")
 
     def explode(generation: int, epoch: int) -> tuple[bytes, str]:
         raise ValueError("signing failed")
@@ -100,7 +100,7 @@ def test_failed_signing_consumes_no_generation() -> None:
 
 
 def test_reused_token_name_after_use_is_a_conflict() -> None:
-    store = Store(":memory:")
+    store = Database(":memory:")
     store.put_token("t", "value-number-one", NOW)
     store.enroll(token="value-number-one", node_id="gpu-a", serial="1", not_after=NOW, lease_for=timedelta(1), now=NOW)
     with pytest.raises(StoreConflict) as conflict:

@@ -31,7 +31,7 @@ from ansible_collections.meridian.node.tests.support.engine_harness import SERVE
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 from meridian_node_agent.agent_side.control_client import ControlClient
-from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, Outcome
+from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, CycleStatus
 from meridian_node_agent.agent_side.observe import DockerEngines, Observer
 
 __all__ = [
@@ -183,5 +183,5 @@ def container_named(client: Any, name: str) -> Any:
 def applied(agent: Agent) -> CycleOutcome:
     """One agent cycle that must apply; the run's failures are in the assertion message otherwise."""
     outcome = agent.cycle()
-    assert outcome.outcome == Outcome.APPLIED, (outcome, outcome.run and outcome.run.failures)
+    assert outcome.outcome == CycleStatus.APPLIED, (outcome, outcome.run and outcome.run.failures)
     return outcome

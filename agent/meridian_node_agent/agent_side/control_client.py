@@ -67,6 +67,7 @@ from urllib.parse import quote, urlencode, urlsplit
 from cryptography import x509
 from pydantic import BaseModel
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     CertificateRenewalRequest,
     EnrollmentRequest,
@@ -109,7 +110,7 @@ _EXPIRED_ALERT = "ALERT_CERTIFICATE_EXPIRED"
 Model = TypeVar("Model", bound=BaseModel)
 
 
-class ControlPlaneError(Exception):
+class ControlPlaneError(MeridianError):
     """Base of both families."""
 
 
@@ -158,7 +159,7 @@ class DesiredStateFetch:
 
 
 @dataclass(frozen=True)
-class _Answer:
+class _ControlAnswer:
     status: int
     headers: Mapping[str, str]  # names lowercased
     body: bytes
@@ -302,7 +303,7 @@ class ControlClient:
         read_timeout: float | None = None,
         expect: tuple[int, ...] = (200,),
         repeatable: bool = True,
-    ) -> _Answer:
+    ) -> _ControlAnswer:
         url = self.base_url + path
         target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
         send_headers = {"Accept": "application/json", "User-Agent": "meridian-node-agent", **(headers or {})}
@@ -342,7 +343,7 @@ class ControlClient:
             self.close()
             self._raise_if_expired(exc)
             raise ControlPlaneUnavailable(f"{method} {url}: {_first_line(exc)}") from exc
-        answer = _Answer(received.status, received.headers, received.body)
+        answer = _ControlAnswer(received.status, received.headers, received.body)
         if answer.status in expect:
             return answer
         if 400 <= answer.status < 500:
@@ -463,7 +464,7 @@ class ControlClient:
             not_after,
         )
 
-    def _parse(self, answer: _Answer, model: type[Model], what: str) -> Model:
+    def _parse(self, answer: _ControlAnswer, model: type[Model], what: str) -> Model:
         try:
             # One reading of what the peer sent: a key named twice is refused, not resolved last-wins.
             return parse_document(model, answer.body)
@@ -495,7 +496,7 @@ def _segment(node_id: str) -> str:
     return quote(node_id, safe="")
 
 
-def _error_body(answer: _Answer) -> tuple[str, str]:
+def _error_body(answer: _ControlAnswer) -> tuple[str, str]:
     try:
         document: Any = json.loads(answer.body)
     except ValueError:

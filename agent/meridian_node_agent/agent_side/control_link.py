@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import h11
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 __all__ = [
     "MAX_HEAD_BYTES",
     "AnswerTooLarge",
@@ -49,7 +51,7 @@ MAX_HEAD_BYTES = 16 * 1024
 _RECV_BYTES = 16384
 
 
-class HttpExchangeError(Exception):
+class HttpExchangeError(MeridianError):
     """The exchange did not produce a complete, well-formed answer within the limits."""
 
 

@@ -65,7 +65,6 @@ __all__ = [
     "ApplyRetry",
     "Backoff",
     "CycleOutcome",
-    "Outcome",
     "read_status",
 ]
 
@@ -85,7 +84,7 @@ _REFUSAL_HINTS = {
 }
 
 
-class Outcome(StrEnum):
+class CycleStatus(StrEnum):
     APPLIED = "applied"
     APPLY_FAILED = "apply-failed"
     UNCHANGED = "unchanged"
@@ -102,13 +101,13 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True)
 class CycleOutcome:
-    outcome: Outcome
+    outcome: CycleStatus
     generation: int | None = None
     rejection: str | None = None
     run: ApplyResult | None = None
 
 
-class ControlPlane(Protocol):
+class ControlPlanePort(Protocol):
     def heartbeat(self, node_id: str) -> Lease: ...
     def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch: ...
     def post_observation(self, observation: Observation) -> None: ...
@@ -197,7 +196,7 @@ class Agent:
         self,
         config: AgentConfig,
         policy: Policy,
-        client: ControlPlane,
+        client: ControlPlanePort,
         applier: ApplyPort,
         observer: ObservePort,
         *,
@@ -273,13 +272,13 @@ class Agent:
                 outcome = self.cycle(wait=0 if once else self.wait)
                 # A failed repair is not the control plane's fault: supervision paces its own retries.
                 ok = outcome.outcome not in (
-                    Outcome.APPLY_FAILED,
-                    Outcome.REJECTED,
-                    Outcome.LEASE_LAPSED,
-                    Outcome.REPAIR_FAILED,
-                    Outcome.APPLY_BACKING_OFF,
+                    CycleStatus.APPLY_FAILED,
+                    CycleStatus.REJECTED,
+                    CycleStatus.LEASE_LAPSED,
+                    CycleStatus.REPAIR_FAILED,
+                    CycleStatus.APPLY_BACKING_OFF,
                 )
-                failed_call = outcome.outcome == Outcome.APPLY_FAILED
+                failed_call = outcome.outcome == CycleStatus.APPLY_FAILED
             except ControlPlaneRejected as exc:
                 # Not an outage: retrying will not help until an operator acts (re-enroll a revoked node, fix
                 # the node id). Keep backing off, so that the agent recovers on its own once they have.
@@ -324,11 +323,11 @@ class Agent:
             self._epoch_ok = self._observe_epoch(self.lease.epoch)
         fetched = self.client.fetch_desired_state(node, etag=self.etag, wait=wait)
         if fetched.status == FetchStatus.NOT_MODIFIED:
-            outcome = CycleOutcome(Outcome.UNCHANGED, fetched.generation)
+            outcome = CycleOutcome(CycleStatus.UNCHANGED, fetched.generation)
             if self._retry is not None:
                 outcome = self._retry_apply(self._retry)
         elif fetched.status == FetchStatus.NONE_PUBLISHED:
-            outcome = CycleOutcome(Outcome.NONE_PUBLISHED)
+            outcome = CycleOutcome(CycleStatus.NONE_PUBLISHED)
         else:
             assert fetched.envelope is not None  # FetchStatus.NEW always carries one
             outcome = self._handle(fetched.envelope, fetched.etag, epoch_ok=self._epoch_ok)
@@ -396,34 +395,34 @@ class Agent:
                 self.log.warning("desired-state-rejected", reason=code, detail=exc.message)
             # Remember it so the same rejected bytes are not fetched and verified again every cycle.
             self.etag = self._rejected_etag = etag
-            return CycleOutcome(Outcome.REJECTED, rejection=code)
+            return CycleOutcome(CycleStatus.REJECTED, rejection=code)
         state = verified.state
         if verified.already_applied:
             self.etag = etag
-            return CycleOutcome(Outcome.UNCHANGED, state.generation)
+            return CycleOutcome(CycleStatus.UNCHANGED, state.generation)
         try:
             atomic_write(self.spool_path(), envelope, mode=0o600)
         except OSError as exc:
             # A full disk or a broken state dir: this apply did not happen, and the next cycle tries again.
             self.counters.apply_failures += 1
             self.log.error("desired-state-not-spooled", generation=state.generation, error=str(exc))
-            return CycleOutcome(Outcome.APPLY_FAILED, state.generation)
+            return CycleOutcome(CycleStatus.APPLY_FAILED, state.generation)
         if self.config.mode == "observe-only":
             self.log.info("desired-state-verified-not-applied", generation=state.generation, mode=self.config.mode)
             self.etag = etag
-            return CycleOutcome(Outcome.OBSERVED_ONLY, state.generation)
+            return CycleOutcome(CycleStatus.OBSERVED_ONLY, state.generation)
         if not epoch_ok or self.lease is None or self.lease.expires_at <= self.clock():
             self.log.warning("apply-held-lease-lapsed", generation=state.generation)
-            return CycleOutcome(Outcome.LEASE_LAPSED, state.generation)
+            return CycleOutcome(CycleStatus.LEASE_LAPSED, state.generation)
         result = self._apply(envelope, verified)
         # The ETag moves on even when the apply failed: the retry comes from memory, on its backoff, while
         # the long-poll keeps waiting for a newer state.
         self.etag = etag
         if not result.ok:
             self._apply_failed(envelope, verified, result)
-            return CycleOutcome(Outcome.APPLY_FAILED, state.generation, run=result)
+            return CycleOutcome(CycleStatus.APPLY_FAILED, state.generation, run=result)
         self._retry = None
-        return CycleOutcome(Outcome.APPLIED, state.generation, run=result)
+        return CycleOutcome(CycleStatus.APPLIED, state.generation, run=result)
 
     def _apply_failed(self, envelope: bytes, verified: VerifiedState, result: ApplyResult) -> None:
         previous = self._retry
@@ -448,26 +447,26 @@ class Agent:
     def _retry_apply(self, retry: ApplyRetry) -> CycleOutcome:
         """Apply the failed state again once its backoff is over; until then, say that it is waiting."""
         if self.monotonic() < retry.retry_at:
-            return CycleOutcome(Outcome.APPLY_BACKING_OFF, retry.generation)
+            return CycleOutcome(CycleStatus.APPLY_BACKING_OFF, retry.generation)
         try:
             verified = self._verify(retry.envelope)  # time passed: expired, or overtaken by another apply
         except (Rejection, StateStoreError) as exc:
             # Fetched afresh next cycle, where a rejection is counted and logged the usual way.
             self._retry, self.etag = None, None
             self.log.warning("apply-retry-dropped", generation=retry.generation, reason=str(exc))
-            return CycleOutcome(Outcome.UNCHANGED, retry.generation)
+            return CycleOutcome(CycleStatus.UNCHANGED, retry.generation)
         if verified.already_applied:
             self._retry = None
-            return CycleOutcome(Outcome.UNCHANGED, retry.generation)
+            return CycleOutcome(CycleStatus.UNCHANGED, retry.generation)
         if not self._epoch_ok or self.lease is None or self.lease.expires_at <= self.clock():
             self.log.warning("apply-held-lease-lapsed", generation=retry.generation)
-            return CycleOutcome(Outcome.LEASE_LAPSED, retry.generation)
+            return CycleOutcome(CycleStatus.LEASE_LAPSED, retry.generation)
         result = self._apply(retry.envelope, verified, reason=f"retry after {retry.failures} failed apply(s)")
         if not result.ok:
             self._apply_failed(retry.envelope, verified, result)
-            return CycleOutcome(Outcome.APPLY_FAILED, retry.generation, run=result)
+            return CycleOutcome(CycleStatus.APPLY_FAILED, retry.generation, run=result)
         self._retry = None
-        return CycleOutcome(Outcome.APPLIED, retry.generation, run=result)
+        return CycleOutcome(CycleStatus.APPLIED, retry.generation, run=result)
 
     def _verify(self, envelope: bytes) -> VerifiedState:
         return verify_desired_state(
@@ -569,9 +568,11 @@ class Agent:
             verified = self._verify(envelope)  # time passes: an expired state is not applied again
         except (Rejection, StateStoreError) as exc:
             self.log.error("drift-not-repaired", generation=drift.generation, error=str(exc))
-            return CycleOutcome(Outcome.REPAIR_FAILED, drift.generation)
+            return CycleOutcome(CycleStatus.REPAIR_FAILED, drift.generation)
         result = self._apply(envelope, verified, reason=f"drift: {drift.describe()}")
-        return CycleOutcome(Outcome.REPAIRED if result.ok else Outcome.REPAIR_FAILED, drift.generation, run=result)
+        return CycleOutcome(
+            CycleStatus.REPAIRED if result.ok else CycleStatus.REPAIR_FAILED, drift.generation, run=result
+        )
 
     def _record(self, generation: int, epoch: int, payload_sha256: str) -> None:
         """The agent's own record of what was applied, with the epoch the apply was decided under.

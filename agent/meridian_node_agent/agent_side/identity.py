@@ -44,6 +44,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
 from ansible_collections.meridian.node.plugins.module_utils.contracts import EnrollmentResponse, format_rfc3339
 
@@ -56,7 +57,7 @@ _KEY_FILE = "node.key.pem"
 _CERT_FILE = "node.pem"
 
 
-class IdentityError(ValueError):
+class IdentityError(MeridianError, ValueError):
     """The identity files are missing, unreadable or do not belong together; the message says which."""
 
 

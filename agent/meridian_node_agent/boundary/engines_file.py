@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 __all__ = [
     "INVENTORY_FILE",
     "INVENTORY_MODE",
@@ -70,7 +72,7 @@ MAX_ENGINES = 256
 FileIdentity = tuple[int, int, int]  # inode, mtime in ns, size
 
 
-class InventoryError(ValueError):
+class InventoryError(MeridianError, ValueError):
     """engines.json is missing, unreadable or malformed; the message names the file and the field."""
 
 

@@ -28,13 +28,15 @@ from typing import Annotated, Any, Literal
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     NodeId,
     Observation,
+    StrictModel,
     UtcTimestamp,
     describe_validation_error,
     format_rfc3339,
@@ -62,7 +64,7 @@ _NAME = re.compile(r"^(?P<node>[a-z0-9][a-z0-9.-]{0,252})-(?P<sequence>[0-9]{12}
 Kind = Literal["observation", "journal"]
 
 
-class OutboxRefused(Exception):
+class OutboxRefused(MeridianError):
     """An outbox file was refused; ``reason`` is a short code, the message names the file and the fix."""
 
     def __init__(self, reason: str, message: str) -> None:
@@ -71,11 +73,7 @@ class OutboxRefused(Exception):
         self.message = message
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class JournalSummary(_Strict):
+class JournalSummary(StrictModel):
     ident: str
     generation: Annotated[int, Field(ge=0)]
     bundle_id: str | None = None
@@ -87,7 +85,7 @@ class JournalSummary(_Strict):
     finished_at: UtcTimestamp
 
 
-class OutboxRecord(_Strict):
+class OutboxRecord(StrictModel):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["OutboxRecord"]
     node_id: NodeId

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     NodeId,
     StrictModel,
@@ -45,7 +46,7 @@ MAX_OUTCOMES_BYTES = 1024 * 1024
 _Text = Annotated[str, Field(max_length=4096)]
 
 
-class OutcomesError(ValueError):
+class OutcomesError(MeridianError, ValueError):
     """``airgap-outcomes.json`` is unusable; the message names the file, the field and what is wrong."""
 
 

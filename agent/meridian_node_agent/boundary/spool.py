@@ -26,9 +26,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    StrictModel,
     describe_validation_error,
     format_rfc3339,
 )
@@ -83,15 +85,11 @@ class ApplyResult:
         return self.status == "successful"
 
 
-class SpoolError(ValueError):
+class SpoolError(MeridianError, ValueError):
     """A request or answer file is unreadable or malformed; the message names the file and the field."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class ApplyRequest(_Strict):
+class ApplyRequest(StrictModel):
     format: Literal[1] = 1
     request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
     envelope: str  # base64 of the envelope bytes: the signature covers exact bytes, JSON re-encoding would not
@@ -106,7 +104,7 @@ class ApplyRequest(_Strict):
 Status = Literal["successful", "failed", "canceled", "timeout"]
 
 
-class ApplyAnswer(_Strict):
+class ApplyAnswer(StrictModel):
     format: Literal[1] = 1
     request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
     payload_sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")]  # empty when the envelope was refused

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
 from ansible_collections.meridian.node.plugins.module_utils.airgap.runbook import shipped_code_problem
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
@@ -229,7 +230,7 @@ def _verify(
     return summary
 
 
-class _ShippedCodeRefused(Exception):
+class _ShippedCodeRefused(MeridianError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason

@@ -4,7 +4,7 @@ Handlers are thin: read and validate the body with the contract models, authenti
 certificate from the ASGI TLS extension, call ``ControlPlane``, shape the response. Every error body is
 ``{"reason": "<code>", "detail": "<sentence>"}``.
 
-Store calls are synchronous SQLite statements of well under a millisecond; they run on the event loop
+Database calls are synchronous SQLite statements of well under a millisecond; they run on the event loop
 rather than in a thread pool because the only slow operation, the long-poll, waits with ``asyncio.sleep``.
 """
 

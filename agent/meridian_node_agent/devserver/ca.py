@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from meridian_node_agent.devserver.files import private_file_exclusive, write_public_file
 
 __all__ = [
@@ -40,11 +41,11 @@ _CA_NAME = "meridian-node devserver CA"
 _BACKDATE = dt.timedelta(minutes=5)
 
 
-class CsrError(ValueError):
+class CsrError(MeridianError, ValueError):
     """A certificate signing request the CA will not sign, with the reason."""
 
 
-class PeerCertificateError(ValueError):
+class PeerCertificateError(MeridianError, ValueError):
     """A client certificate that does not belong to this CA or is outside its validity period."""
 
 

@@ -19,9 +19,11 @@ from typing import Any
 
 import yaml
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from meridian_node_agent import VersionAction
 from meridian_node_agent.devserver.control import ControlPlane, Settings, check_node_id, open_control_plane
 from meridian_node_agent.devserver.store import NodeRow, UnknownNode
+from meridian_node_agent.errors import UsageError
 
 __all__ = ["build_parser", "main"]
 
@@ -29,11 +31,7 @@ DEFAULT_PORT = 8443
 _MAX_DOCUMENT_BYTES = 1024 * 1024
 
 
-class UsageError(Exception):
-    """Bad arguments or unreadable inputs: exit status 2."""
-
-
-class Refused(Exception):
+class Refused(MeridianError):
     """The control plane refused the operation: exit status 1."""
 
 

@@ -20,6 +20,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import TypeAdapter
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     DRIVERS,
     CertificateRenewalRequest,
@@ -46,10 +47,10 @@ from meridian_node_agent.devserver.files import private_file_exclusive, write_pu
 from meridian_node_agent.devserver.store import (
     SUPERSEDED_BY_ENROLLMENT,
     CertificateRecord,
+    Database,
     LeaseRecord,
     NodeRow,
     PublishedState,
-    Store,
     StoreConflict,
     UnknownNode,
 )
@@ -71,7 +72,7 @@ _NODE_ID = TypeAdapter(NodeId)
 SERVER_ASSIGNED_FIELDS = ("generation", "lease_epoch", "issued_at", "expires_at")
 
 
-class ProtocolError(Exception):
+class ProtocolError(MeridianError):
     def __init__(self, status: int, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.status = status
@@ -143,7 +144,7 @@ def open_control_plane(
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     ca = CertificateAuthority(paths.ca_dir)
     key = _load_or_create_control_key(paths)
-    store = Store(database if database is not None else str(paths.database))
+    store = Database(database if database is not None else str(paths.database))
     return ControlPlane(store=store, ca=ca, control_key=key, paths=paths, settings=settings or Settings())
 
 
@@ -179,7 +180,7 @@ class ControlPlane:
     def __init__(
         self,
         *,
-        store: Store,
+        store: Database,
         ca: CertificateAuthority,
         control_key: Ed25519PrivateKey,
         paths: DataDir,

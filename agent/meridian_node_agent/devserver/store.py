@@ -1,6 +1,6 @@
 """The devserver's embedded SQLite database: tokens, nodes and leases, certificates, desired states, observations.
 
-One connection per ``Store``, shared by every thread under a lock. That is what makes ``:memory:`` work
+One connection per ``Database``, shared by every thread under a lock. That is what makes ``:memory:`` work
 (each SQLite connection to ``:memory:`` is a separate database) and it is plenty for a dev/CI server.
 A file database runs in WAL mode with a busy timeout, so the CLI (``publish``, ``fence``, ``revoke``) can
 write while ``serve`` reads, and the connection is in autocommit mode, so every read sees the latest
@@ -30,18 +30,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 
 __all__ = [
     "REVOKED_BY_OPERATOR",
     "SUPERSEDED_BY_ENROLLMENT",
     "CertificateRecord",
+    "Database",
     "Enrollment",
     "LeaseRecord",
     "NodeRow",
     "ObservationRecord",
     "PublishedState",
-    "Store",
     "StoreConflict",
     "UnknownNode",
 ]
@@ -91,11 +92,11 @@ CREATE TABLE IF NOT EXISTS observations (
 """
 
 
-class UnknownNode(LookupError):
+class UnknownNode(MeridianError, LookupError):
     """No node by that id: never enrolled and nothing published for it."""
 
 
-class StoreConflict(Exception):
+class StoreConflict(MeridianError):
     """A write refused because of what is stored: a used token, a stale epoch. ``reason`` is a short code.
 
     ``detail`` goes back to the caller; ``server_note``, when set, is for the server's log only and may
@@ -173,7 +174,7 @@ def token_digest(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8")).hexdigest()
 
 
-class Store:
+class Database:
     """The database. ``path`` is a file path or ``:memory:``."""
 
     def __init__(self, path: str) -> None:
@@ -406,7 +407,7 @@ class Store:
     # Desired state
 
     def publish(self, node_id: str, build: Callable[[int, int], tuple[bytes, str]], now: datetime) -> PublishedState:
-        """Store the node's next desired state. ``build(generation, epoch)`` returns (envelope, etag).
+        """Database the node's next desired state. ``build(generation, epoch)`` returns (envelope, etag).
 
         ``build`` runs inside the write transaction, so the generation it is given is the one stored.
         """

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import short_repr
 from ansible_collections.meridian.node.plugins.module_utils.airgap import runbook
 from ansible_collections.meridian.node.plugins.module_utils.trust import verify as trust
@@ -116,7 +117,7 @@ class BundleProblem(StrEnum):
 Reason = Union[BundleProblem, trust.RejectionCode]
 
 
-class BundleRefused(Exception):
+class BundleRefused(MeridianError):
     """A bundle was refused. ``reason`` is for programs (a ``BundleProblem`` or, for ``bundle.json`` and
     the documents it carries, the verifier's ``RejectionCode``), ``message`` for people; ``member`` names
     the tar member at fault, when one is."""

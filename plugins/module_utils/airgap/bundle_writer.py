@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 
 __all__ = ["BundleWriteError", "PlannedMember", "plan_members", "write_bundle"]
 
 _CHUNK_BYTES = 1024 * 1024
 
 
-class BundleWriteError(Exception):
+class BundleWriteError(MeridianError):
     """A bundle could not be written; the message names the file and what to do."""
 
 

@@ -79,6 +79,8 @@ from typing import Any, BinaryIO
 from ansible.module_utils.urls import ConnectionError as UrlsConnectionError
 from ansible.module_utils.urls import SSLValidationError, open_url
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "ArtifactError",
@@ -102,7 +104,7 @@ _REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
 
 
-class ArtifactError(Exception):
+class ArtifactError(MeridianError):
     """Base of everything the transport raises; ``path`` is the manifest path of the file concerned."""
 
     def __init__(self, path: str, message: str) -> None:
@@ -393,11 +395,11 @@ class _HashWorker:
             self.free.put(buffer)
 
 
-class _Restart(Exception):
+class _Restart(MeridianError):
     """The server's answer cannot continue our partial file; start again from byte 0 at once."""
 
 
-class _Retryable(Exception):
+class _Retryable(MeridianError):
     """A transfer failure worth another attempt (after a backoff)."""
 
 

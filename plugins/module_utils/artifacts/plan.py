@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import resolve_location
 from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest, format_rfc3339
 
@@ -45,7 +46,7 @@ _BLOB_MODE = 0o444
 PARTIAL_MAX_AGE = timedelta(days=7)
 
 
-class ArtifactStoreError(Exception):
+class ArtifactStoreError(MeridianError):
     """The store cannot do what was asked; the message names the path or value and what to do."""
 
 

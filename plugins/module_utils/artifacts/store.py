@@ -136,7 +136,6 @@ __all__ = [
     "CURRENT",
     "INDEX_FILE",
     "PARTIAL_MAX_AGE",
-    "ApplyResult",
     "ArtifactIntegrityError",
     "ArtifactPathError",
     "ArtifactPlan",
@@ -146,12 +145,13 @@ __all__ = [
     "DiskFullError",
     "Eviction",
     "FetchStep",
-    "Outcome",
     "PartialDrop",
     "PartialFile",
     "Reingest",
     "Store",
+    "StoreApplyResult",
     "StoreLockedError",
+    "StoreOutcome",
     "StoreState",
     "StoreTrustError",
     "VersionRecord",
@@ -166,7 +166,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class ApplyResult:
+class StoreApplyResult:
     changed: bool
     fetched: tuple[FetchResult, ...] = ()
     rehashed: tuple[str, ...] = ()
@@ -526,7 +526,7 @@ class Store:
         atomic_write(os.path.join(self.root, INDEX_FILE), json.dumps(document, indent=1).encode(), mode=0o600)
 
     # applying
-    def apply(self, plan: ArtifactPlan, config: FetchConfig | None = None) -> ApplyResult:
+    def apply(self, plan: ArtifactPlan, config: FetchConfig | None = None) -> StoreApplyResult:
         """Carry out ``plan``. Call it under ``lock()`` with a plan made from a state observed under it."""
         try:
             return self._apply(plan, config or FetchConfig())
@@ -557,7 +557,7 @@ class Store:
             return location  # the caller's own source: read as given
         return check_manifest_location(location, path, self.local_sources)
 
-    def _apply(self, plan: ArtifactPlan, config: FetchConfig) -> ApplyResult:
+    def _apply(self, plan: ArtifactPlan, config: FetchConfig) -> StoreApplyResult:
         now = self.clock()
         # Before anything changes: a refused location must not cost an eviction.
         locations = self.check_locations(plan)
@@ -596,7 +596,7 @@ class Store:
         if removed_blobs:
             self._write_index(versions, blobs)
         if plan.state == "absent" or plan.manifest is None:
-            return ApplyResult(
+            return StoreApplyResult(
                 changed=plan.changed,
                 evicted=tuple(evicted),
                 removed_blobs=tuple(removed_blobs),
@@ -704,7 +704,7 @@ class Store:
             or changed_record
             or plan.assemble
         )
-        return ApplyResult(
+        return StoreApplyResult(
             changed=changed,
             fetched=tuple(fetched),
             rehashed=tuple(rehashed),
@@ -831,9 +831,9 @@ class Store:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class StoreOutcome:
     plan: ArtifactPlan
-    result: ApplyResult | None  # None in check mode
+    result: StoreApplyResult | None  # None in check mode
 
     @property
     def changed(self) -> bool:
@@ -854,7 +854,7 @@ def ensure_artifact(
     config: FetchConfig | None = None,
     check_mode: bool = False,
     lock_timeout: float | None = None,
-) -> Outcome:
+) -> StoreOutcome:
     """Lock, observe, plan and (unless ``check_mode``) apply: the whole ``state: present`` run."""
     options: dict[str, Any] = {
         "manifest_sha256": manifest_sha256,
@@ -870,11 +870,11 @@ def ensure_artifact(
         state = store.observe(manifest.name, manifest.version)
         plan = plan_artifact(manifest, state, **options)
         store.check_locations(plan)  # check mode fails where the real run would refuse a location
-        return Outcome(plan, None)
+        return StoreOutcome(plan, None)
     with store.lock(lock_timeout):
         state = store.observe(manifest.name, manifest.version)
         plan = plan_artifact(manifest, state, **options)
-        return Outcome(plan, store.apply(plan, config))
+        return StoreOutcome(plan, store.apply(plan, config))
 
 
 def remove_artifact(
@@ -885,13 +885,13 @@ def remove_artifact(
     in_use: Sequence[str] = (),
     check_mode: bool = False,
     lock_timeout: float | None = None,
-) -> Outcome:
+) -> StoreOutcome:
     """Lock, observe, plan and apply ``state: absent`` for one version."""
     if check_mode:
-        return Outcome(plan_removal(name, version, store.observe(name, version), in_use=frozenset(in_use)), None)
+        return StoreOutcome(plan_removal(name, version, store.observe(name, version), in_use=frozenset(in_use)), None)
     with store.lock(lock_timeout):
         plan = plan_removal(name, version, store.observe(name, version), in_use=frozenset(in_use))
-        return Outcome(plan, store.apply(plan))
+        return StoreOutcome(plan, store.apply(plan))
 
 
 # --- small helpers -------------------------------------------------------------------------------------

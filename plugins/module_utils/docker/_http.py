@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 __all__ = ["Answer", "HttpLiteError", "exchange"]
 
 _MAX_LINE = 65536
@@ -41,7 +43,7 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a field value: every control but HTAB
 
 
-class HttpLiteError(Exception):
+class HttpLiteError(MeridianError):
     """The answer was not well-formed HTTP/1.x, broke a limit, or ended early."""
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.docker._http import HttpLiteError, exchange
 
 __all__ = ["DEFAULT_HOST", "MAX_API_VERSION", "DockerApi", "DockerApiError", "demultiplex"]
@@ -42,7 +43,7 @@ MAX_API_VERSION = (1, 47)
 _MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
-class DockerApiError(Exception):
+class DockerApiError(MeridianError):
     """A Docker Engine API call failed; ``status`` is None when the engine could not be reached."""
 
     def __init__(self, reason: str, *, action: str = "", status: int | None = None) -> None:
@@ -56,7 +57,7 @@ class DockerApiError(Exception):
 
 
 @dataclass(frozen=True)
-class _Answer:
+class _DockerAnswer:
     status: int
     headers: dict[str, str]  # names lowercased
     body: bytes
@@ -207,7 +208,7 @@ class DockerApi:
         body: Any = None,
         timeout: float | None = None,
         versioned: bool = True,
-    ) -> _Answer:
+    ) -> _DockerAnswer:
         url = (self._prefix if versioned else "") + path
         if query:
             url += "?" + urllib.parse.urlencode(query)
@@ -226,7 +227,7 @@ class DockerApi:
         status, data = answer.status, answer.body
         if status >= 400:
             raise DockerApiError(_engine_message(status, data), action=action, status=status)
-        return _Answer(status, dict(answer.headers), data)
+        return _DockerAnswer(status, dict(answer.headers), data)
 
 
 def demultiplex(stream: bytes) -> bytes:

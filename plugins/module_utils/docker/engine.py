@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi, DockerApiError
 from ansible_collections.meridian.node.plugins.module_utils.docker.drift import (
     LABEL_SETTINGS,
@@ -87,7 +88,7 @@ _DRIFT_CACHE_SIZE = 64
 _NVIDIA_HOOK = "nvidia-container-runtime-hook"
 
 
-class DockerEngineError(Exception):
+class DockerEngineError(MeridianError):
     """A Docker Engine call failed; the message names the action, the object and the reason."""
 
 

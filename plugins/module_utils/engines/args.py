@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils.engines.spec import DRIVERS
+from ansible_collections.meridian.node.plugins.module_utils._module import HOST_ARGS
+from ansible_collections.meridian.node.plugins.module_utils.engine_rules import DRIVERS
 
 # What a present, started or stopped engine cannot be built without.
 SPEC_REQUIRED = ["driver", "image", "model", "port"]
@@ -60,8 +61,7 @@ RUN_OPTIONS: dict[str, Any] = {
     "ready_timeout": {"type": "int", "default": 600},
     "drain_timeout": {"type": "int", "default": 300},
     "drain_grace": {"type": "int", "default": 10},
-    "policy": {"type": "path", "default": "/etc/meridian/policy.yaml"},
-    "state_dir": {"type": "path", "default": "/var/lib/meridian-node-apply"},
+    **HOST_ARGS,
     "store_path": {"type": "path"},
     "owner": {"type": "str"},
 }

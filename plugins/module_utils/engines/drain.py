@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_STATE_DIR
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     ContainerInfo,
     DockerEngine,
@@ -35,10 +37,10 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
     Driver,
     DriverError,
     InFlight,
-    MetricsFormatError,
     get_driver,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import read_in_flight
+from ansible_collections.meridian.node.plugins.module_utils.engines.prometheus_text import MetricsFormatError
 
 __all__ = [
     "DrainError",
@@ -55,7 +57,7 @@ POLL_S = 0.25
 _METRICS_TIMEOUT_S = 2.0
 
 
-class DrainError(Exception):
+class DrainError(MeridianError):
     """The drain could not finish; ``result`` is the module's result so far (what was done, what is in flight)."""
 
     def __init__(self, message: str, result: dict[str, Any] | None = None) -> None:
@@ -161,7 +163,7 @@ class DrainOptions:
     force: bool = False
     stop: bool = True
     stop_timeout_s: int | None = None  # None: the driver's own
-    state_dir: str = "/var/lib/meridian-node-apply"
+    state_dir: str = DEFAULT_STATE_DIR
     reason: str = "drained by meridian.node.drain"
 
 

@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
 
 __all__ = [
@@ -38,7 +39,7 @@ _SUFFIX = ".json"
 _MAX_MARK_BYTES = 64 * 1024
 
 
-class DrainStateError(ValueError):
+class DrainStateError(MeridianError, ValueError):
     """A draining mark could not be read or written; the message names the file and the reason."""
 
 

@@ -41,9 +41,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils.engines.prometheus_text import parse_prometheus_text
 
 if TYPE_CHECKING:
-    from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineSpec
+    from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec
 
 __all__ = [
     "DRIVERS",
@@ -55,8 +57,6 @@ __all__ = [
     "LaunchSettings",
     "LlamaCppDriver",
     "LmDeployDriver",
-    "MetricSample",
-    "MetricsFormatError",
     "Mount",
     "OllamaDriver",
     "OpenAIDriver",
@@ -67,7 +67,6 @@ __all__ = [
     "VllmDriver",
     "get_driver",
     "in_flight",
-    "parse_prometheus_text",
 ]
 
 MODEL_MOUNT_PATH = "/meridian/model"
@@ -76,12 +75,8 @@ _ALL_INTERFACES = "0.0.0.0"  # noqa: S104
 _BODY_EXCERPT = 200
 
 
-class DriverError(ValueError):
+class DriverError(MeridianError, ValueError):
     """The spec cannot be turned into settings for this engine; the message says what to change."""
-
-
-class MetricsFormatError(ValueError):
-    """The metrics endpoint answered with text that is not Prometheus text exposition."""
 
 
 class SigtermBehaviour(StrEnum):
@@ -156,13 +151,6 @@ class ProbeVerdict:
 
 
 @dataclass(frozen=True)
-class MetricSample:
-    name: str
-    labels: Mapping[str, str]
-    value: float
-
-
-@dataclass(frozen=True)
 class InFlight:
     """Requests in flight as the engine's own gauges count them (summed over every label set)."""
 
@@ -210,7 +198,7 @@ class Driver:
 
     def container_settings(
         self,
-        spec: EngineSpec,
+        spec: ParsedEngineSpec,
         *,
         model_dir: str | None = None,
         model_files: Sequence[str] = (),
@@ -259,7 +247,7 @@ class Driver:
             return ProbeVerdict(ready=True, loading=False, detail=f"GET {self.facts.health_path} answered 200")
         return self._not_ready(status, body)
 
-    def served_name(self, spec: EngineSpec) -> str:
+    def served_name(self, spec: ParsedEngineSpec) -> str:
         """The model name clients use: the spec's served name, else the model name, else the engine's name."""
         return spec.served_model_name or spec.model.name or spec.name
 
@@ -268,13 +256,13 @@ class Driver:
     def _entrypoint(self) -> tuple[str, ...] | None:
         return None
 
-    def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
+    def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         raise NotImplementedError
 
-    def _model_reference(self, spec: EngineSpec, model_files: Sequence[str]) -> str | None:
+    def _model_reference(self, spec: ParsedEngineSpec, model_files: Sequence[str]) -> str | None:
         return MODEL_MOUNT_PATH if spec.model.artifact is not None else spec.model.name
 
-    def _engine_environment(self, spec: EngineSpec) -> dict[str, str]:
+    def _engine_environment(self, spec: ParsedEngineSpec) -> dict[str, str]:
         return {}
 
     def _not_ready(self, status: int, body: str) -> ProbeVerdict:
@@ -286,7 +274,7 @@ class Driver:
 
     # shared --------------------------------------------------------------------------------------
 
-    def _check_spec(self, spec: EngineSpec, model_dir: str | None) -> None:
+    def _check_spec(self, spec: ParsedEngineSpec, model_dir: str | None) -> None:
         if spec.driver != self.name:
             raise DriverError(f"spec {spec.name!r} names driver {spec.driver!r}, not {self.name!r}")
         if spec.model.artifact is not None and not model_dir:
@@ -307,7 +295,7 @@ class Driver:
                 "(GPUs are chosen with 'gpus', the port with 'port'); remove it from env"
             )
 
-    def _parallel_args(self, spec: EngineSpec) -> list[str]:
+    def _parallel_args(self, spec: ParsedEngineSpec) -> list[str]:
         # Several whole GPUs mean one model split across them; MIG devices are never combined this way.
         if self.tensor_parallel_flags is None or len(spec.gpus) < 2 or any(_is_mig(g) for g in spec.gpus):
             return []
@@ -315,21 +303,21 @@ class Driver:
             return []
         return [self.tensor_parallel_flags[0], str(len(spec.gpus))]
 
-    def _shm_size_mib(self, spec: EngineSpec) -> int | None:
+    def _shm_size_mib(self, spec: ParsedEngineSpec) -> int | None:
         if spec.shm_size_mib is not None:
             return spec.shm_size_mib
         # With the host's IPC namespace the engine uses the host's /dev/shm, and Docker ignores a size.
         return None if spec.ipc_mode == "host" else self.default_shm_size_mib
 
     @staticmethod
-    def _ulimits(spec: EngineSpec) -> tuple[tuple[str, int, int], ...]:
+    def _ulimits(spec: ParsedEngineSpec) -> tuple[tuple[str, int, int], ...]:
         limits = {
             name: (value, value) if isinstance(value, int) else (value.soft, value.hard)
             for name, value in spec.ulimits.items()
         }
         return tuple((name, soft, hard) for name, (soft, hard) in sorted(limits.items()))
 
-    def _environment(self, spec: EngineSpec) -> dict[str, str]:
+    def _environment(self, spec: ParsedEngineSpec) -> dict[str, str]:
         environment = self._engine_environment(spec)
         environment.update(spec.env)
         environment["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpus) if spec.gpus else "void"
@@ -361,7 +349,7 @@ class VllmDriver(Driver):
     # examples/online_serving/run_cluster.sh (--shm-size 10.24g).
     default_shm_size_mib = 10240
 
-    def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
+    def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # The vllm/vllm-openai image's entrypoint is `vllm serve`, which takes the model positionally.
         return [
             str(model),
@@ -405,11 +393,11 @@ class TgiDriver(Driver):
     # The README's "A note on Shared Memory": NCCL may fall back to host memory between shards; --shm-size 1g.
     default_shm_size_mib = 1024
 
-    def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
+    def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # TGI serves one model under its model id; it has no separate served-name flag.
         return ["--model-id", str(model), "--hostname", _ALL_INTERFACES, "--port", str(self.facts.container_port)]
 
-    def served_name(self, spec: EngineSpec) -> str:
+    def served_name(self, spec: ParsedEngineSpec) -> str:
         return MODEL_MOUNT_PATH if spec.model.artifact is not None else str(spec.model.name)
 
     def _not_ready(self, status: int, body: str) -> ProbeVerdict:
@@ -446,7 +434,7 @@ class SGLangDriver(Driver):
     # The install docs run the image with --shm-size 32g (and --ipc=host, which the host policy gates).
     default_shm_size_mib = 32768
 
-    def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
+    def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         command = [
             "python3",
             "-m",
@@ -492,11 +480,11 @@ class OllamaDriver(Driver):
     )
     reserved_env = ("NVIDIA_VISIBLE_DEVICES", "OLLAMA_HOST", "OLLAMA_MODELS")
 
-    def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
+    def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # The ollama/ollama image's entrypoint is /bin/ollama; models are not named on its command line.
         return ["serve"]
 
-    def _engine_environment(self, spec: EngineSpec) -> dict[str, str]:
+    def _engine_environment(self, spec: ParsedEngineSpec) -> dict[str, str]:
         environment = {"OLLAMA_HOST": f"{_ALL_INTERFACES}:{self.facts.container_port}"}
         if spec.model.artifact is not None:
             # The artifact is an Ollama models directory (manifests/ and blobs/), mounted read-only:
@@ -527,12 +515,12 @@ class LlamaCppDriver(Driver):
     )
     owned_flags = ("--host", "--port", "-m", "--model", "-hf", "-hfr", "--hf-repo", "-a", "--alias")
 
-    def _model_reference(self, spec: EngineSpec, model_files: Sequence[str]) -> str | None:
+    def _model_reference(self, spec: ParsedEngineSpec, model_files: Sequence[str]) -> str | None:
         if spec.model.artifact is None:
             return spec.model.name
         return f"{MODEL_MOUNT_PATH}/{_pick_gguf(spec, model_files)}"
 
-    def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
+    def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # The llama.cpp server image's entrypoint is /app/llama-server.
         source = ["-m", str(model)] if spec.model.artifact is not None else ["-hf", str(model)]
         command = [
@@ -557,7 +545,7 @@ class LlamaCppDriver(Driver):
 _SHARD = re.compile(r"-0*1-of-\d+\.gguf$")
 
 
-def _pick_gguf(spec: EngineSpec, model_files: Sequence[str]) -> str:
+def _pick_gguf(spec: ParsedEngineSpec, model_files: Sequence[str]) -> str:
     ggufs = sorted(f for f in model_files if f.endswith(".gguf"))
     # A split model is loaded from its first shard; llama.cpp finds the others next to it.
     candidates = [f for f in ggufs if _SHARD.search(f)] or ggufs
@@ -593,7 +581,7 @@ class LmDeployDriver(Driver):
     # size, vLLM's) instead.
     default_shm_size_mib = 10240
 
-    def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
+    def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # The openmmlab/lmdeploy image has no entrypoint: the command is the whole launcher.
         return [
             "lmdeploy",
@@ -650,7 +638,7 @@ class OpenAIDriver(Driver):
             stop_timeout_s=30,
         )
 
-    def _base_command(self, spec: EngineSpec, model: str | None) -> list[str]:
+    def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # Nothing is known about the server's flags: the spec's args are the whole command.
         return []
 
@@ -675,79 +663,6 @@ def get_driver(name: str, *, health_path: str | None = None) -> Driver:
             f"{driver_class.facts.health_path}"
         )
     return driver_class()
-
-
-# Prometheus text exposition --------------------------------------------------------------------------
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
-
-
-def parse_prometheus_text(text: str) -> list[MetricSample]:
-    """Every sample in a Prometheus text exposition; comments, blank lines and timestamps are skipped.
-
-    Raises ``MetricsFormatError`` naming the first line that is not a sample, so that an HTML error page
-    or a proxy's answer is never mistaken for "no requests in flight".
-    """
-    samples: list[MetricSample] = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            samples.append(_parse_sample(line))
-        except ValueError as exc:
-            raise MetricsFormatError(f"line {number} of the metrics is not a sample ({exc}): {line[:120]!r}") from None
-    return samples
-
-
-def _parse_sample(line: str) -> MetricSample:
-    match = _METRIC_NAME.match(line)
-    if match is None:
-        raise ValueError("no metric name")
-    name, pos = match.group(), match.end()
-    labels: dict[str, str] = {}
-    if pos < len(line) and line[pos] == "{":
-        pos = _parse_labels(line, pos + 1, labels)
-    rest = line[pos:]
-    if not rest[:1].isspace():
-        raise ValueError("no space before the value")
-    # An OpenMetrics exemplar (" # {...} v") may follow the value and timestamp.
-    fields = rest.split("#", 1)[0].split()
-    if not 1 <= len(fields) <= 2:
-        raise ValueError("expected a value and an optional timestamp")
-    return MetricSample(name=name, labels=labels, value=float(fields[0]))
-
-
-def _parse_labels(line: str, pos: int, labels: dict[str, str]) -> int:
-    while True:
-        while pos < len(line) and line[pos] in " ,":
-            pos += 1
-        if pos < len(line) and line[pos] == "}":
-            return pos + 1
-        match = _LABEL_NAME.match(line, pos)
-        if match is None:
-            raise ValueError("bad label name")
-        pos = match.end()
-        if line[pos : pos + 2] != '="':
-            raise ValueError(f"label {match.group()} has no quoted value")
-        pos += 2
-        value: list[str] = []
-        while True:
-            if pos >= len(line):
-                raise ValueError("unterminated label value")
-            char = line[pos]
-            if char == "\\" and pos + 1 < len(line):
-                value.append(_ESCAPES.get(line[pos + 1], "\\" + line[pos + 1]))
-                pos += 2
-            elif char == '"':
-                pos += 1
-                break
-            else:
-                value.append(char)
-                pos += 1
-        labels[match.group()] = "".join(value)
 
 
 def in_flight(text: str, facts: EngineFacts) -> InFlight:

@@ -3,7 +3,7 @@
 ``converge`` is everything ``meridian.node.engine_instance`` does except talking to Ansible. Its order is
 the safety argument, so it is spelt out here:
 
-1. the spec is validated as the ``EngineSpec`` contract;
+1. the spec is validated as the ``ParsedEngineSpec`` contract;
 2. policy: the image's repository is allowed and the image is digest-pinned, the driver is allowed, the
    port is inside the policy's range, host IPC is allowed if asked for, every volume's host path is under
    one of the policy's allowed volume sources;
@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY, DEFAULT_STATE_DIR
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     RESERVED_LABELS,
     ContainerInfo,
@@ -69,7 +71,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import (
     Action,
     EnginePlan,
-    ForeignContainerError,
+    NameTakenError,
     Observed,
     ReplaceStrategy,
     TargetState,
@@ -80,8 +82,8 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.probes impor
     probe_readiness,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import (
-    EngineSpec,
     FieldError,
+    ParsedEngineSpec,
     parse_engine_spec,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.volumes import VolumeRefusedError, resolve_volumes
@@ -131,7 +133,7 @@ _LOG_LINES = 30
 _PENDING = "pending-artifact"
 
 
-class EngineInstanceError(Exception):
+class EngineInstanceError(MeridianError):
     """A check refused the engine or an action failed; ``check`` names which, ``result`` what was done."""
 
     def __init__(self, message: str, *, check: str, result: Mapping[str, Any] | None = None) -> None:
@@ -151,8 +153,8 @@ class Options:
     ready_timeout_s: float = 600
     drain_timeout_s: float = 300
     drain_grace_s: float = 10
-    policy_path: str = "/etc/meridian/policy.yaml"
-    state_dir: str = "/var/lib/meridian-node-apply"
+    policy_path: str = DEFAULT_POLICY
+    state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
     owner: str | None = None
 
@@ -179,7 +181,7 @@ _SPEC_KEYS = (
 )
 
 
-def build_spec(params: Mapping[str, Any], replace_strategy: ReplaceStrategy = "drain-then-replace") -> EngineSpec:
+def build_spec(params: Mapping[str, Any], replace_strategy: ReplaceStrategy = "drain-then-replace") -> ParsedEngineSpec:
     """The engine spec from the module's parameters (None means 'not given')."""
     data = {key: params[key] for key in _SPEC_KEYS if params.get(key) is not None}
     if isinstance(data.get("model"), Mapping):
@@ -198,7 +200,7 @@ def _read_gpus() -> Mapping[str, Any]:
     return collect_gpu_facts(processes=False, nvlink=False)
 
 
-def public_spec(spec: EngineSpec) -> dict[str, Any]:
+def public_spec(spec: ParsedEngineSpec) -> dict[str, Any]:
     """The spec without secrets, for the label and the diff: env keys only, never their values.
 
     The generic driver's health path is left out: it changes how the engine is probed, not the
@@ -228,7 +230,7 @@ def public_spec(spec: EngineSpec) -> dict[str, Any]:
     }
 
 
-def check_policy(policy: Policy, spec: EngineSpec) -> None:
+def check_policy(policy: Policy, spec: ParsedEngineSpec) -> None:
     """Image, driver, port, IPC mode and volume paths against the host's policy; the first refusal raises,
     naming the check. Pure: the volumes' paths as the spec gives them (``engines.volumes`` resolves them)."""
     for check, problem in (
@@ -480,7 +482,7 @@ class EngineRun:
     probe_host: str = "127.0.0.1"
     pending: str | None = None  # check mode only: why the settings (and placement) could not be computed
     done: list[str] = field(default_factory=list)
-    spec: EngineSpec | None = None  # None for state absent
+    spec: ParsedEngineSpec | None = None  # None for state absent
     bind: str = "127.0.0.1"  # the policy's bind address the engine is published on
 
     def result(self, **extra: Any) -> dict[str, Any]:
@@ -600,7 +602,7 @@ def prepare_engine(
 
 def _pending_artifact_run(
     name: str,
-    spec: EngineSpec,
+    spec: ParsedEngineSpec,
     options: Options,
     engine: DockerEngine,
     why: str,
@@ -618,7 +620,7 @@ def _pending_artifact_run(
 
 
 def engine_settings(
-    spec: EngineSpec, launch: LaunchSettings, *, bind_address: str, owner: str | None = None
+    spec: ParsedEngineSpec, launch: LaunchSettings, *, bind_address: str, owner: str | None = None
 ) -> ContainerSettings:
     """The container engine ``spec`` is created from, labels included: what the config hash covers. Pure."""
     base = container_settings(name=spec.name, driver=spec.driver, launch=launch, bind_address=bind_address)
@@ -661,11 +663,11 @@ def _plan(name: str, options: Options, config_hash: str, spec: dict[str, Any], o
             replace_strategy=options.replace_strategy,
             wait_ready=options.wait_ready,
         )
-    except ForeignContainerError as exc:
+    except NameTakenError as exc:
         raise EngineInstanceError(str(exc), check="ownership") from exc
 
 
-def _check_placement(run: EngineRun, spec: EngineSpec, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
+def _check_placement(run: EngineRun, spec: ParsedEngineSpec, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
     """engine_instance's placement: the engine alone against what the host has now."""
 
     def port_taken(port: int) -> str | None:
@@ -694,7 +696,7 @@ def own_reservation(run: EngineRun) -> Reservation | None:
 
 def check_placement(
     run: EngineRun,
-    spec: EngineSpec,
+    spec: ParsedEngineSpec,
     *,
     gpu_facts: Mapping[str, Any] | None,
     others: Sequence[Reservation],

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.docker.drift import describe_drift
 
 __all__ = [
     "Action",
     "EnginePlan",
-    "ForeignContainerError",
+    "NameTakenError",
     "Observed",
     "TargetState",
     "plan_engine",
@@ -39,7 +40,7 @@ class Action(StrEnum):
     WAIT_READY = "wait-ready"
 
 
-class ForeignContainerError(Exception):
+class NameTakenError(MeridianError):
     """A container holds the engine's name but meridian.node did not create it: never touch it."""
 
     def __init__(self, name: str) -> None:
@@ -108,7 +109,7 @@ def plan_engine(
     every start when ``wait_ready`` is set.
     """
     if observed is not None and not observed.owned:
-        raise ForeignContainerError(name)
+        raise NameTakenError(name)
     actions = _actions(state, config_hash, observed, replace_strategy, wait_ready)
     before = _describe(observed)
     if not actions:

@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY, DEFAULT_STATE_DIR
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     ContainerInfo,
     DockerEngine,
@@ -74,7 +76,7 @@ MASK = "********"
 _T = TypeVar("_T")
 
 
-class EngineSetError(Exception):
+class EngineSetError(MeridianError):
     """The set was refused or an engine failed; ``result`` carries what the module returns beside ``msg``."""
 
     def __init__(
@@ -100,8 +102,8 @@ class SetOptions:
     ready_timeout_s: float = 600
     drain_timeout_s: float = 300
     drain_grace_s: float = 10
-    policy_path: str = "/etc/meridian/policy.yaml"
-    state_dir: str = "/var/lib/meridian-node-apply"
+    policy_path: str = DEFAULT_POLICY
+    state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
     prune_reason: str = "the engine set no longer lists it"
 
@@ -161,8 +163,8 @@ def run_engine_set(
         ready_timeout_s=_number(params.get("ready_timeout"), 600),
         drain_timeout_s=_number(params.get("drain_timeout"), 300),
         drain_grace_s=_number(params.get("drain_grace"), 10),
-        policy_path=str(params.get("policy") or "/etc/meridian/policy.yaml"),
-        state_dir=str(params.get("state_dir") or "/var/lib/meridian-node-apply"),
+        policy_path=str(params.get("policy") or DEFAULT_POLICY),
+        state_dir=str(params.get("state_dir") or DEFAULT_STATE_DIR),
         store_path=params.get("store_path"),
         prune_reason=reason,
     )
@@ -231,9 +233,9 @@ def _verify(params: Mapping[str, Any], *, check_mode: bool) -> tuple[bytes, dict
         data = read_envelope(path)
         outcome = reconcile_desired_state(
             data,
-            policy_path=str(params.get("policy") or "/etc/meridian/policy.yaml"),
+            policy_path=str(params.get("policy") or DEFAULT_POLICY),
             node_id=str(params["node_id"]),
-            state_dir=str(params.get("state_dir") or "/var/lib/meridian-node-apply"),
+            state_dir=str(params.get("state_dir") or DEFAULT_STATE_DIR),
             record=False,
             check_mode=check_mode,
             secrets=True,
@@ -259,7 +261,7 @@ def _record(verified: Mapping[str, Any], params: Mapping[str, Any], *, accepted:
     """
     from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
 
-    store = StateStore(str(params.get("state_dir") or "/var/lib/meridian-node-apply"))
+    store = StateStore(str(params.get("state_dir") or DEFAULT_STATE_DIR))
     record = store.record_accepted if accepted else store.record_applied
     try:
         record(int(verified["generation"]), int(verified["lease_epoch"]), str(verified["payload_sha256"]))
@@ -294,7 +296,7 @@ def _check_artifacts(verified: Mapping[str, Any], params: Mapping[str, Any], *, 
     from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError, load_policy
     from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection, verify_artifact_manifest
 
-    policy_path = str(params.get("policy") or "/etc/meridian/policy.yaml")
+    policy_path = str(params.get("policy") or DEFAULT_POLICY)
     generation = verified["generation"]
     problems: list[str] = []
     try:

@@ -1,4 +1,4 @@
-"""One engine's generic spec, as ``engines.instance`` runs it: the ``EngineSpec`` contract without pydantic.
+"""One engine's generic spec, as ``engines.instance`` runs it: the ``ParsedEngineSpec`` contract without pydantic.
 
 ``contracts.EngineSpec`` is the wire form (inside a desired state, with its JSON schema). The engine
 modules validate the same fields with ``parse_engine_spec`` instead, because an Ansible task is a fresh
@@ -53,55 +53,28 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_rules import 
     IMAGE_REFERENCE,
     IMAGE_REFERENCE_FORM,
     IPC_MODES,
-    MAX_LABEL_VALUE,
     MAX_LABELS,
     MAX_VOLUMES,
     NAME_FORM,
     NAME_PATTERN,
     REPLACE_STRATEGIES,
-    RESERVED_CONTAINER_PATHS,
-    RESERVED_HOST_PATHS,
-    RESERVED_LABEL_PREFIXES,
     RESTART_POLICIES,
     SHM_SIZE_MAX_MIB,
     ULIMIT_MAX,
     ULIMIT_NAMES,
     label_problem,
-    path_within,
-    paths_overlap,
     ulimit_problem,
     volume_problem,
     volume_targets_problem,
 )
 
 __all__ = [
-    "DRIVERS",
-    "ENGINE_STATES",
-    "IMAGE_REFERENCE",
-    "IPC_MODES",
-    "MAX_LABELS",
-    "MAX_LABEL_VALUE",
-    "MAX_VOLUMES",
-    "NAME_PATTERN",
-    "REPLACE_STRATEGIES",
-    "RESERVED_CONTAINER_PATHS",
-    "RESERVED_HOST_PATHS",
-    "RESERVED_LABEL_PREFIXES",
-    "RESTART_POLICIES",
-    "SHM_SIZE_MAX_MIB",
-    "ULIMIT_MAX",
-    "ULIMIT_NAMES",
-    "EngineSpec",
     "FieldError",
-    "ModelRef",
-    "Ulimit",
-    "Volume",
-    "label_problem",
+    "ParsedEngineSpec",
+    "ParsedModelRef",
+    "ParsedUlimit",
+    "ParsedVolume",
     "parse_engine_spec",
-    "path_within",
-    "paths_overlap",
-    "ulimit_problem",
-    "volume_problem",
 ]
 
 _NAME = re.compile(NAME_PATTERN)
@@ -125,7 +98,7 @@ _OPTIONAL = (
 
 
 @dataclass(frozen=True)
-class ModelRef:
+class ParsedModelRef:
     """A promoted artifact in the local store, or a model name for engines that manage their own."""
 
     artifact: str | None = None
@@ -136,7 +109,7 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
-class Volume:
+class ParsedVolume:
     """A host path mounted read-only at ``target`` inside the engine's container (there is no writable form)."""
 
     source: str
@@ -144,7 +117,7 @@ class Volume:
 
 
 @dataclass(frozen=True)
-class Ulimit:
+class ParsedUlimit:
     """A soft and a hard limit; -1 is unlimited. A spec may also give one number for both."""
 
     soft: int
@@ -153,11 +126,11 @@ class Ulimit:
 
 # Built by keyword only (parse_engine_spec, the tests); kw_only=True would need Python 3.10 on the host.
 @dataclass(frozen=True)
-class EngineSpec:
+class ParsedEngineSpec:
     name: str
     driver: str
     image: str
-    model: ModelRef
+    model: ParsedModelRef
     port: int
     served_model_name: str | None = None
     gpus: tuple[str, ...] = ()
@@ -170,12 +143,12 @@ class EngineSpec:
     # None: the driver's default (docs/ENGINE_DRIVERS.md), else Docker's 64 MiB
     shm_size_mib: int | None = None
     ipc_mode: str = "private"
-    ulimits: Mapping[str, int | Ulimit] = field(default_factory=dict)
-    volumes: tuple[Volume, ...] = ()
+    ulimits: Mapping[str, int | ParsedUlimit] = field(default_factory=dict)
+    volumes: tuple[ParsedVolume, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
-def parse_engine_spec(data: Any, where: str = "") -> EngineSpec:
+def parse_engine_spec(data: Any, where: str = "") -> ParsedEngineSpec:
     """Validate one engine spec; the first problem raises ``FieldError`` naming the field and value."""
     document = check_mapping(data, where, required=_REQUIRED, optional=_OPTIONAL)
     served = document.get("served_model_name")
@@ -183,7 +156,7 @@ def parse_engine_spec(data: Any, where: str = "") -> EngineSpec:
     ipc_mode = check_choice(document.get("ipc_mode", "private"), join(where, "ipc_mode"), IPC_MODES)
     if ipc_mode == "host" and shm is not None:
         raise FieldError(join(where, "shm_size_mib"), _SHM_WITH_HOST_IPC)
-    return EngineSpec(
+    return ParsedEngineSpec(
         name=check_str(document["name"], join(where, "name"), pattern=_NAME, what=NAME_FORM),
         driver=check_choice(document["driver"], join(where, "driver"), DRIVERS),
         image=check_str(document["image"], join(where, "image"), pattern=IMAGE_REFERENCE, what=IMAGE_REFERENCE_FORM),
@@ -209,14 +182,14 @@ def parse_engine_spec(data: Any, where: str = "") -> EngineSpec:
     )
 
 
-def _parse_model(data: Any, where: str) -> ModelRef:
+def _parse_model(data: Any, where: str) -> ParsedModelRef:
     document = check_mapping(data, where, optional=("artifact", "name"))
     artifact, name = document.get("artifact"), document.get("name")
     if (artifact is None) == (name is None):
         raise FieldError(where, "model needs exactly one of 'artifact' or 'name'")
     if artifact is not None:
-        return ModelRef(artifact=check_str(artifact, join(where, "artifact"), pattern=_NAME, what=NAME_FORM))
-    return ModelRef(name=check_str(name, join(where, "name")))
+        return ParsedModelRef(artifact=check_str(artifact, join(where, "artifact"), pattern=_NAME, what=NAME_FORM))
+    return ParsedModelRef(name=check_str(name, join(where, "name")))
 
 
 _SHM_WITH_HOST_IPC = (
@@ -224,10 +197,10 @@ _SHM_WITH_HOST_IPC = (
 )
 
 
-def _parse_ulimits(data: Any, where: str) -> dict[str, int | Ulimit]:
+def _parse_ulimits(data: Any, where: str) -> dict[str, int | ParsedUlimit]:
     # Every key is let through here so that an unknown one is refused below with the names that are allowed.
     document = check_mapping(data, where, optional=tuple(data) if isinstance(data, Mapping) else ())
-    ulimits: dict[str, int | Ulimit] = {}
+    ulimits: dict[str, int | ParsedUlimit] = {}
     for name, value in document.items():
         at = join(where, str(name))
         if name not in ULIMIT_NAMES:
@@ -236,7 +209,7 @@ def _parse_ulimits(data: Any, where: str) -> dict[str, int | Ulimit]:
             pair = check_mapping(value, at, required=("soft", "hard"))
             soft = check_int(pair["soft"], join(at, "soft"), ge=-1, le=ULIMIT_MAX)
             hard = check_int(pair["hard"], join(at, "hard"), ge=-1, le=ULIMIT_MAX)
-            limit: int | Ulimit = Ulimit(soft=soft, hard=hard)
+            limit: int | ParsedUlimit = ParsedUlimit(soft=soft, hard=hard)
         else:
             soft = hard = check_int(value, at, ge=-1, le=ULIMIT_MAX)
             limit = soft
@@ -247,13 +220,13 @@ def _parse_ulimits(data: Any, where: str) -> dict[str, int | Ulimit]:
     return ulimits
 
 
-def _parse_volumes(data: Any, where: str) -> tuple[Volume, ...]:
+def _parse_volumes(data: Any, where: str) -> tuple[ParsedVolume, ...]:
     items = check_list(data, where, max_items=MAX_VOLUMES)
-    volumes: list[Volume] = []
+    volumes: list[ParsedVolume] = []
     for index, item in enumerate(items):
         at = join(where, index)
         document = check_mapping(item, at, required=("source", "target"))
-        volume = Volume(
+        volume = ParsedVolume(
             source=check_str(document["source"], join(at, "source")),
             target=check_str(document["target"], join(at, "target")),
         )

@@ -24,18 +24,19 @@ import os
 import stat
 from collections.abc import Iterable, Sequence
 
-from ansible_collections.meridian.node.plugins.module_utils.engines.spec import (
-    Volume,
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils.engine_rules import (
     path_within,
     paths_overlap,
     volume_problem,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedVolume
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import EnginesPolicy
 
 __all__ = ["VolumeRefusedError", "resolve_volumes"]
 
 
-class VolumeRefusedError(Exception):
+class VolumeRefusedError(MeridianError):
     """A volume may not be mounted here; ``check`` is ``policy-volume`` (not allowed) or ``volume`` (on disk)."""
 
     def __init__(self, message: str, *, check: str) -> None:
@@ -44,8 +45,8 @@ class VolumeRefusedError(Exception):
 
 
 def resolve_volumes(
-    volumes: Sequence[Volume], policy: EnginesPolicy, *, host_dirs: Iterable[str] = ()
-) -> tuple[Volume, ...]:
+    volumes: Sequence[ParsedVolume], policy: EnginesPolicy, *, host_dirs: Iterable[str] = ()
+) -> tuple[ParsedVolume, ...]:
     """``volumes`` with their sources resolved, each checked as the module docstring says.
 
     ``host_dirs`` are this host's own directories that no engine may mount (the store, the state dir), in any
@@ -54,7 +55,7 @@ def resolve_volumes(
     reserved = sorted({os.path.realpath(os.path.normpath(path)) for path in host_dirs if path})
     # An allowed directory may itself be a symlink (a mount point moved elsewhere): where it leads is allowed too.
     roots = {*policy.allowed_volume_sources, *map(os.path.realpath, policy.allowed_volume_sources)}
-    resolved: list[Volume] = []
+    resolved: list[ParsedVolume] = []
     for volume in volumes:
         problem = policy.volume_source_problem(volume.source)
         if problem is not None:
@@ -87,7 +88,7 @@ def resolve_volumes(
                 "read-only mount of a socket still lets the engine connect to it, so only data can be mounted",
                 check="volume",
             )
-        resolved.append(Volume(source=real, target=volume.target))
+        resolved.append(ParsedVolume(source=real, target=volume.target))
     return tuple(resolved)
 
 

@@ -16,6 +16,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 try:
     import pynvml as _pynvml
 except ImportError:
@@ -52,7 +54,7 @@ _INIT_HINTS = {
 }
 
 
-class NvmlUnavailable(Exception):
+class NvmlUnavailable(MeridianError):
     """NVML cannot be used on this host; ``reason`` says why and what to do about it."""
 
     def __init__(self, reason: str) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
 from ansible_collections.meridian.node.plugins.module_utils._lockfile import LOCK_WAIT_SECONDS, LockTimeout, hold_lock
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import AcceptedState, AppliedState
@@ -45,7 +46,7 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _FILE_MODE = 0o600
 
 
-class StateStoreError(RuntimeError):
+class StateStoreError(MeridianError, RuntimeError):
     """The applied-state file is damaged, unreadable, or a caller tried to move it backwards."""
 
 

@@ -19,21 +19,28 @@ from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import VerifiedState, verify_desired_state
 
-__all__ = ["MAX_ENVELOPE_BYTES", "EnvelopeInputError", "Outcome", "read_envelope", "reconcile_desired_state"]
+__all__ = [
+    "MAX_ENVELOPE_BYTES",
+    "DesiredStateOutcome",
+    "EnvelopeInputError",
+    "read_envelope",
+    "reconcile_desired_state",
+]
 
 MAX_ENVELOPE_BYTES = 16 * 1024 * 1024
 
 
-class EnvelopeInputError(ValueError):
+class EnvelopeInputError(MeridianError, ValueError):
     """The envelope file is missing, unreadable or too large."""
 
 
 @dataclass(frozen=True)
-class Outcome:
+class DesiredStateOutcome:
     changed: bool
     result: dict[str, Any]
 
@@ -60,7 +67,7 @@ def reconcile_desired_state(
     check_mode: bool,
     secrets: bool = False,
     now: datetime | None = None,
-) -> Outcome:
+) -> DesiredStateOutcome:
     """Verify ``envelope`` for ``node_id``; with ``record``, record its generation as applied.
 
     Raises ``trust.Rejection`` (with its code) when the state must not be applied, ``PolicyError`` for a
@@ -79,7 +86,7 @@ def reconcile_desired_state(
     result["recorded"] = changed and not check_mode
     if secrets:
         result["engine_env"] = {engine.name: dict(engine.env) for engine in verified.state.engines}
-    return Outcome(changed=changed, result=result)
+    return DesiredStateOutcome(changed=changed, result=result)
 
 
 def summarize(verified: VerifiedState, *, applied_before: int) -> dict[str, Any]:

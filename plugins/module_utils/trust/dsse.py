@@ -14,6 +14,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
 try:
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
@@ -43,7 +45,7 @@ PAYLOAD_TYPES: dict[str, str] = {
 }
 
 
-class KeyLoadError(ValueError):
+class KeyLoadError(MeridianError, ValueError):
     """A key could not be loaded: not PEM, not Ed25519, encrypted, or private where public belongs."""
 
 

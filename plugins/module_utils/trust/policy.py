@@ -55,6 +55,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import (
     FieldError,
     check_bool,
@@ -103,7 +105,7 @@ __all__ = [
     "parse_size",
 ]
 
-DEFAULT_POLICY_PATH = "/etc/meridian/policy.yaml"
+DEFAULT_POLICY_PATH = DEFAULT_POLICY
 # Root's own directory (the apply unit's StateDirectory=), so no other user can rename or replace it.
 DEFAULT_STORE_PATH = "/var/lib/meridian-node-artifacts"
 # The default before the store moved out of the agent's directory; still honoured (see default_store_path).
@@ -118,7 +120,7 @@ AGENT_MODES = ("observe-only", "managed-host", "kubernetes-integrated", "air-gap
 _MAX_POLICY_BYTES = 1024 * 1024
 
 
-class PolicyError(ValueError):
+class PolicyError(MeridianError, ValueError):
     """The policy file is unreadable or invalid; the message names the file, the field and the value."""
 
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YAML_IMPORT_ERROR
 from ansible_collections.meridian.node.plugins.module_utils.contracts import describe_validation_error
 from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
 from ansible_collections.meridian.node.plugins.module_utils.trust.dsse import PAYLOAD_TYPES, pae, require_cryptography
@@ -84,7 +86,7 @@ class RejectionCode(StrEnum):
     STALE_EPOCH = "stale-epoch"
 
 
-class Rejection(Exception):
+class Rejection(MeridianError):
     """A document was refused. ``code`` is for programs, ``message`` for people (with the values)."""
 
     def __init__(self, code: RejectionCode, message: str) -> None:
@@ -151,7 +153,11 @@ class VerifiedBundle:
 def missing_libraries() -> list[tuple[str, str]]:
     """(package, import traceback) for each library that checking signed documents needs and that did not
     import on this host: a module reports them with ``missing_required_lib`` before it reads anything."""
-    found = (("pydantic", contracts.PYDANTIC_IMPORT_ERROR), ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR))
+    found = (
+        ("pydantic", contracts.PYDANTIC_IMPORT_ERROR),
+        ("cryptography", dsse.CRYPTOGRAPHY_IMPORT_ERROR),
+        ("PyYAML", YAML_IMPORT_ERROR),
+    )
     return [(package, error) for package, error in found if error is not None]
 
 

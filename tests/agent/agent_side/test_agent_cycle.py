@@ -26,7 +26,7 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.verify import 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, cli, running
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
 from meridian_node_agent.agent_side.control_client import ControlClient, DesiredStateFetch, FetchStatus
-from meridian_node_agent.agent_side.cycle import SPOOL_FILE, Outcome
+from meridian_node_agent.agent_side.cycle import SPOOL_FILE, CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
 
 _names = itertools.count(1)
@@ -89,7 +89,7 @@ def test_published_state_is_applied_once_and_unchanged_cycles_run_no_playbook(
 
     first = agent.cycle()
 
-    assert first.outcome == Outcome.APPLIED, first
+    assert first.outcome == CycleStatus.APPLIED, first
     assert first.run is not None and first.run.status == "successful"
     assert _applied_generation(node) == generation
     runs = node.journal_runs()
@@ -104,8 +104,8 @@ def test_published_state_is_applied_once_and_unchanged_cycles_run_no_playbook(
     # A restarted agent has no ETag: it fetches the full state, sees it applied, and still runs nothing.
     restarted = node.agent().cycle()
 
-    assert again.outcome == Outcome.UNCHANGED
-    assert restarted.outcome == Outcome.UNCHANGED
+    assert again.outcome == CycleStatus.UNCHANGED
+    assert restarted.outcome == CycleStatus.UNCHANGED
     assert node.journal_runs() == runs
     assert len(node.oplog_lines()) == 2
 
@@ -121,7 +121,7 @@ def test_state_for_another_node_is_rejected_and_nothing_changes(
 
     outcome = agent.cycle()
 
-    assert (outcome.outcome, outcome.rejection) == (Outcome.REJECTED, "wrong-node")
+    assert (outcome.outcome, outcome.rejection) == (CycleStatus.REJECTED, "wrong-node")
     assert agent.counters.rejections == {"wrong-node": 1}
     _assert_host_untouched(node)
 
@@ -134,7 +134,7 @@ def test_expired_state_is_rejected_and_nothing_changes(server: DevServer, tmp_pa
 
     outcome = agent.cycle()
 
-    assert (outcome.outcome, outcome.rejection) == (Outcome.REJECTED, "expired")
+    assert (outcome.outcome, outcome.rejection) == (CycleStatus.REJECTED, "expired")
     _assert_host_untouched(node)
 
 
@@ -148,7 +148,7 @@ def test_state_from_a_fenced_epoch_is_rejected_and_nothing_changes(
 
     outcome = agent.cycle()
 
-    assert (outcome.outcome, outcome.rejection) == (Outcome.REJECTED, "stale-epoch")
+    assert (outcome.outcome, outcome.rejection) == (CycleStatus.REJECTED, "stale-epoch")
     assert agent.lease is not None
     assert StateStore(node.state_dir).load().epoch == agent.lease.epoch  # the new epoch is durable
     _assert_host_untouched(node)
@@ -172,8 +172,8 @@ def test_state_signed_by_an_unknown_control_key_is_rejected_and_nothing_changes(
     outcome = agent.cycle()
     repeat = agent.cycle()  # the same rejected bytes are not fetched and verified again
 
-    assert (outcome.outcome, outcome.rejection) == (Outcome.REJECTED, "threshold-not-met")
-    assert repeat.outcome == Outcome.UNCHANGED
+    assert (outcome.outcome, outcome.rejection) == (CycleStatus.REJECTED, "threshold-not-met")
+    assert repeat.outcome == CycleStatus.UNCHANGED
     assert agent.counters.rejections == {"threshold-not-met": 1}
     _assert_host_untouched(node)
 
@@ -184,16 +184,16 @@ def test_replayed_older_envelope_is_rejected_after_a_newer_one_was_applied(
     node = make_node(server, tmp_path / "node", node_id)
     publish(server, node_id)
     agent = node.agent()
-    assert agent.cycle().outcome == Outcome.APPLIED
+    assert agent.cycle().outcome == CycleStatus.APPLIED
     old = (node.state_dir / SPOOL_FILE).read_bytes()
     newer = publish(server, node_id)
-    assert agent.cycle().outcome == Outcome.APPLIED
+    assert agent.cycle().outcome == CycleStatus.APPLIED
     runs = node.journal_runs()
     agent.client = _Delivering(agent.client, old)
 
     outcome = agent.cycle()
 
-    assert (outcome.outcome, outcome.rejection) == (Outcome.REJECTED, "replayed")
+    assert (outcome.outcome, outcome.rejection) == (CycleStatus.REJECTED, "replayed")
     assert _applied_generation(node) == newer
     assert node.journal_runs() == runs
     assert (node.state_dir / SPOOL_FILE).read_bytes() != old
@@ -212,21 +212,21 @@ def test_an_older_state_after_a_newer_one_was_cut_short_is_refused_and_the_newer
     node = make_node(server, tmp_path / "node", node_id)
     first = publish(server, node_id)
     agent = node.agent()
-    assert agent.cycle().outcome == Outcome.APPLIED
+    assert agent.cycle().outcome == CycleStatus.APPLIED
     old = (node.state_dir / SPOOL_FILE).read_bytes()
     newer = publish(server, node_id)
     applier, client = agent.applier, agent.client
     agent.applier = _KilledApply()
-    assert agent.cycle().outcome == Outcome.APPLY_FAILED
+    assert agent.cycle().outcome == CycleStatus.APPLY_FAILED
     agent.client = _Delivering(client, old)
 
     outcome = agent.cycle()
 
-    assert (outcome.outcome, outcome.rejection) == (Outcome.REJECTED, "replayed")
+    assert (outcome.outcome, outcome.rejection) == (CycleStatus.REJECTED, "replayed")
     record = StateStore(node.state_dir).load()
     assert (record.generation, record.accepted_generation) == (first, newer)
     agent.applier, agent.client, agent.etag = applier, client, None
-    assert agent.cycle().outcome == Outcome.APPLIED  # the newer one's own bytes: the retry path
+    assert agent.cycle().outcome == CycleStatus.APPLIED  # the newer one's own bytes: the retry path
     after = StateStore(node.state_dir).load()
     assert (after.generation, after.accepted) == (newer, None)
 
@@ -238,7 +238,7 @@ def test_observe_only_verifies_and_reports_but_never_applies(server: DevServer, 
 
     outcome = agent.cycle()
 
-    assert (outcome.outcome, outcome.generation) == (Outcome.OBSERVED_ONLY, generation)
+    assert (outcome.outcome, outcome.generation) == (CycleStatus.OBSERVED_ONLY, generation)
     assert _applied_generation(node) == 0
     assert node.journal_runs() == [] and node.oplog_lines() == []
     nodes = server.cli("nodes").stdout
@@ -254,7 +254,7 @@ def test_lapsed_lease_holds_new_applies(server: DevServer, tmp_path: Path, node_
 
     outcome = agent.cycle()
 
-    assert outcome.outcome == Outcome.LEASE_LAPSED
+    assert outcome.outcome == CycleStatus.LEASE_LAPSED
     assert node.journal_runs() == [] and _applied_generation(node) == 0
 
 

@@ -12,7 +12,7 @@ import requests
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
 from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
-from meridian_node_agent.agent_side.cycle import Outcome
+from meridian_node_agent.agent_side.cycle import CycleStatus
 from meridian_node_agent.agent_side.metrics import Metrics
 
 
@@ -29,8 +29,8 @@ def test_rejections_are_counted_by_reason_and_cycles_timed(server: DevServer, tm
     metrics = Metrics()
     agent = node.agent(clock=lambda: later, metrics=metrics)
 
-    assert agent.cycle().outcome == Outcome.REJECTED
-    assert agent.cycle().outcome == Outcome.UNCHANGED
+    assert agent.cycle().outcome == CycleStatus.REJECTED
+    assert agent.cycle().outcome == CycleStatus.UNCHANGED
 
     sample = metrics.registry.get_sample_value
     assert sample("meridian_node_rejections_total", {"reason": "expired"}) == 1

@@ -29,7 +29,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import Enr
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
 from meridian_node_agent.agent_side.control_client import ControlClient
-from meridian_node_agent.agent_side.cycle import Agent, Outcome, read_status
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus, read_status
 from meridian_node_agent.agent_side.identity import NodeIdentity, PendingKey
 
 _names = itertools.count(1)
@@ -121,7 +121,7 @@ def test_agent_renews_in_a_normal_cycle_and_then_works_only_with_the_new_pair(
     try:
         first = agent.cycle()
 
-        assert first.outcome == Outcome.NONE_PUBLISHED
+        assert first.outcome == CycleStatus.NONE_PUBLISHED
         new = identity.certificate()
         assert new.serial != old.serial and new.not_after >= old.not_after
         assert identity.key_path.read_bytes() != old_key
@@ -136,7 +136,7 @@ def test_agent_renews_in_a_normal_cycle_and_then_works_only_with_the_new_pair(
         assert agent.renewal.renew_at is not None
         clock.now = agent.renewal.renew_at - timedelta(seconds=1)
         second = agent.cycle()
-        assert (second.outcome, second.generation) == (Outcome.OBSERVED_ONLY, generation)
+        assert (second.outcome, second.generation) == (CycleStatus.OBSERVED_ONLY, generation)
         assert identity.certificate().serial == new.serial  # not due again: no second renewal
         agent.write_status()
         status = read_status(node.state_dir)
@@ -161,7 +161,7 @@ def test_refused_renewal_keeps_the_old_pair_and_is_retried_after_a_backoff_not_e
     refusing = _ForeignCsrIssuer(real)
     agent.issuer = refusing
     try:
-        assert agent.cycle().outcome == Outcome.NONE_PUBLISHED  # the cycle itself is not failed
+        assert agent.cycle().outcome == CycleStatus.NONE_PUBLISHED  # the cycle itself is not failed
         assert refusing.calls == 1
         assert {name: (identity.directory / name).read_bytes() for name in old_files} == old_files
         assert identity.certificate().serial == old.serial
@@ -172,7 +172,7 @@ def test_refused_renewal_keeps_the_old_pair_and_is_retried_after_a_backoff_not_e
 
         # Later cycles before the retry time do not try again.
         for _ in range(3):
-            assert agent.cycle().outcome == Outcome.NONE_PUBLISHED
+            assert agent.cycle().outcome == CycleStatus.NONE_PUBLISHED
         assert refusing.calls == 1
 
         clock.now = retry_at
@@ -188,7 +188,7 @@ def test_refused_renewal_keeps_the_old_pair_and_is_retried_after_a_backoff_not_e
         # The control plane accepts the next attempt: the node moves to a new pair.
         agent.issuer = real
         clock.now = agent.renewal.next_attempt_at
-        assert agent.cycle().outcome == Outcome.NONE_PUBLISHED
+        assert agent.cycle().outcome == CycleStatus.NONE_PUBLISHED
         assert identity.certificate().serial != old.serial
         assert agent.renewal.failures == 0 and agent.renewal.last_error is None
     finally:
@@ -210,7 +210,7 @@ def test_unchanged_cycles_do_not_read_the_certificate_again(
     agent = node.agent()
     try:
         for _ in range(4):
-            assert agent.cycle().outcome == Outcome.NONE_PUBLISHED
+            assert agent.cycle().outcome == CycleStatus.NONE_PUBLISHED
     finally:
         _close(agent)
     assert len(reads) == 1

@@ -27,7 +27,12 @@ from meridian_node_agent.agent_side.control_client import (
     ControlPlaneUnavailable,
     DesiredStateFetch,
 )
-from meridian_node_agent.agent_side.cycle import REPORT_REFRESH_SECONDS, STATUS_REFRESH_SECONDS, Agent, Outcome
+from meridian_node_agent.agent_side.cycle import (
+    REPORT_REFRESH_SECONDS,
+    STATUS_REFRESH_SECONDS,
+    Agent,
+    CycleStatus,
+)
 from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.agent_side.observe import Observer
 
@@ -92,7 +97,7 @@ def _steady_agent(server: DevServer, tmp_path: Path, node_id: str) -> tuple[Agen
     )
     counting = _Counting(agent.client)
     agent.client = counting
-    assert agent.cycle().outcome == Outcome.APPLIED
+    assert agent.cycle().outcome == CycleStatus.APPLIED
     return agent, clock, counting, engines
 
 
@@ -104,7 +109,7 @@ def test_unchanged_observation_is_resent_at_the_refresh_interval_not_every_cycle
 
     for _ in range(5):
         clock.now += 1
-        assert agent.cycle().outcome == Outcome.UNCHANGED
+        assert agent.cycle().outcome == CycleStatus.UNCHANGED
     held_back = len(counting.posted)
     clock.now += REPORT_REFRESH_SECONDS
     agent.cycle()

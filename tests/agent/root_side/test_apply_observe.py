@@ -18,6 +18,8 @@ import pytest
 import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApiError
+from ansible_collections.meridian.node.tests.support.systemd_units import UNITS
+from ansible_collections.meridian.node.tests.support.systemd_units import read_unit as _unit
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 from meridian_node_agent.boundary.engines_file import INVENTORY_FILE, file_identity, read_inventory
 from meridian_node_agent.cli import build_parser
@@ -26,7 +28,6 @@ from meridian_node_agent.root_side.observe_unit import ReadOnlyDockerApi, cmd_ob
 from meridian_node_agent.root_side.root_dir import apply_lock, prepare_root_dir
 
 NODE = "gpu-node-7"
-UNITS = Path(__file__).resolve().parents[3] / "systemd"
 TIMER, SERVICE = "meridian-node-apply-observe.timer", "meridian-node-apply-observe.service"
 
 
@@ -133,21 +134,6 @@ def test_the_observe_units_docker_client_refuses_every_change_before_connecting(
     with pytest.raises(DockerApiError) as caught:
         api.containers({"label": ["x"]})  # reading is let through, to the (missing) socket
     assert "refused" not in str(caught.value)
-
-
-def _unit(name: str) -> dict[str, dict[str, list[str]]]:
-    sections: dict[str, dict[str, list[str]]] = {}
-    current: dict[str, list[str]] = {}
-    for line in (UNITS / name).read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = sections.setdefault(line[1:-1], {})
-            continue
-        key, _equals, value = line.partition("=")
-        current.setdefault(key.strip(), []).append(value.strip())
-    return sections
 
 
 def test_the_timer_starts_the_observe_service_which_runs_the_verb_with_the_default_config() -> None:

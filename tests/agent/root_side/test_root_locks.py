@@ -140,13 +140,10 @@ def test_the_agents_user_can_lock_nothing_root_uses_and_root_takes_a_bundle_whil
         for name in ("applied.json", "applied.json.lock", LOCK_FILE, "apply.lock", "oplog.jsonl"):
             assert agent.opened[str(root_dir / name)] == "open: Permission denied", name
         _drop(node, state_bundle(node, "g2.tar", generation=2), "g2.tar")
-        began = time.monotonic()
         assert _root(node) == 0
-        elapsed = time.monotonic() - began
 
     out = capsys.readouterr().out
     assert "bundle g2.tar: applied" in out and "no bundle" not in out
-    assert elapsed < 120
     assert StateStore(root_dir).load().generation == 2
     for path in files:
         if path.parent == root_dir and path.name.endswith((".lock", ".json", ".jsonl")):
@@ -180,6 +177,7 @@ def test_a_lock_an_older_release_left_open_to_the_agent_is_replaced_while_the_ag
         assert info.st_ino != before[lock] and stat.S_IMODE(info.st_mode) == 0o600, lock
 
 
+@pytest.mark.timeout(120)
 def test_an_inbox_held_past_the_bounded_wait_is_reported_busy_never_as_no_bundle(
     site: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,9 +189,7 @@ def test_an_inbox_held_past_the_bounded_wait_is_reported_busy_never_as_no_bundle
     monkeypatch.setattr(airgap_root, "LOCK_WAIT_SECONDS", 0.5, raising=False)
 
     with hold_lock(root_dir / LOCK_FILE, wait_seconds=0):  # a stuck holder (only root could be one now)
-        began = time.monotonic()
-        assert _root(node) == 1
-        assert time.monotonic() - began < 30
+        assert _root(node) == 1  # within the test's timeout: busy is said, never waited out
 
     captured = capsys.readouterr()
     assert "error: inbox-busy:" in captured.err and "is busy" in captured.err and "fuser -v" in captured.err
@@ -239,7 +235,8 @@ def test_a_bundle_below_one_whose_apply_was_killed_is_refused_and_the_killed_one
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
-            assert time.monotonic() < deadline, "the inbox never started applying generation 2"
+            if time.monotonic() > deadline:  # a liveness bound, not a timing assertion
+                pytest.fail("the inbox never started applying generation 2")
             time.sleep(0.05)
     finally:
         os.kill(pid, signal.SIGKILL)

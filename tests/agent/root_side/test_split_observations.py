@@ -39,7 +39,7 @@ from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.path_unit import PathUnit, apply_spooled
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import desired_state, make_key, signed, write_policy
-from meridian_node_agent.agent_side.cycle import Outcome
+from meridian_node_agent.agent_side.cycle import CycleStatus
 from meridian_node_agent.agent_side.observe import InventoryEngines
 from meridian_node_agent.agent_side.systemd_applier import write_request
 from meridian_node_agent.apply.applier import run_ident
@@ -192,7 +192,7 @@ def test_engines_of_a_split_node_reach_the_serving_projection_and_leave_it_when_
 
         with PathUnit(node.node.config_path, node.state_dir, env=root_env) as unit:
             outcome = agent.cycle()
-        assert outcome.outcome == Outcome.APPLIED, (outcome, [r.stdout + r.stderr for r in unit.runs])
+        assert outcome.outcome == CycleStatus.APPLIED, (outcome, [r.stdout + r.stderr for r in unit.runs])
         assert serving(node, prefix) == [
             {
                 "node_id": node.node_id,

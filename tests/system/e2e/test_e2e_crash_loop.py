@@ -26,7 +26,7 @@ from ansible_collections.meridian.node.tests.support.e2e_env import (
 )
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from meridian_node_agent.agent_side.cycle import Outcome
+from meridian_node_agent.agent_side.cycle import CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.cli import main as cli_main
 from meridian_node_agent.config import load_config
@@ -72,33 +72,33 @@ def test_an_engine_whose_command_exits_at_once_is_retried_on_a_growing_backoff_s
 
     first = agent.cycle()
 
-    assert first.outcome == Outcome.APPLY_FAILED and first.generation == generation
+    assert first.outcome == CycleStatus.APPLY_FAILED and first.generation == generation
     assert first.run is not None and first.run.failures
-    seen: list[Outcome] = [first.outcome]
+    seen: list[CycleStatus] = [first.outcome]
     started = time.monotonic()
     # Bounded by a count of cycles, not by the clock: the test asserts which outcomes came, not how fast.
     for _cycle in range(int(LIVENESS_S / 0.2)):
-        if seen.count(Outcome.APPLY_FAILED) >= ATTEMPTS:
+        if seen.count(CycleStatus.APPLY_FAILED) >= ATTEMPTS:
             break
         seen.append(agent.cycle().outcome)
         time.sleep(0.2)
-    assert seen.count(Outcome.APPLY_FAILED) >= ATTEMPTS, seen
+    assert seen.count(CycleStatus.APPLY_FAILED) >= ATTEMPTS, seen
     # Then a while shorter than the backoff the third failure set (8 s): no attempt at all, only waiting.
     quiet_until = time.monotonic() + 6
     while time.monotonic() < quiet_until:
         seen.append(agent.cycle().outcome)
-        assert seen[-1] == Outcome.APPLY_BACKING_OFF, seen
+        assert seen[-1] == CycleStatus.APPLY_BACKING_OFF, seen
         time.sleep(0.2)
     window = time.monotonic() - started
 
-    assert set(seen) <= {Outcome.APPLY_FAILED, Outcome.APPLY_BACKING_OFF}  # never a publish, never applied
+    assert set(seen) <= {CycleStatus.APPLY_FAILED, CycleStatus.APPLY_BACKING_OFF}  # never a publish, never applied
     operations = [e for e in OpLog(node.state_dir / "oplog.jsonl").read() if e.generation == generation]
     attempts = [e for e in operations if e.result == "started"]
     ended = [e for e in operations if e.result != "started"]
     assert all(e.result == "failed" for e in ended) and len(ended) == len(attempts)
     # No more attempts than the backoff allows in the time it took, even had each apply taken no time.
     assert ATTEMPTS == len(attempts) <= _allowed_attempts(window), (window, [e.at for e in attempts])
-    assert seen.count(Outcome.APPLY_FAILED) == len(attempts)
+    assert seen.count(CycleStatus.APPLY_FAILED) == len(attempts)
     # Each retry waited at least its backoff after the failure before it (2 s, 4 s, 8 s...): growing.
     waits = [
         (parse_rfc3339(start.at) - parse_rfc3339(end.at)).total_seconds()

@@ -29,7 +29,7 @@ from ansible_collections.meridian.node.tests.support.e2e_env import (
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.own_dockerd import OwnDockerd, unavailable
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from meridian_node_agent.agent_side.cycle import Agent, Outcome
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.config import load_config
 
@@ -82,7 +82,7 @@ def test_engines_come_back_ready_after_their_docker_daemon_restarts_and_the_agen
     own_dockerd.stop()
 
     down = agent.cycle()
-    assert down.outcome == Outcome.UNCHANGED
+    assert down.outcome == CycleStatus.UNCHANGED
     # Noticed: listed as it was last seen, state unknown, not ready, so not served.
     assert (_engine(agent, name)["state"], _engine(agent, name)["ready"]) == ("unknown", False)
     observed = last_observation(server, node_id)
@@ -91,7 +91,7 @@ def test_engines_come_back_ready_after_their_docker_daemon_restarts_and_the_agen
 
     own_dockerd.start()
     # Bounded by a count of cycles (about a minute), not by the clock.
-    outcomes: list[Outcome] = []
+    outcomes: list[CycleStatus] = []
     for _cycle in range(200):
         if _engine(agent, name)["ready"]:
             break
@@ -99,7 +99,7 @@ def test_engines_come_back_ready_after_their_docker_daemon_restarts_and_the_agen
         outcomes.append(agent.cycle().outcome)
     assert _engine(agent, name)["ready"], (outcomes, agent._engines)
 
-    assert set(outcomes) <= {Outcome.UNCHANGED}  # no publish, no repair: the restart policy brought it back
+    assert set(outcomes) <= {CycleStatus.UNCHANGED}  # no publish, no repair: the restart policy brought it back
     assert agent.counters.repairs == 0 and agent.counters.applies == 1
     after = _ours(own_dockerd, name)
     assert [(c.id, c.status) for c in after] == [(before[0].id, "running")]  # the same container, once

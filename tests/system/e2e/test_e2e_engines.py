@@ -42,7 +42,7 @@ from ansible_collections.meridian.node.tests.support.engine_harness import hold_
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from meridian_node_agent.agent_side.control_client import ControlPlaneRejected, ControlPlaneUnavailable
-from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, Outcome, read_status
+from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, CycleStatus, read_status
 from meridian_node_agent.apply.applier import ApplyResult
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.config import load_config
@@ -169,7 +169,7 @@ def test_published_engine_is_started_ready_observed_and_served(
         }
     ]
     # The same generation again: the agent runs nothing, and the playbook itself changes nothing.
-    assert agent.cycle().outcome == Outcome.UNCHANGED
+    assert agent.cycle().outcome == CycleStatus.UNCHANGED
     again = _apply_again(node, agent)
     assert (again.status, again.changed, again.failed) == ("successful", 0, 0), again.failures
     assert container_named(docker_client, name).id == container.id
@@ -272,7 +272,7 @@ def test_observe_only_creates_nothing_and_still_reports(
 
     outcome = node.agent().cycle()
 
-    assert (outcome.outcome, outcome.generation, outcome.run) == (Outcome.OBSERVED_ONLY, generation, None)
+    assert (outcome.outcome, outcome.generation, outcome.run) == (CycleStatus.OBSERVED_ONLY, generation, None)
     assert container_named(docker_client, name) is None
     assert node.node.journal_runs() == [] and node.node.oplog_lines() == []
     assert StateStore(node.state_dir).load().generation == 0
@@ -286,7 +286,7 @@ def test_revoked_node_is_refused_not_treated_as_unreachable(server: DevServer, t
     node = make_e2e_node(server, tmp_path / "node", node_id)
     publish(server, node_id)
     agent = node.agent()
-    assert agent.cycle().outcome == Outcome.APPLIED
+    assert agent.cycle().outcome == CycleStatus.APPLIED
     server.cli("revoke", node_id)
 
     with pytest.raises(ControlPlaneRejected) as refused:

@@ -39,7 +39,7 @@ from ansible_collections.meridian.node.tests.support.e2e_env import (
 from ansible_collections.meridian.node.tests.support.engine_harness import hold_requests
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from meridian_node_agent.agent_side.cycle import Agent, Outcome, read_status
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus, read_status
 from meridian_node_agent.apply.applier import ApplyResult
 from meridian_node_agent.apply.oplog import OpLog
 
@@ -155,7 +155,7 @@ def test_new_engine_on_a_dropped_engines_port_converges_after_the_old_one_is_pru
     assert [(e["engine"], e["address"]) for e in serving(node, prefix)] == [(new, f"127.0.0.1:{port}")]
     assert not (node.state_dir / "draining" / f"{old}.json").exists()
     # Nothing more to do: the agent runs nothing for the same generation.
-    assert agent.cycle().outcome == Outcome.UNCHANGED
+    assert agent.cycle().outcome == CycleStatus.UNCHANGED
 
 
 def test_dropped_engine_in_nobodys_way_serves_until_the_new_engine_is_ready(

@@ -36,7 +36,7 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     local_artifact,
     make_key,
 )
-from meridian_node_agent.agent_side.cycle import Agent, Outcome
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.apply.applier import ApplyResult
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -174,7 +174,7 @@ def test_engine_only_changes_run_one_module_call_and_an_unchanged_cycle_runs_no_
     assert len(runs) == 3
     for _ in range(2):
         outcome = agent.cycle()
-        assert (outcome.outcome, outcome.run) == (Outcome.UNCHANGED, None)
+        assert (outcome.outcome, outcome.run) == (CycleStatus.UNCHANGED, None)
     assert (node.node.journal_runs(), node.node.oplog_lines()) == (runs, oplog)
 
 

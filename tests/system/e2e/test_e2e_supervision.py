@@ -29,7 +29,7 @@ from ansible_collections.meridian.node.tests.support.e2e_env import (
 )
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, Outcome
+from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.cli import main as cli_main
 from meridian_node_agent.config import load_config
@@ -48,8 +48,8 @@ def _supervised(server: DevServer, root: Any, node_id: str) -> E2ENode:
     return node
 
 
-def _cycle_until(agent: Agent, wanted: Outcome, *, timeout: float = 60) -> tuple[CycleOutcome, list[Outcome]]:
-    seen: list[Outcome] = []
+def _cycle_until(agent: Agent, wanted: CycleStatus, *, timeout: float = 60) -> tuple[CycleOutcome, list[CycleStatus]]:
+    seen: list[CycleStatus] = []
     deadline = time.monotonic() + timeout  # a liveness bound, not a timing assertion
     while True:
         outcome = agent.cycle()
@@ -85,10 +85,10 @@ def test_an_engine_stopped_or_removed_behind_the_agents_back_is_brought_back_wit
     else:
         before.remove(force=True)
 
-    outcome, seen = _cycle_until(agent, Outcome.REPAIRED)
+    outcome, seen = _cycle_until(agent, CycleStatus.REPAIRED)
 
     assert outcome.generation == generation and outcome.run is not None and outcome.run.ok
-    assert set(seen[:-1]) <= {Outcome.UNCHANGED}  # the settle time passed in unchanged cycles, no publish
+    assert set(seen[:-1]) <= {CycleStatus.UNCHANGED}  # the settle time passed in unchanged cycles, no publish
     after = container_named(docker_client, name)
     assert after is not None and after.status == "running"
     assert (after.id == before.id) is (how == "docker stop")  # started again, or created again
@@ -99,7 +99,7 @@ def test_an_engine_stopped_or_removed_behind_the_agents_back_is_brought_back_wit
     assert observed is not None and observed["applied_generation"] == generation
     assert {e["name"]: e["ready"] for e in observed["engines"]}.get(name) is True
     # Healthy again: the next cycles run nothing.
-    assert agent.cycle().outcome == Outcome.UNCHANGED
+    assert agent.cycle().outcome == CycleStatus.UNCHANGED
     assert agent.counters.repairs == 1
     # 'status --json' shows the repair and the backoff it left (forgotten after 10 min healthy).
     agent.write_status()
@@ -127,7 +127,7 @@ def test_a_drained_engine_stays_stopped_until_the_next_generation(
         outcomes.append(agent.cycle().outcome)
         time.sleep(0.3)
 
-    assert set(outcomes) == {Outcome.UNCHANGED}
+    assert set(outcomes) == {CycleStatus.UNCHANGED}
     assert container_named(docker_client, name).status == "exited"
     assert agent.counters.repairs == 0
 
@@ -173,7 +173,7 @@ def test_a_killed_engine_is_observed_with_how_it_ended_then_repaired(
     engine = {e["name"]: e for e in observed["engines"]}[name]
     assert (engine["state"], engine["ready"], engine["ready_since"]) == ("exited", False, None)
     assert (engine["exit_code"], engine["exit_reason"]) == (137, "killed by signal 9")
-    outcome, _seen = _cycle_until(agent, Outcome.REPAIRED)
+    outcome, _seen = _cycle_until(agent, CycleStatus.REPAIRED)
     assert outcome.generation == generation
     observed = last_observation(node.server, node.node_id)
     assert observed is not None
@@ -188,22 +188,22 @@ def test_an_engine_changed_by_hand_with_docker_update_is_repaired_naming_the_set
     before = container_named(docker_client, name)
     assert before is not None
     before.update(restart_policy={"Name": "no"}, cpu_quota=50_000, cpu_period=100_000)
-    assert agent.cycle().outcome == Outcome.UNCHANGED  # seen, still settling
+    assert agent.cycle().outcome == CycleStatus.UNCHANGED  # seen, still settling
     agent.write_status()
     assert cli_main(["--config", str(node.node.config_path), "status", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["agent"]
     assert {e["name"]: e["drifted"] for e in shown["engines"]}[name] == ["restart_policy", "cpus"]
     assert shown["supervision"][name]["problem"] == "changed by hand: restart_policy, cpus"
 
-    outcome, seen = _cycle_until(agent, Outcome.REPAIRED)
+    outcome, seen = _cycle_until(agent, CycleStatus.REPAIRED)
 
     assert outcome.generation == generation and outcome.run is not None and outcome.run.ok
-    assert set(seen[:-1]) <= {Outcome.UNCHANGED}  # no publish
+    assert set(seen[:-1]) <= {CycleStatus.UNCHANGED}  # no publish
     started = [e for e in OpLog(node.state_dir / "oplog.jsonl").read() if e.result == "started"]
     assert started[-1].reason == f"drift: {name}: changed by hand: restart_policy, cpus"
     after = container_named(docker_client, name)
     assert after is not None and after.id != before.id and after.status == "running"
     assert after.attrs["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"
     assert (after.attrs["HostConfig"]["CpuQuota"], after.attrs["HostConfig"]["CpuPeriod"]) == (0, 0)
-    assert agent.cycle().outcome == Outcome.UNCHANGED
+    assert agent.cycle().outcome == CycleStatus.UNCHANGED
     assert agent.counters.repairs == 1

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, port_bind_problem
+from ansible_collections.meridian.node.plugins.module_utils.engine_rules import DRIVERS
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import (
     container_settings,
@@ -20,7 +21,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.probes impor
     probe_readiness,
     read_in_flight,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.spec import DRIVERS, parse_engine_spec
+from ansible_collections.meridian.node.plugins.module_utils.engines.spec import parse_engine_spec
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 
 SERVER = Path(__file__).resolve().parents[2] / "support" / "standin_server.py"

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -72,25 +71,6 @@ class Clock:
         self.now += timedelta(minutes=minutes)
 
 
-@pytest.fixture
-def server() -> Iterator[ArtifactServer]:
-    instance = ArtifactServer().start()
-    try:
-        yield instance
-    finally:
-        instance.stop()
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(tmp_path: Path, clock: Clock) -> Store:
-    return Store(str(tmp_path / "store"), clock=clock)
-
-
 class Release:
     """One artifact version: its files (published on the server) and its signed, verified manifest."""
 
@@ -111,7 +91,7 @@ class Release:
         return result.manifest, result.payload_sha256
 
 
-def install(store: Store, release: Release, tmp_path: Path, **options: Any) -> artifact_store.Outcome:
+def install(store: Store, release: Release, tmp_path: Path, **options: Any) -> artifact_store.StoreOutcome:
     manifest, digest = release.verified(tmp_path)
     options.setdefault("config", FetchConfig(timeout=10, attempts=2, sleep=lambda s: None))
     return ensure_artifact(store, manifest, manifest_sha256=digest, source=release.source, **options)
@@ -377,7 +357,7 @@ def test_two_runs_at_once_one_waits_and_one_verified_copy_results(
     release = Release(server, "1.0", {"w.bin": os.urandom(2 * MIB)})
     manifest, digest = release.verified(tmp_path)
     server.mode, server.slow_chunk, server.slow_delay = "slow", 256 * 1024, 0.02
-    outcomes: list[artifact_store.Outcome] = []
+    outcomes: list[artifact_store.StoreOutcome] = []
     errors: list[BaseException] = []
     start = threading.Barrier(2)
 

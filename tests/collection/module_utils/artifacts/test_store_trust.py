@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,25 +56,6 @@ from meridian_node_agent import cli
 
 OTHER = 4242  # a uid nobody on this machine has: "another user"
 LAYOUT = ["", "blobs", "blobs/sha256", "staging", "artifacts", "artifacts/llama"]
-
-
-@pytest.fixture
-def server() -> Iterator[ArtifactServer]:
-    instance = ArtifactServer().start()
-    try:
-        yield instance
-    finally:
-        instance.stop()
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(tmp_path: Path, clock: Clock) -> Store:
-    return Store(str(tmp_path / "store"), clock=clock)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -14,15 +13,14 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
     MODEL_MOUNT_PATH,
     DriverError,
     InFlight,
-    MetricsFormatError,
     Mount,
     OpenAIDriver,
     SigtermBehaviour,
     get_driver,
     in_flight,
-    parse_prometheus_text,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineSpec, parse_engine_spec
+from ansible_collections.meridian.node.plugins.module_utils.engines.prometheus_text import MetricsFormatError
+from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec, parse_engine_spec
 
 IMAGE = "registry.example/engines/x@sha256:" + "a" * 64
 MODEL_DIR = "/var/lib/meridian/store/artifacts/llama/1.0.0"
@@ -31,7 +29,7 @@ GPU_B = "GPU-11111111-2222-3333-4444-555555555555"
 MIG = "MIG-5c89852c-d268-c3f3-1b07-005d5ae1dc3f"
 
 
-def spec(driver: str, **fields: Any) -> EngineSpec:
+def spec(driver: str, **fields: Any) -> ParsedEngineSpec:
     document: dict[str, Any] = {
         "name": "chat-small",
         "driver": driver,
@@ -78,8 +76,6 @@ def test_public_api_is_pinned() -> None:
         "LaunchSettings",
         "LlamaCppDriver",
         "LmDeployDriver",
-        "MetricSample",
-        "MetricsFormatError",
         "Mount",
         "OllamaDriver",
         "OpenAIDriver",
@@ -90,7 +86,6 @@ def test_public_api_is_pinned() -> None:
         "VllmDriver",
         "get_driver",
         "in_flight",
-        "parse_prometheus_text",
     }
 
 
@@ -588,46 +583,6 @@ def test_nan_gauge_is_absent_not_zero() -> None:
     result = in_flight("tgi_queue_size NaN\ntgi_batch_current_size 1\n", get_driver("tgi").facts)
     assert result.waiting is None
     assert result.missing == ("tgi_queue_size",)
-
-
-def test_labels_with_escapes_commas_braces_and_spaces_parse() -> None:
-    text = 'm{a="x,y",b="say \\"hi\\"",c="{}",d="back\\\\slash",e="two\\nlines",f="with space",} 1.5e+3\n'
-    (sample,) = parse_prometheus_text(text)
-    assert sample.name == "m"
-    assert sample.value == 1500.0
-    assert dict(sample.labels) == {
-        "a": "x,y",
-        "b": 'say "hi"',
-        "c": "{}",
-        "d": "back\\slash",
-        "e": "two\nlines",
-        "f": "with space",
-    }
-
-
-def test_timestamps_special_values_and_exemplars_parse() -> None:
-    text = 'a 1 1700000000000\nb +Inf\nc -Inf\nd_total{x="1"} 3 # {trace_id="abc"} 1.0 1700000000.1\n   \n# EOF\n'
-    samples = {s.name: s.value for s in parse_prometheus_text(text)}
-    assert samples["a"] == 1.0
-    assert samples["b"] == math.inf
-    assert samples["c"] == -math.inf
-    assert samples["d_total"] == 3.0
-
-
-@pytest.mark.parametrize(
-    ("text", "line"),
-    [
-        ("<html><body>502 Bad Gateway</body></html>\n", 1),
-        ("# TYPE a gauge\na 1\nb{x=1} 2\n", 3),
-        ('ok 1\nbad{x="unterminated} 2\n', 2),
-        ("ok 1\nnovalue\n", 2),
-        ("ok 1\nm three\n", 2),
-        ("ok 1\nm 1 2 3\n", 2),
-    ],
-)
-def test_text_that_is_not_prometheus_exposition_is_refused_naming_the_line(text: str, line: int) -> None:
-    with pytest.raises(MetricsFormatError, match=f"line {line} "):
-        parse_prometheus_text(text)
 
 
 def test_proxy_error_page_is_never_read_as_zero_in_flight() -> None:

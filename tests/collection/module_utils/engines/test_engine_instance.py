@@ -41,7 +41,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.instance imp
     public_spec,
     reservations_from,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.spec import Volume
+from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedVolume
 from ansible_collections.meridian.node.plugins.module_utils.engines.volumes import VolumeRefusedError, resolve_volumes
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import EnginesPolicy, PolicyError, load_policy
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
@@ -511,32 +511,32 @@ def allowing(*sources: Path) -> EnginesPolicy:
     return EnginesPolicy(("vllm",), "127.0.0.1", (8000, 8999), allowed_volume_sources=tuple(map(str, sources)))
 
 
-def refusal(volume: Volume, policy: EnginesPolicy, **kwargs: Any) -> VolumeRefusedError:
+def refusal(volume: ParsedVolume, policy: EnginesPolicy, **kwargs: Any) -> VolumeRefusedError:
     with pytest.raises(VolumeRefusedError) as caught:
         resolve_volumes([volume], policy, **kwargs)
     return caught.value
 
 
 def test_allowed_directories_and_files_are_mounted_as_they_are(data: Path) -> None:
-    volumes = [Volume(str(data / "tok"), "/tok"), Volume(str(data / "template.jinja"), "/t.jinja")]
+    volumes = [ParsedVolume(str(data / "tok"), "/tok"), ParsedVolume(str(data / "template.jinja"), "/t.jinja")]
     assert resolve_volumes(volumes, allowing(data)) == tuple(volumes)
 
 
 def test_a_symlink_inside_the_allowed_directory_is_mounted_where_it_leads(data: Path) -> None:
     (data / "latest").symlink_to(data / "tok")
-    resolved = resolve_volumes([Volume(str(data / "latest"), "/tok")], allowing(data))
-    assert resolved == (Volume(str(data / "tok"), "/tok"),)
+    resolved = resolve_volumes([ParsedVolume(str(data / "latest"), "/tok")], allowing(data))
+    assert resolved == (ParsedVolume(str(data / "tok"), "/tok"),)
 
 
 def test_an_allowed_directory_that_is_a_symlink_allows_where_it_leads(tmp_path: Path, data: Path) -> None:
     (tmp_path / "models").symlink_to(data)
-    resolved = resolve_volumes([Volume(str(tmp_path / "models" / "tok"), "/tok")], allowing(tmp_path / "models"))
-    assert resolved == (Volume(str(data / "tok"), "/tok"),)
+    resolved = resolve_volumes([ParsedVolume(str(tmp_path / "models" / "tok"), "/tok")], allowing(tmp_path / "models"))
+    assert resolved == (ParsedVolume(str(data / "tok"), "/tok"),)
 
 
 def test_a_symlink_planted_in_an_allowed_directory_cannot_reach_host_configuration(data: Path) -> None:
     (data / "innocent").symlink_to("/etc")
-    refused = refusal(Volume(str(data / "innocent"), "/cfg"), allowing(data))
+    refused = refusal(ParsedVolume(str(data / "innocent"), "/cfg"), allowing(data))
     assert refused.check == "volume"
     assert "resolves to '/etc'" in str(refused) and "overlaps /etc" in str(refused)
 
@@ -545,19 +545,19 @@ def test_a_symlink_cannot_lead_out_of_the_allowed_directories(tmp_path: Path, da
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (data / "out").symlink_to(elsewhere)
-    refused = refusal(Volume(str(data / "out"), "/o"), allowing(data))
+    refused = refusal(ParsedVolume(str(data / "out"), "/o"), allowing(data))
     assert refused.check == "volume"
     assert f"resolves to {str(elsewhere)!r}" in str(refused) and "not at or below" in str(refused)
 
 
 def test_a_path_the_policy_does_not_list_is_refused_by_policy(tmp_path: Path, data: Path) -> None:
-    refused = refusal(Volume(str(tmp_path), "/t"), allowing(data))
+    refused = refusal(ParsedVolume(str(tmp_path), "/t"), allowing(data))
     assert refused.check == "policy-volume"
     assert str(data) in str(refused)
 
 
 def test_a_missing_source_is_refused_before_docker_would_create_it(data: Path) -> None:
-    refused = refusal(Volume(str(data / "nope"), "/n"), allowing(data))
+    refused = refusal(ParsedVolume(str(data / "nope"), "/n"), allowing(data))
     assert refused.check == "volume"
     assert "cannot be read on this host" in str(refused)
 
@@ -565,14 +565,14 @@ def test_a_missing_source_is_refused_before_docker_would_create_it(data: Path) -
 def test_a_socket_is_refused_even_read_only(data: Path) -> None:
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(data / "engine.sock"))
-        refused = refusal(Volume(str(data / "engine.sock"), "/s"), allowing(data))
+        refused = refusal(ParsedVolume(str(data / "engine.sock"), "/s"), allowing(data))
     assert refused.check == "volume"
     assert "is a socket" in str(refused) and "connect" in str(refused)
 
 
 def test_a_fifo_is_refused(data: Path) -> None:
     os.mkfifo(data / "pipe")
-    assert "is a FIFO" in str(refusal(Volume(str(data / "pipe"), "/p"), allowing(data)))
+    assert "is a FIFO" in str(refusal(ParsedVolume(str(data / "pipe"), "/p"), allowing(data)))
 
 
 @pytest.mark.parametrize("which", ["store", "state"])
@@ -580,6 +580,6 @@ def test_this_hosts_own_directories_are_refused_inside_an_allowed_one(data: Path
     own = data / which
     own.mkdir()
     # Given in another spelling: the host's directories are compared resolved.
-    refused = refusal(Volume(str(data), "/all"), allowing(data), host_dirs=[str(own) + "/", ""])
+    refused = refusal(ParsedVolume(str(data), "/all"), allowing(data), host_dirs=[str(own) + "/", ""])
     assert refused.check == "volume"
     assert f"overlaps {own}" in str(refused)

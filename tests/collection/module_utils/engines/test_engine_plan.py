@@ -9,7 +9,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
 from ansible_collections.meridian.node.plugins.module_utils.engines.instance import engine_settings, poll_intervals
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import (
     Action,
-    ForeignContainerError,
+    NameTakenError,
     Observed,
     plan_engine,
 )
@@ -114,7 +114,7 @@ def test_no_wait_ready_when_not_asked() -> None:
 @pytest.mark.parametrize("state", ["present", "started", "stopped", "absent"])
 def test_a_foreign_container_with_our_name_is_refused_in_every_state(state: Any) -> None:
     foreign = Observed(owned=False, status="running")
-    with pytest.raises(ForeignContainerError, match=r"'chat' exists but was not created by meridian\.node"):
+    with pytest.raises(NameTakenError, match=r"'chat' exists but was not created by meridian\.node"):
         plan_engine(name="chat", state=state, config_hash=NEW, spec=SPEC, observed=foreign)
 
 

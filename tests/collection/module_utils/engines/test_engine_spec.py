@@ -1,4 +1,4 @@
-"""The engine modules' spec check (no pydantic) against the ``EngineSpec`` contract (pydantic).
+"""The engine modules' spec check (no pydantic) against the ``ParsedEngineSpec`` contract (pydantic).
 
 Both must accept and refuse the same documents; a table of good and bad specs runs through each.
 """
@@ -16,9 +16,9 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import check_mapping
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import (
-    EngineSpec,
     FieldError,
-    ModelRef,
+    ParsedEngineSpec,
+    ParsedModelRef,
     parse_engine_spec,
 )
 
@@ -235,10 +235,10 @@ def test_where_prefixes_every_path() -> None:
 
 def test_parsed_spec_is_frozen_and_model_dict_drops_nulls() -> None:
     parsed = parse_engine_spec(spec(model={"name": "m"}))
-    assert parsed.model == ModelRef(name="m") and parsed.model.as_dict() == {"name": "m"}
+    assert parsed.model == ParsedModelRef(name="m") and parsed.model.as_dict() == {"name": "m"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         parsed.port = 1  # type: ignore[misc]
-    assert isinstance(parsed, EngineSpec)
+    assert isinstance(parsed, ParsedEngineSpec)
 
 
 def test_missing_and_unknown_keys_are_named_together() -> None:

@@ -6,7 +6,6 @@ import os
 import shutil
 import stat
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -323,16 +322,15 @@ def test_a_lock_left_open_to_others_by_an_older_release_is_replaced_not_waited_o
     assert stat.S_IMODE(lock.stat().st_mode) == 0o600
 
 
+@pytest.mark.timeout(60)  # a block without end fails here instead of hanging the suite
 def test_a_lock_held_past_the_wait_is_an_error_naming_it_never_a_block(tmp_path: Path) -> None:
     store = StateStore(tmp_path, lock_wait_seconds=0.3)
     store.record_applied(3, 1, SHA_A)
     fd = os.open(tmp_path / "applied.json.lock", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        began = time.monotonic()
         with pytest.raises(StateStoreError, match=r"applied.json.lock\) is busy.*longer than 0.3 s.*fuser -v"):
             store.record_accepted(4, 1, SHA_B)
-        assert time.monotonic() - began < 5
     finally:
         os.close(fd)
     assert store.load() == AppliedState(3, 1, SHA_A)

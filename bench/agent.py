@@ -167,7 +167,7 @@ def wait_all_ready(ports: Sequence[int], deadline: float = READY_DEADLINE) -> fl
     waiting = list(ports)
     end = time.monotonic() + deadline
     while time.monotonic() < end:
-        waiting = [port for port in waiting if http_get(BIND, port, "/health", timeout=1.0).status != 200]
+        waiting = [port for port in waiting if http_get(BIND, port, "/health", timeout_s=1.0).status != 200]
         if not waiting:
             return time.perf_counter()
         time.sleep(0.02)
@@ -212,7 +212,7 @@ class ReadyWatch:
         end = time.monotonic() + READY_DEADLINE
         while len(self.ready) < len(self.engines) and time.monotonic() < end and not self.done.is_set():
             for name in [n for n in list(self.started) if n not in self.ready]:
-                if http_get(BIND, self.engines[name], "/health", timeout=1.0).status == 200:
+                if http_get(BIND, self.engines[name], "/health", timeout_s=1.0).status == 200:
                     self.ready[name] = time.perf_counter()
             time.sleep(0.02)
 
@@ -232,7 +232,7 @@ class ReadyWatch:
 def wait_gone(ports: Sequence[int], deadline: float = 60.0) -> None:
     """Until nothing answers on any of ``ports``."""
     end = time.monotonic() + deadline
-    while any(http_get(BIND, port, "/health", timeout=0.5).status is not None for port in ports):
+    while any(http_get(BIND, port, "/health", timeout_s=0.5).status is not None for port in ports):
         if time.monotonic() > end:
             fail(f"something still answers on one of the ports {list(ports)} after its engine was removed")
         time.sleep(0.05)
@@ -243,7 +243,7 @@ def remove_engine(client: Any, name: str, port: int) -> None:
         if container.name == name:
             container.remove(force=True)
     end = time.monotonic() + 30
-    while http_get(BIND, port, "/health", timeout=0.5).status is not None:
+    while http_get(BIND, port, "/health", timeout_s=0.5).status is not None:
         if time.monotonic() > end:
             fail(f"something still answers on port {port} after the engine was removed")
         time.sleep(0.05)
@@ -552,9 +552,9 @@ class Counting:
         lease: Lease = self.real.heartbeat(node_id)
         return lease
 
-    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch:
+    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait_s: float = 0) -> DesiredStateFetch:
         self.fetches += 1
-        fetched: DesiredStateFetch = self.real.fetch_desired_state(node_id, etag=etag, wait=wait)
+        fetched: DesiredStateFetch = self.real.fetch_desired_state(node_id, etag=etag, wait_s=wait_s)
         return fetched
 
     def post_observation(self, observation: Observation) -> None:
@@ -588,7 +588,7 @@ class StepClock:
 def in_process_agent(setup: Setup, clock: Callable[[], float] | None) -> tuple[Agent, Counting, DockerEngine]:
     config = load_config(setup.config_path)
     agent: Agent = build_agent(config, log=EventLogger())
-    docker_engine = DockerEngine.from_env(timeout=5)
+    docker_engine = DockerEngine.from_env(timeout_s=5)
     if clock is not None:
         # The same observer build_agent wires, on the stepped clock (engine listing, GPU facts refresh).
         agent.observer = Observer(
@@ -622,23 +622,23 @@ def unchanged_cycles(
         if agent.supervisor.generation is None:
             fail("the applied state was not taken up for supervision")
     try:
-        first = agent.cycle(wait=0)
+        first = agent.cycle(wait_s=0)
         if first.outcome != CycleStatus.UNCHANGED:
             fail(f"the published state was not already applied: the first cycle was {first.outcome}")
         for _ in range(5):  # warm caches and the TLS connection, as a running agent has
             if clock is not None:
-                clock.step(agent.wait)
-            agent.cycle(wait=0)
+                clock.step(agent.wait_s)
+            agent.cycle(wait_s=0)
         counting.heartbeats = counting.posts = 0
         total = 0.0
         profiler = cProfile.Profile(time.process_time) if profile else None  # CPU, not waiting
         for _ in range(cycles):
             if clock is not None:
-                clock.step(agent.wait)
+                clock.step(agent.wait_s)
             if profiler is not None:
                 profiler.enable()
             start = time.process_time()
-            outcome = agent.cycle(wait=0)
+            outcome = agent.cycle(wait_s=0)
             agent.write_status()  # what Agent.run does after every cycle
             total += time.process_time() - start
             if profiler is not None:
@@ -696,7 +696,7 @@ def docker_floor(client: Any, setup: Setup, rounds: int) -> tuple[float, float]:
         )
         container.start()
         end = time.monotonic() + READY_DEADLINE
-        while http_get(BIND, port, "/health", timeout=1.0).status != 200:
+        while http_get(BIND, port, "/health", timeout_s=1.0).status != 200:
             if time.monotonic() > end:
                 fail(f"{name} did not answer ready")
             time.sleep(0.02)
@@ -741,20 +741,20 @@ def kill_to_ready(setup: Setup, client: Any, *, by: str) -> tuple[float, str]:
     if by == "agent":
         agent, counting, docker_engine = in_process_agent(setup, None)
         agent.resume_supervision()
-        agent.cycle(wait=0)
+        agent.cycle(wait_s=0)
     try:
         start = time.perf_counter()
         if by == "docker":
             crash(container)
         else:
             container.stop(timeout=10)
-        while http_get(BIND, setup.port, "/health", timeout=0.5).status == 200:
+        while http_get(BIND, setup.port, "/health", timeout_s=0.5).status == 200:
             time.sleep(0.02)  # dead for sure before the clock for "ready again" runs
         end = time.monotonic() + 120
         while time.monotonic() < end:
             if agent is not None:
-                agent.cycle(wait=0)
-            if http_get(BIND, setup.port, "/health", timeout=0.5).status == 200:
+                agent.cycle(wait_s=0)
+            if http_get(BIND, setup.port, "/health", timeout_s=0.5).status == 200:
                 how = f"restart policy {policy}" if by == "docker" else f"agent repair (restart policy {policy})"
                 return time.perf_counter() - start, how
             time.sleep(0.5 if agent is not None else 0.05)

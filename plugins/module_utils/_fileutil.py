@@ -1,17 +1,40 @@
-"""Durable file writes: a reader sees the old content or the new content, never a torn mix.
+"""Small files, written durably and read with a cap.
 
-Used wherever a half-written file would be dangerous: the applied-state record (rollback protection), the
-artifact store, the agent's spool.
+``atomic_write``: a reader sees the old content or the new content, never a torn mix. Used wherever a
+half-written file would be dangerous: the applied-state record (rollback protection), the artifact store,
+the agent's spool.
+
+``read_capped``: the one way a small file (a mark, a policy, an envelope, a file the other side of the
+privilege boundary wrote) is read. It is opened without following a symlink (unless asked to), without
+blocking (a FIFO cannot hang the reader), refused unless it is a regular file, and never read past the
+cap; every refusal is a ``CappedReadError`` whose ``reason`` says which, and whose message names the file
+and what to do.
 """
 
+from __future__ import annotations
+
 import contextlib
+import enum
+import errno
 import os
+import stat
 import tempfile
+from collections.abc import Callable
 
-__all__ = ["atomic_write", "fsync_directory"]
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+
+__all__ = [
+    "CappedFileMissingError",
+    "CappedReadError",
+    "CappedReadReason",
+    "atomic_write",
+    "file_kind",
+    "fsync_directory",
+    "read_capped",
+]
 
 
-def fsync_directory(path: "os.PathLike[str] | str") -> None:
+def fsync_directory(path: os.PathLike[str] | str) -> None:
     """Flush a directory entry change (a rename, a new file) to disk."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -20,7 +43,7 @@ def fsync_directory(path: "os.PathLike[str] | str") -> None:
         os.close(fd)
 
 
-def atomic_write(path: "os.PathLike[str] | str", data: bytes, mode: int = 0o600, group: int = -1) -> None:
+def atomic_write(path: os.PathLike[str] | str, data: bytes, mode: int = 0o600, group: int = -1) -> None:
     """Replace ``path`` with ``data`` atomically and durably; ``group`` (a gid) is set before the rename.
 
     The temporary file lives in the destination's directory because ``os.replace`` is only atomic within
@@ -49,3 +72,166 @@ def atomic_write(path: "os.PathLike[str] | str", data: bytes, mode: int = 0o600,
             os.unlink(temp)
         raise
     fsync_directory(directory)
+
+
+class CappedReadReason(str, enum.Enum):
+    """Why ``read_capped`` refused a file; the value is the short code callers may report."""
+
+    MISSING = "missing"
+    UNREADABLE = "unreadable"
+    SYMLINK = "symlink"
+    NOT_REGULAR = "not-regular"
+    TOO_LARGE = "too-large"
+
+
+_FIXES = {
+    CappedReadReason.MISSING: "check the path",
+    CappedReadReason.UNREADABLE: "check the path and the file's permissions",
+    CappedReadReason.SYMLINK: "symlinks are not followed here: put the file itself there",
+    CappedReadReason.NOT_REGULAR: "put a regular file there",
+    CappedReadReason.TOO_LARGE: "check that it is the right file",
+}
+
+
+class CappedReadError(MeridianError):
+    """``read_capped`` refused a file: ``reason`` (a ``CappedReadReason``) says why, ``detail`` says it in
+    words (the OS's text for an OS error), ``errno`` is the OS error number where there is one (``EISDIR``
+    for a directory, as ``open()`` reports it), ``path`` and ``what`` name the file."""
+
+    def __init__(
+        self,
+        reason: CappedReadReason,
+        *,
+        what: str,
+        path: str,
+        detail: str,
+        error_number: int | None = None,
+    ) -> None:
+        super().__init__(f"cannot read {what} {path}: {detail}; {_FIXES[reason]}")
+        self.reason = reason
+        self.what = what
+        self.path = path
+        self.detail = detail
+        self.errno = error_number
+
+
+class CappedFileMissingError(CappedReadError):
+    """The file does not exist (``reason`` is ``MISSING``): for many callers, "there is none yet"."""
+
+
+def read_capped(
+    path: os.PathLike[str] | str,
+    max_bytes: int,
+    *,
+    what: str,
+    nofollow: bool = True,
+    dir_fd: int | None = None,
+    check: Callable[[os.stat_result], None] | None = None,
+) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them; ``CappedReadError`` otherwise.
+
+    ``what`` names the file for people (``"draining mark"``). The file is opened ``O_NONBLOCK`` (a FIFO
+    cannot hang the open) and, unless ``nofollow`` is false, ``O_NOFOLLOW``: a symlink is refused, not
+    followed. Keep ``nofollow`` for anything in a directory someone else may write; pass False only for a
+    path a person named (a policy, a command line's file). Anything but a regular file is refused after
+    the open, by ``fstat`` of what was opened, so a swap between a check and the open cannot slip past.
+    A file larger than ``max_bytes`` is refused by its size before any byte is read, and, should it grow
+    while being read, after ``max_bytes + 1`` bytes at most. ``dir_fd`` opens ``path`` relative to that
+    directory (``os.open``'s meaning). ``check`` is called with the regular file's status before anything
+    is read; what it raises propagates (root's checks of link count and owner).
+    """
+    name = os.fspath(path)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    if nofollow:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _open_refusal(exc, name, what=what, nofollow=nofollow, dir_fd=dir_fd) from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CappedReadError(
+                CappedReadReason.NOT_REGULAR,
+                what=what,
+                path=name,
+                detail=f"it is a {file_kind(info.st_mode)}, not a regular file",
+                error_number=errno.EISDIR if stat.S_ISDIR(info.st_mode) else None,
+            )
+        if check is not None:
+            check(info)
+        if info.st_size > max_bytes:
+            raise _too_large(name, max_bytes, what=what)
+        chunks: list[bytes] = []
+        left = max_bytes + 1
+        while left > 0:
+            try:
+                chunk = os.read(fd, min(left, 1024 * 1024))
+            except OSError as exc:
+                raise CappedReadError(
+                    CappedReadReason.UNREADABLE,
+                    what=what,
+                    path=name,
+                    detail=exc.strerror or str(exc),
+                    error_number=exc.errno,
+                ) from exc
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise _too_large(name, max_bytes, what=what)
+    return data
+
+
+def _too_large(name: str, max_bytes: int, *, what: str) -> CappedReadError:
+    return CappedReadError(
+        CappedReadReason.TOO_LARGE, what=what, path=name, detail=f"it is larger than {max_bytes} bytes"
+    )
+
+
+def _open_refusal(exc: OSError, name: str, *, what: str, nofollow: bool, dir_fd: int | None) -> CappedReadError:
+    """The refusal for a failed open: a missing file, a symlink (``ELOOP`` under ``O_NOFOLLOW``), a socket
+    (``ENXIO``), or the OS's own reason. What is there is looked at (``lstat``) only to say it in words."""
+    if exc.errno == errno.ENOENT:
+        return CappedFileMissingError(
+            CappedReadReason.MISSING, what=what, path=name, detail=exc.strerror or str(exc), error_number=exc.errno
+        )
+    if exc.errno in (errno.ELOOP, errno.ENXIO):
+        try:
+            mode = os.lstat(name, dir_fd=dir_fd).st_mode
+        except OSError:
+            mode = None
+        if mode is not None and stat.S_ISLNK(mode) and nofollow:
+            return CappedReadError(
+                CappedReadReason.SYMLINK, what=what, path=name, detail="it is a symlink", error_number=exc.errno
+            )
+        if mode is not None and not stat.S_ISLNK(mode) and not stat.S_ISREG(mode):
+            return CappedReadError(
+                CappedReadReason.NOT_REGULAR,
+                what=what,
+                path=name,
+                detail=f"it is a {file_kind(mode)}, not a regular file",
+                error_number=exc.errno,
+            )
+    return CappedReadError(
+        CappedReadReason.UNREADABLE, what=what, path=name, detail=exc.strerror or str(exc), error_number=exc.errno
+    )
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, in words: ``symlink``, ``FIFO``, ``socket``, ``device``, ``directory``, ..."""
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    return "regular file" if stat.S_ISREG(mode) else "special file"

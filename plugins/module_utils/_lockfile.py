@@ -10,7 +10,7 @@ mode lets others read it can be opened by name and held by the agent's user. Hen
   and renamed over it, so a descriptor someone already holds on the old inode locks nothing used here;
 - once the lock is taken, the file it was taken on must still be the one the name points at (another
   process may have replaced it meanwhile); otherwise it is taken again on the new file;
-- a lock that is not free within ``wait_seconds`` raises ``LockTimeout``, naming the file and what to do:
+- a lock that is not free within ``wait_s`` raises ``LockTimeout``, naming the file and what to do:
   never a silent skip, never a wait without end.
 """
 
@@ -27,14 +27,14 @@ from collections.abc import Callable, Iterator
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 
-__all__ = ["LOCK_MODE", "LOCK_WAIT_SECONDS", "LockError", "LockTimeout", "hold_fd", "hold_lock", "open_private_lock"]
+__all__ = ["LOCK_MODE", "LOCK_WAIT_S", "LockError", "LockTimeout", "hold_fd", "hold_lock", "open_private_lock"]
 
 LOCK_MODE = 0o600
 # How long root waits for one of its locks before it reports the lock busy. Root's own holders keep them for
 # a pass over the inbox or one read-modify-write of the record (milliseconds to a few seconds; an apply holds
 # none of them while ansible-runner runs); far longer means a stuck or hostile holder.
-LOCK_WAIT_SECONDS = 30.0
-_POLL_SECONDS = 0.05
+LOCK_WAIT_S = 30.0
+_POLL_S = 0.05
 _ATTEMPTS = 5
 
 
@@ -45,11 +45,11 @@ class LockError(MeridianError, OSError):
 class LockTimeout(MeridianError, RuntimeError):
     """The lock was held by someone else for longer than the wait allowed; the message says what to do."""
 
-    def __init__(self, path: str, waited: float, what: str) -> None:
+    def __init__(self, path: str, waited_s: float, what: str) -> None:
         self.path = path
-        self.waited = waited
+        self.waited_s = waited_s
         super().__init__(
-            f"{what} ({path}) is busy: another process held it for longer than {waited:g} s. Only this node's "
+            f"{what} ({path}) is busy: another process held it for longer than {waited_s:g} s. Only this node's "
             f"own root units take it, each for seconds; find the holder with 'fuser -v {path}' (or "
             f"'lsof {path}'), and if it is not a meridian-node root unit that is still working, stop it. "
             "Nothing was changed; run again once it is free"
@@ -79,25 +79,25 @@ def open_private_lock(path: os.PathLike[str] | str) -> int:
 def hold_fd(
     path: os.PathLike[str] | str,
     *,
-    wait_seconds: float,
+    wait_s: float,
     what: str,
     monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """The descriptor of ``path`` with ``LOCK_EX`` held (closing it releases the lock); ``LockTimeout`` after
-    ``wait_seconds`` of finding it held."""
+    ``wait_s`` of finding it held."""
     target = os.fspath(path)
-    deadline = monotonic() + wait_seconds
+    deadline = monotonic() + wait_s
     while True:
         fd = open_private_lock(target)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            left = deadline - monotonic()
-            if left <= 0:
-                raise LockTimeout(target, wait_seconds, what) from None
-            sleep(min(_POLL_SECONDS, left))
+            left_s = deadline - monotonic()
+            if left_s <= 0:
+                raise LockTimeout(target, wait_s, what) from None
+            sleep(min(_POLL_S, left_s))
             continue
         except BaseException:
             os.close(fd)
@@ -117,13 +117,13 @@ def hold_fd(
 def hold_lock(
     path: os.PathLike[str] | str,
     *,
-    wait_seconds: float = LOCK_WAIT_SECONDS,
+    wait_s: float = LOCK_WAIT_S,
     what: str = "the lock",
     monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[int]:
     """Hold ``path``'s lock for the block (see ``hold_fd``); yields the descriptor."""
-    fd = hold_fd(path, wait_seconds=wait_seconds, what=what, monotonic=monotonic, sleep=sleep)
+    fd = hold_fd(path, wait_s=wait_s, what=what, monotonic=monotonic, sleep=sleep)
     try:
         yield fd
     finally:

@@ -1,15 +1,21 @@
-"""What every module shell shares: the host options and their defaults, written once.
+"""What every module shell shares: the host options and their defaults, written once, and ``run_module``.
 
 ``HOST_ARGS`` is the argument spec of ``policy`` and ``state_dir`` (documented by the ``meridian.node.host``
 doc fragment); ``POLICY_ARGS`` and ``STATE_DIR_ARGS`` each one of them. Module code that reads a parameter
 dict without ``AnsibleModule`` (engine_set's action plugin, the agent) takes the defaults from here too.
+
+``run_module`` is the end of every shell: it hands the dict an ``*_outcome`` function returned to Ansible.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DEFAULT_POLICY", "DEFAULT_STATE_DIR", "HOST_ARGS", "POLICY_ARGS", "STATE_DIR_ARGS"]
+if TYPE_CHECKING:
+    from ansible.module_utils.basic import AnsibleModule
+
+__all__ = ["DEFAULT_POLICY", "DEFAULT_STATE_DIR", "HOST_ARGS", "POLICY_ARGS", "STATE_DIR_ARGS", "run_module"]
 
 DEFAULT_POLICY = "/etc/meridian/policy.yaml"
 # Root's own directory (the apply unit's StateDirectory=): the record, the journal, the draining marks.
@@ -18,3 +24,16 @@ DEFAULT_STATE_DIR = "/var/lib/meridian-node-apply"
 POLICY_ARGS: dict[str, Any] = {"policy": {"type": "path", "default": DEFAULT_POLICY}}
 STATE_DIR_ARGS: dict[str, Any] = {"state_dir": {"type": "path", "default": DEFAULT_STATE_DIR}}
 HOST_ARGS: dict[str, Any] = {**POLICY_ARGS, **STATE_DIR_ARGS}
+
+
+def run_module(module: AnsibleModule, outcome: Mapping[str, Any]) -> None:
+    """End the module with ``outcome``: each of its ``warnings`` through ``module.warn``, then ``fail_json``
+    when ``failed`` is true (``msg`` and, for a missing library, ``exception`` are in it), else ``exit_json``
+    with the rest of the keys as they are."""
+    result = dict(outcome)
+    for warning in result.pop("warnings", None) or []:
+        module.warn(warning)
+    if result.pop("failed", False):
+        module.fail_json(**result)
+    else:
+        module.exit_json(**result)

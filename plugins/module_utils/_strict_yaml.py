@@ -13,6 +13,11 @@ import traceback
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
+    CappedReadError,
+    CappedReadReason,
+    read_capped,
+)
 
 try:
     import yaml
@@ -38,14 +43,18 @@ class YamlFileError(MeridianError, ValueError):
 
 
 def read_text_file(path: os.PathLike[str] | str, *, what: str, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """The UTF-8 text of a small file; ``what`` (e.g. ``policy /etc/meridian/policy.yaml``) starts messages."""
+    """The UTF-8 text of a small file; ``what`` (e.g. ``policy /etc/meridian/policy.yaml``) starts messages.
+
+    A symlink is followed: these are files an operator names (a policy, the agent's config), and a site may
+    manage them as links. A FIFO or a directory is refused, without blocking.
+    """
     try:
-        with open(os.fspath(path), "rb") as handle:
-            raw = handle.read(max_bytes + 1)
-    except OSError as exc:
-        raise YamlFileError(f"{what}: cannot read the file: {exc.strerror or exc}") from exc
-    if len(raw) > max_bytes:
-        raise YamlFileError(f"{what}: the file is larger than {max_bytes} bytes")
+        raw = read_capped(path, max_bytes, what=what, nofollow=False)
+    except CappedReadError as exc:
+        if exc.reason is CappedReadReason.TOO_LARGE:
+            raise YamlFileError(f"{what}: the file is larger than {max_bytes} bytes") from exc
+        reason = os.strerror(exc.errno) if exc.errno is not None else exc.detail
+        raise YamlFileError(f"{what}: cannot read the file: {reason}") from exc
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

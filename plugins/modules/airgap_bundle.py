@@ -112,117 +112,19 @@ member:
   type: str
 """
 
-from collections.abc import Callable, Sequence
-from datetime import datetime
-from typing import Optional
+from ansible.module_utils.basic import AnsibleModule
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
-
-from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
-from ansible_collections.meridian.node.plugins.module_utils._module import HOST_ARGS
-from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader import (
-    BundleRefused,
-    check_bundle,
-    unpack_bundle,
+from ansible_collections.meridian.node.plugins.module_utils._module import run_module
+from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_args import (
+    ARGUMENT_SPEC,
+    REQUIRED_IF,
+    airgap_bundle_outcome,
 )
-from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_stage import (
-    discard_work_dir,
-    stage_artifacts,
-    write_envelope,
-)
-from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import ArtifactError
-from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import ArtifactStoreError
-from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
-from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError, load_policy
-from ansible_collections.meridian.node.plugins.module_utils.trust.verify import missing_libraries
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "bundle": {"type": "path"},
-            "node_id": {"type": "str"},
-            **HOST_ARGS,
-            "state": {"type": "str", "choices": ["unpacked", "absent"], "default": "unpacked"},
-            "directory": {"type": "path"},
-        },
-        required_if=[("state", "unpacked", ("bundle", "node_id")), ("state", "absent", ("directory",))],
-        supports_check_mode=True,
-    )
-    for package, error in missing_libraries():
-        module.fail_json(msg=missing_required_lib(package), exception=error)
-    params = module.params
-    try:
-        policy = load_policy(params["policy"])
-    except PolicyError as exc:
-        module.fail_json(msg=f"Error reading policy {params['policy']}: {exc}")
-    if params["state"] == "absent":
-        try:
-            removed = False if module.check_mode else discard_work_dir(params["directory"], policy.air_gap.scratch_dir)
-        except (ValueError, OSError) as exc:
-            module.fail_json(msg=f"Error removing bundle work directory {params['directory']}: {exc}")
-        module.exit_json(changed=removed)
-    bundle = params["bundle"]
-    try:
-        applied = StateStore(params["state_dir"]).load()
-        now = datetime.now(UTC)
-        if module.check_mode:
-            checked = check_bundle(bundle, policy, node_id=params["node_id"], now=now, applied=applied)
-            _refuse_playbooks(module, bundle, [entry.path for entry in checked.verified.bundle.files])
-            module.exit_json(
-                changed=not checked.verified.desired.already_applied,
-                bundle_id=checked.verified.bundle.bundle_id,
-                generation=checked.verified.desired.state.generation,
-                already_applied=checked.verified.desired.already_applied,
-                artifacts=[{"name": m.manifest.name, "version": m.manifest.version} for m in checked.manifests],
-                bytes=checked.bytes_read,
-            )
-        unpacked = unpack_bundle(bundle, policy, node_id=params["node_id"], now=now, applied=applied)
-    except BundleRefused as exc:
-        module.fail_json(msg=f"Error reading bundle {bundle}: {exc}", reason=exc.reason.value, member=exc.member)
-    except StateStoreError as exc:
-        module.fail_json(msg=f"Error reading the applied-state record in {params['state_dir']}: {exc}")
-    _refuse_playbooks(module, bundle, list(unpacked.files), unpacked.discard)
-    desired = unpacked.verified.desired
-    if not desired.already_applied:
-        try:
-            # Accepted before its artifacts are staged and reconcile.yml runs: an apply that fails or is cut
-            # short still moves the floor, so an older bundle is refused from now on; this one may run again.
-            StateStore(params["state_dir"]).record_accepted(
-                desired.state.generation, desired.state.lease_epoch, desired.payload_sha256
-            )
-        except StateStoreError as exc:
-            unpacked.discard()
-            module.fail_json(msg=f"Error accepting bundle {bundle}, nothing was applied: {exc}", reason="not-accepted")
-    try:
-        staged = stage_artifacts(unpacked, policy, module.warn)
-        envelope = write_envelope(unpacked)
-    except (ArtifactError, ArtifactStoreError, OSError, ValueError) as exc:
-        unpacked.discard()
-        module.fail_json(msg=f"Error staging the artifacts of bundle {bundle}: {exc}", reason="staging-failed")
-    module.exit_json(
-        changed=not desired.already_applied or any(item["changed"] for item in staged),
-        bundle_id=unpacked.verified.bundle.bundle_id,
-        generation=desired.state.generation,
-        already_applied=desired.already_applied,
-        envelope=envelope,
-        directory=unpacked.directory,
-        artifacts=staged,
-        bytes=unpacked.bytes_read,
-    )
-
-
-def _refuse_playbooks(
-    module: AnsibleModule, bundle: str, paths: Sequence[str], cleanup: Optional[Callable[[], None]] = None
-) -> None:
-    if any(path.startswith("playbooks/") for path in paths):
-        if cleanup is not None:
-            cleanup()
-        module.fail_json(
-            msg=f"Error reading bundle {bundle}: it ships its own playbooks/, which this module does not run: "
-            "apply it with the agent (mode air-gapped), or run its playbooks/reconcile.yml yourself",
-            reason="ships-playbooks",
-        )
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_if=REQUIRED_IF, supports_check_mode=True)
+    run_module(module, airgap_bundle_outcome(module.params, check_mode=module.check_mode))
 
 
 if __name__ == "__main__":

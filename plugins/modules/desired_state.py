@@ -124,54 +124,18 @@ rejection:
 """
 
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.meridian.node.plugins.module_utils._module import HOST_ARGS
-from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStoreError
-from ansible_collections.meridian.node.plugins.module_utils.trust.desired_state import (
-    EnvelopeInputError,
-    read_envelope,
-    reconcile_desired_state,
+from ansible_collections.meridian.node.plugins.module_utils._module import run_module
+from ansible_collections.meridian.node.plugins.module_utils.trust.desired_state_args import (
+    ARGUMENT_SPEC,
+    desired_state_outcome,
 )
-from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError
-from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection, missing_libraries
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "envelope": {"type": "path", "required": True},
-            "node_id": {"type": "str", "required": True},
-            **HOST_ARGS,
-            "record": {"type": "bool", "default": False},
-            "secrets": {"type": "bool", "default": False},
-        },
-        supports_check_mode=True,
-    )
-    for package, error in missing_libraries():
-        module.fail_json(msg=missing_required_lib(package), exception=error)
-    params = module.params
-    try:
-        outcome = reconcile_desired_state(
-            read_envelope(params["envelope"]),
-            policy_path=params["policy"],
-            node_id=params["node_id"],
-            state_dir=params["state_dir"],
-            record=params["record"],
-            check_mode=module.check_mode,
-            secrets=params["secrets"],
-        )
-    except Rejection as exc:
-        module.fail_json(msg=f"Error verifying desired state {params['envelope']}: {exc}", rejection=exc.code.value)
-    except (PolicyError, StateStoreError, EnvelopeInputError) as exc:
-        module.fail_json(msg=f"Error verifying desired state {params['envelope']}: {exc}")
-    result = outcome.result
-    before = result["applied_generation_before"]
-    diff = {
-        "before": {"applied_generation": before},
-        "after": {"applied_generation": result["generation"] if outcome.changed else before},
-    }
-    module.exit_json(changed=outcome.changed, diff=diff, **result)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    run_module(module, desired_state_outcome(module.params, check_mode=module.check_mode))
 
 
 if __name__ == "__main__":

@@ -163,51 +163,13 @@ container:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.meridian.node.plugins.module_utils._module import STATE_DIR_ARGS
-from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
-from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
+from ansible_collections.meridian.node.plugins.module_utils._module import run_module
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain_args import ARGUMENT_SPEC, drain_outcome
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "name": {"type": "str", "required": True},
-            "state": {"type": "str", "default": "drained", "choices": ["drained", "undrained"]},
-            "timeout": {"type": "int", "default": 300},
-            "grace": {"type": "int", "default": 10},
-            "force": {"type": "bool", "default": False},
-            "stop": {"type": "bool", "default": True},
-            "stop_timeout": {"type": "int"},
-            **STATE_DIR_ARGS,
-            "reason": {"type": "str", "default": "drained by meridian.node.drain"},
-        },
-        supports_check_mode=True,
-    )
-    params = module.params
-    for option in ("timeout", "grace", "stop_timeout"):
-        if params[option] is not None and params[option] < 0:
-            module.fail_json(msg=f"{option} must be >= 0 seconds, got {params[option]}")
-    options = DrainOptions(
-        state=params["state"],
-        timeout_s=params["timeout"],
-        grace_s=params["grace"],
-        force=params["force"],
-        stop=params["stop"],
-        stop_timeout_s=params["stop_timeout"],
-        state_dir=params["state_dir"],
-        reason=params["reason"],
-    )
-    try:
-        engine = docker_engine.DockerEngine.from_env()
-    except docker_engine.DockerEngineError as exc:
-        module.fail_json(msg=str(exc))
-    try:
-        result = drain_engine(params["name"], options, engine=engine, check_mode=module.check_mode)
-    except DrainError as exc:
-        module.fail_json(msg=str(exc), **exc.result)
-    finally:
-        engine.close()
-    module.exit_json(**result)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    run_module(module, drain_outcome(module.params, check_mode=module.check_mode))
 
 
 if __name__ == "__main__":

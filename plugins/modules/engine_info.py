@@ -166,59 +166,15 @@ capacity:
       sample: [8002, 8003, 8004]
 """
 
-from collections.abc import Mapping
-from typing import Any
+from ansible.module_utils.basic import AnsibleModule
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
-
-from ansible_collections.meridian.node.plugins.module_utils._module import HOST_ARGS
-from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YAML_IMPORT_ERROR
-from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
-from ansible_collections.meridian.node.plugins.module_utils.engines.discovery import engine_info
-from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError
-from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError
-
-
-def _gpu_facts() -> Mapping[str, Any]:
-    # Imported here: NVML is read only when capacity is asked for. Capacity only needs memory: processes
-    # and NVLink cost NVML calls per GPU and say nothing about room.
-    from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
-
-    return collect_gpu_facts(processes=False, nvlink=False)
+from ansible_collections.meridian.node.plugins.module_utils._module import run_module
+from ansible_collections.meridian.node.plugins.module_utils.engines.info_args import ARGUMENT_SPEC, engine_info_outcome
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            **HOST_ARGS,
-            "managed_only": {"type": "bool", "default": False},
-            "owner": {"type": "str"},
-            "probe": {"type": "bool", "default": True},
-            "capacity": {"type": "bool", "default": True},
-        },
-        supports_check_mode=True,
-    )
-    if YAML_IMPORT_ERROR is not None:
-        module.fail_json(msg=missing_required_lib("PyYAML"), exception=YAML_IMPORT_ERROR)
-    params = module.params
-    try:
-        result = engine_info(
-            docker_engine.DockerEngine.from_env,
-            policy_path=params["policy"],
-            state_dir=params["state_dir"],
-            managed_only=params["managed_only"],
-            owner=params["owner"],
-            probe=params["probe"],
-            gpu_facts=_gpu_facts if params["capacity"] else None,
-        )
-    except PolicyError as exc:
-        module.fail_json(msg=f"Error reading the policy: {exc}")
-    except DrainStateError as exc:
-        module.fail_json(msg=f"Error reading the draining marks: {exc}")
-    except docker_engine.DockerEngineError as exc:
-        # from_env's message already names the connection; listing errors name their action too.
-        module.fail_json(msg=str(exc))
-    module.exit_json(changed=False, **result)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    run_module(module, engine_info_outcome(module.params, check_mode=module.check_mode))
 
 
 if __name__ == "__main__":

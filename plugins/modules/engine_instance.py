@@ -358,60 +358,19 @@ diff:
   type: dict
 """
 
-from ansible.module_utils.basic import AnsibleModule, missing_required_lib
+from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YAML_IMPORT_ERROR
-from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
-from ansible_collections.meridian.node.plugins.module_utils.engines.args import (
-    ENGINE_SPEC_OPTIONS,
-    RUN_OPTIONS,
-    SPEC_REQUIRED_IF,
-)
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
-    EngineInstanceError,
-    Options,
-    converge,
+from ansible_collections.meridian.node.plugins.module_utils._module import run_module
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance_args import (
+    ARGUMENT_SPEC,
+    REQUIRED_IF,
+    engine_instance_outcome,
 )
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            **ENGINE_SPEC_OPTIONS,
-            **RUN_OPTIONS,
-        },
-        required_if=SPEC_REQUIRED_IF,
-        supports_check_mode=True,
-    )
-    if YAML_IMPORT_ERROR is not None:
-        module.fail_json(msg=missing_required_lib("PyYAML"), exception=YAML_IMPORT_ERROR)
-    params = module.params
-    options = Options(
-        state=params["state"],
-        health_path=params["health_path"],
-        replace_strategy=params["replace_strategy"],
-        wait_ready=params["wait_ready"],
-        ready_timeout_s=params["ready_timeout"],
-        drain_timeout_s=params["drain_timeout"],
-        drain_grace_s=params["drain_grace"],
-        policy_path=params["policy"],
-        state_dir=params["state_dir"],
-        store_path=params["store_path"],
-        owner=params["owner"],
-    )
-    try:
-        engine = docker_engine.DockerEngine.from_env()
-    except docker_engine.DockerEngineError as exc:
-        module.fail_json(msg=str(exc), check="docker")
-    try:
-        result = converge(params, options, check_mode=module.check_mode, engine=engine)
-    except EngineInstanceError as exc:
-        module.fail_json(msg=str(exc), check=exc.check, **exc.result)
-    finally:
-        engine.close()
-    if result.get("pending"):
-        module.warn(f"engine {params['name']!r}: {result['pending']}")
-    module.exit_json(**result)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_if=REQUIRED_IF, supports_check_mode=True)
+    run_module(module, engine_instance_outcome(module.params, check_mode=module.check_mode))
 
 
 if __name__ == "__main__":

@@ -347,6 +347,7 @@ diff:
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.meridian.node.plugins.module_utils._module import run_module
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_args import (
     ARGUMENT_SPEC,
     MUTUALLY_EXCLUSIVE,
@@ -364,12 +365,7 @@ def main() -> None:
         required_together=REQUIRED_TOGETHER,
         supports_check_mode=True,
     )
-    result = engine_set_outcome(module.params, check_mode=module.check_mode)
-    for warning in result.pop("warnings", []):
-        module.warn(warning)
-    if result.pop("failed", False):
-        module.fail_json(**result)
-    module.exit_json(**result)
+    run_module(module, engine_set_outcome(module.params, check_mode=module.check_mode))
 
 
 if __name__ == "__main__":

@@ -187,19 +187,13 @@ ansible_facts:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
+from ansible_collections.meridian.node.plugins.module_utils._module import run_module
+from ansible_collections.meridian.node.plugins.module_utils.gpu.facts_args import ARGUMENT_SPEC, gpu_facts_outcome
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec={
-            "gather_processes": {"type": "bool", "default": True},
-            "gather_nvlink": {"type": "bool", "default": True},
-        },
-        supports_check_mode=True,
-    )
-    facts = collect_gpu_facts(processes=module.params["gather_processes"], nvlink=module.params["gather_nvlink"])
-    module.exit_json(changed=False, ansible_facts={"meridian_gpus": facts})
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    run_module(module, gpu_facts_outcome(module.params, check_mode=module.check_mode))
 
 
 if __name__ == "__main__":

@@ -30,12 +30,9 @@ AGENT_MAY_IMPORT = {
 }
 LOW_ROOMS = ("trust", "gpu", "docker")  # module_utils rooms that never reach into engines/ or artifacts/
 RUNS_ON = {"agent_side": "the agent side", "root_side": "the root side", "boundary": "both sides"}
-# Where the house differs from ../shared/HOUSE.md on purpose: (importer, imported) and the reason.
-ALLOWED = {
-    (f"{MU}.engines.set", f"{MU}.artifacts.store"): "engine_set records a generation only once its artifacts are "
-    "promoted in the store, checked with the store's own observe; artifacts/layout is to carry that rule",
-    (f"{MU}.engines.set", f"{MU}.artifacts.plan"): "the same check: the store's error type",
-}
+# What a module shell may import besides one module_utils file named *_args (its ARGUMENT_SPEC and outcome).
+SHELL_MAY_IMPORT = ("__future__", "ansible.module_utils.basic", f"{MU}._module")
+SHELL_RULE = "a module shell imports only ansible.module_utils.basic, _module, one *_args file and its *_outcome"
 
 
 @dataclass
@@ -149,13 +146,51 @@ def rule_module_utils_rooms(sources: dict[str, Source]) -> list[str]:
     found = []
     for source, line, target in edges(sources):
         (side, room), (target_side, target_room) = _room(source.module), _room(target)
-        if side != "mu" or target_side != "mu" or (source.module, target) in ALLOWED:
+        if side != "mu" or target_side != "mu":
             continue
         if room in LOW_ROOMS and target_room in ("engines", "artifacts"):
             found.append(f"{source.path}:{line}: {room}/ imports {target}: it never reaches into {target_room}/")
-        elif room == "engines" and target_room == "artifacts" and not target.endswith(".artifacts.layout"):
+        elif (
+            room == "engines"
+            and target_room == "artifacts"
+            and not target.endswith(".artifacts.layout")
+            # A module's *_args file is its composition root: it hands the store's checks to engines/.
+            and not source.module.endswith("_args")
+        ):
             found.append(f"{source.path}:{line}: engines/ imports {target}: it takes only artifacts/layout")
     return found
+
+
+def rule_module_shells(sources: dict[str, Source]) -> list[str]:
+    """A module imports only ``__future__``, ``ansible.module_utils.basic``, ``_module`` and exactly one
+    ``*_args`` file of module_utils, and from that file exactly one ``*_outcome`` function."""
+    found = []
+    for source in sources.values():
+        if source.path.parts[:2] != ("plugins", "modules") or source.path.name == "__init__.py":
+            continue
+        args_files, outcomes = set(), []
+        for node in ast.walk(source.tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in SHELL_MAY_IMPORT:
+                continue
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_args_file(node.module or ""):
+                args_files.add(node.module or "")
+                outcomes += [alias.name for alias in node.names if alias.name.endswith("_outcome")]
+                continue
+            elif isinstance(node, ast.ImportFrom):
+                names = ["." * node.level + (node.module or "")]
+            else:
+                continue
+            found += [f"{source.path}:{node.lineno}: imports {name}: {SHELL_RULE}" for name in names]
+        if len(args_files) != 1 or len(outcomes) != 1:
+            files = ", ".join(sorted(args_files)) or "none"
+            found.append(f"{source.path}: {SHELL_RULE} (_args files: {files}; outcome functions: {outcomes})")
+    return found
+
+
+def _is_args_file(module: str) -> bool:
+    return module.startswith(MU + ".") and module.rpartition(".")[2].endswith("_args")
 
 
 def _classes(sources: dict[str, Source]) -> Iterable[tuple[Source, ast.ClassDef]]:
@@ -227,6 +262,7 @@ RULES: list[Rule] = [
     rule_plugins_never_import_the_agent,
     rule_agent_rooms,
     rule_module_utils_rooms,
+    rule_module_shells,
     rule_unique_class_names,
     rule_one_error_root,
     rule_no_circles,
@@ -246,6 +282,7 @@ def test_the_house_keeps_its_rules(rule: Rule, house: dict[str, Source]) -> None
 
 A = f"agent/{AGENT}"
 M = "plugins/module_utils"
+S = "plugins/modules"
 # One violation of each rule: (rule, file, text appended to it, what every report line then names).
 PLANTED = [
     (rule_plugins_never_import_the_agent, f"{M}/contracts.py", "import meridian_node_agent.config\n", "the agent"),
@@ -253,6 +290,9 @@ PLANTED = [
     (rule_agent_rooms, f"{A}/boundary/spool.py", "from meridian_node_agent.cli import main\n", "cli/"),
     (rule_module_utils_rooms, f"{M}/trust/dsse.py", f"from {MU}.engines import plan\n", "engines/"),
     (rule_module_utils_rooms, f"{M}/engines/prune.py", f"from {MU}.artifacts import fetch\n", "artifacts/layout"),
+    (rule_module_utils_rooms, f"{M}/engines/set.py", f"from {MU}.artifacts.held import held_problems\n", "layout"),
+    (rule_module_shells, f"{S}/gpu_facts.py", "import json\n", SHELL_RULE),
+    (rule_module_shells, f"{S}/drain.py", f"from {MU}.gpu.facts_args import gpu_facts_outcome\n", SHELL_RULE),
     (rule_unique_class_names, f"{A}/boundary/spool.py", "\n\nclass Agent:\n    pass\n", "class Agent"),
     (rule_one_error_root, f"{A}/boundary/spool.py", "\n\nclass StrayError(ValueError):\n    pass\n", "StrayError"),
     (rule_no_circles, f"{A}/agent_side/identity.py", "import meridian_node_agent.agent_side.cycle\n", "circle"),

@@ -1,25 +1,17 @@
-"""The fixtures the engine_set tests share: a random container prefix (its containers removed afterwards,
-pass or fail), the stand-in vLLM image, and a host (policy, store and state dir) in the test's tmp_path."""
+"""The fixtures the collection's tests with real engines share: a random container prefix (its containers
+removed afterwards, pass or fail), the stand-in vLLM image, and a host (policy, store and state dir) in the
+test's tmp_path."""
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ansible_collections.meridian.node.tests.support.e2e_fixtures import prefix  # noqa: F401
 from ansible_collections.meridian.node.tests.support.engine_harness import SERVER, Host
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-es-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
-        container.remove(force=True)
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,29 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import pytest
 import requests
 
-from meridian_node_agent.agent_side.control_client import ControlClient
+from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected
 from meridian_node_agent.agent_side.identity import NodeIdentity
 
-__all__ = ["DevServer", "cli", "devserver_command", "enroll_node", "running"]
+__all__ = [
+    "DevServer",
+    "cli",
+    "devserver_command",
+    "enroll_node",
+    "node_client",
+    "rejection",
+    "renew_identity",
+    "renewed_node",
+    "running",
+]
 
 _STARTUP_SECONDS = 30.0
 
@@ -189,4 +200,33 @@ def enroll_node(server: DevServer, directory: Path, node_id: str, token: str | N
     with ControlClient(server.base_url, server.ca_bundle) as anonymous:
         response = anonymous.enroll(node_id, token or server.new_token(f"t-{node_id}"), identity.csr_pem(node_id))
     identity.store(response)
-    return ControlClient(server.base_url, identity.ca_path, identity.cert_path, identity.key_path, timeout=10)
+    return node_client(server.base_url, identity)
+
+
+def node_client(base_url: str, identity: NodeIdentity) -> ControlClient:
+    """A client of the control plane at ``base_url`` speaking as the node ``identity`` holds the certificate of
+    (whatever that certificate is by now: a copy, a revoked one, a renewed one)."""
+    return ControlClient(base_url, identity.ca_path, identity.cert_path, identity.key_path, timeout_s=10)
+
+
+def renew_identity(client: ControlClient, identity: NodeIdentity, node_id: str) -> None:
+    """Renew ``node_id``'s certificate through ``client`` (a new key, a CSR for it) and switch ``identity`` to the
+    new pair, as the agent's renewal does."""
+    pending = identity.new_key(node_id)
+    identity.install_renewal(client.renew_certificate(node_id, pending.csr_pem), pending)
+
+
+def renewed_node(server: DevServer, directory: Path, node_id: str) -> NodeIdentity:
+    """Enroll ``node_id`` with its identity in ``directory`` and renew its certificate once: that identity, now
+    on the renewed pair."""
+    identity = NodeIdentity(directory)
+    with enroll_node(server, identity.directory, node_id) as client:
+        renew_identity(client, identity, node_id)
+    return identity
+
+
+def rejection(call: Callable[[], object]) -> ControlPlaneRejected:
+    """Run ``call``, a request the control plane must refuse; its refusal (``status``, ``reason``, ``detail``)."""
+    with pytest.raises(ControlPlaneRejected) as refused:
+        call()
+    return refused.value

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from cryptography.x509.oid import NameOID
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation, format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust import verify as trust
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
+from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
 from meridian_node_agent.agent_side.control_client import (
     ControlClient,
     ControlPlaneRejected,
@@ -40,15 +40,8 @@ _names = itertools.count(1)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    root = tmp_path_factory.mktemp("devserver")
-    with running(root / "data", tokens=["banner:auto", "fixed:fixed-token-value"]) as started:
-        yield started
-
-
-@pytest.fixture
-def node_id() -> str:
-    return f"gpu-node-{next(_names)}"
+def devserver_options() -> DevServerOptions:
+    return DevServerOptions(tokens=["banner:auto", "fixed:fixed-token-value"])
 
 
 def _enroll(server: DevServer, tmp_path: Path, node_id: str) -> ControlClient:
@@ -294,7 +287,7 @@ def test_if_none_match_with_the_current_etag_is_304(server: DevServer, tmp_path:
         _publish(server, tmp_path, node_id)
         first = client.fetch_desired_state(node_id)
         again = client.fetch_desired_state(node_id, etag=first.etag)
-        short_wait = client.fetch_desired_state(node_id, etag=first.etag, wait=0.2)
+        short_wait = client.fetch_desired_state(node_id, etag=first.etag, wait_s=0.2)
         stale = client.fetch_desired_state(node_id, etag='"not-the-current-etag"')
 
     assert first.status is FetchStatus.NEW and first.etag
@@ -318,7 +311,7 @@ def test_long_poll_returns_the_state_published_by_another_process(
 
         def poll() -> None:
             try:
-                results.append(client.fetch_desired_state(node_id, etag=current.etag, wait=30))
+                results.append(client.fetch_desired_state(node_id, etag=current.etag, wait_s=30))
             except BaseException as exc:
                 results.append(exc)
 
@@ -440,35 +433,34 @@ def test_revoked_node_leaves_the_serving_projection(server: DevServer, tmp_path:
         assert not any(e.node_id == node_id for e in watcher.serving().endpoints)
 
 
+def _post_raw_observation(server: DevServer, tmp_path: Path, node_id: str, body: bytes) -> requests.Response:
+    """POST ``body`` as is (not through the client, which would refuse to send it) to ``node_id``'s observations
+    URL over mutual TLS, with the identity ``_enroll`` gave the node under ``tmp_path``."""
+    identity = NodeIdentity(tmp_path / node_id)
+    return requests.post(
+        f"{server.base_url}/v1/nodes/{node_id}/observations",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        verify=str(identity.ca_path),
+        cert=(str(identity.cert_path), str(identity.key_path)),
+        timeout=10,
+    )
+
+
 def test_observation_about_another_node_is_refused(server: DevServer, tmp_path: Path, node_id: str) -> None:
     with _enroll(server, tmp_path, node_id) as client:
         epoch = client.heartbeat(node_id).epoch
         observation = _observation("gpu-someone-else", epoch)
         body = observation.model_dump_json().encode()
-        identity = NodeIdentity(tmp_path / node_id)
-        answer = requests.post(
-            f"{server.base_url}/v1/nodes/{node_id}/observations",
-            data=body,
-            headers={"Content-Type": "application/json"},
-            verify=str(identity.ca_path),
-            cert=(str(identity.cert_path), str(identity.key_path)),
-            timeout=10,
-        )
+        answer = _post_raw_observation(server, tmp_path, node_id, body)
     assert answer.status_code == 403
     assert answer.json()["reason"] == "wrong-node"
 
 
 def test_malformed_observation_is_422_with_the_field_named(server: DevServer, tmp_path: Path, node_id: str) -> None:
     _enroll(server, tmp_path, node_id).close()
-    identity = NodeIdentity(tmp_path / node_id)
-    answer = requests.post(
-        f"{server.base_url}/v1/nodes/{node_id}/observations",
-        data=json.dumps({"apiVersion": "meridian.node/v1", "kind": "Observation", "node_id": node_id}),
-        headers={"Content-Type": "application/json"},
-        verify=str(identity.ca_path),
-        cert=(str(identity.cert_path), str(identity.key_path)),
-        timeout=10,
-    )
+    body = json.dumps({"apiVersion": "meridian.node/v1", "kind": "Observation", "node_id": node_id}).encode()
+    answer = _post_raw_observation(server, tmp_path, node_id, body)
     assert answer.status_code == 422
     assert answer.json()["reason"] == "invalid-request"
     assert "lease_epoch" in answer.json()["detail"]
@@ -479,16 +471,8 @@ def test_an_observation_naming_a_key_twice_is_422_not_read_last_wins(
 ) -> None:
     # Two readers of these bytes (the devserver, an audit tool) must not disagree about the node it is for.
     _enroll(server, tmp_path, node_id).close()
-    identity = NodeIdentity(tmp_path / node_id)
     body = f'{{"apiVersion": "meridian.node/v1", "kind": "Observation", "node_id": "other", "node_id": "{node_id}"}}'
-    answer = requests.post(
-        f"{server.base_url}/v1/nodes/{node_id}/observations",
-        data=body,
-        headers={"Content-Type": "application/json"},
-        verify=str(identity.ca_path),
-        cert=(str(identity.cert_path), str(identity.key_path)),
-        timeout=10,
-    )
+    answer = _post_raw_observation(server, tmp_path, node_id, body.encode())
     assert answer.status_code == 422
     assert answer.json()["reason"] == "invalid-request"
     assert "node_id" in answer.json()["detail"] and "twice" in answer.json()["detail"]

@@ -7,42 +7,19 @@ disk image, a backup, a decommissioned host) stops working at its very next requ
 
 from __future__ import annotations
 
-import itertools
 import shutil
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
-import pytest
-
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
-from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected, FetchStatus
+from ansible_collections.meridian.node.tests.devserver.devserver_process import (
+    DevServer,
+    enroll_node,
+    node_client,
+    rejection,
+    renewed_node,
+)
+from meridian_node_agent.agent_side.control_client import ControlClient, FetchStatus
 from meridian_node_agent.agent_side.identity import NodeIdentity
-
-_names = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    root = tmp_path_factory.mktemp("devserver-reenrollment")
-    with running(root / "data") as started:
-        yield started
-
-
-@pytest.fixture
-def node_id() -> str:
-    return f"reenrolled-node-{next(_names)}"
-
-
-def _client_on(server: DevServer, directory: Path) -> ControlClient:
-    identity = NodeIdentity(directory)
-    return ControlClient(server.base_url, identity.ca_path, identity.cert_path, identity.key_path, timeout=10)
-
-
-def _refused(call: object) -> ControlPlaneRejected:
-    assert callable(call)
-    with pytest.raises(ControlPlaneRejected) as refused:
-        call()
-    return refused.value
 
 
 def test_copied_key_stops_working_once_the_node_enrolls_again(server: DevServer, tmp_path: Path, node_id: str) -> None:
@@ -50,39 +27,36 @@ def test_copied_key_stops_working_once_the_node_enrolls_again(server: DevServer,
     enroll_node(server, original, node_id).close()
     stolen = tmp_path / "stolen"
     shutil.copytree(original, stolen)
-    with _client_on(server, stolen) as thief:
+    with node_client(server.base_url, NodeIdentity(stolen)) as thief:
         assert thief.heartbeat(node_id).node_id == node_id  # the copy works while it is the node's certificate
 
         # The operator rebuilds the node: a new key, a new token, a new certificate.
         with enroll_node(server, tmp_path / "rebuilt", node_id, server.new_token(f"again-{node_id}")) as rebuilt:
-            refused = _refused(lambda: thief.heartbeat(node_id))
+            refused = rejection(lambda: thief.heartbeat(node_id))
             assert (refused.status, refused.reason) == (403, "certificate-revoked")
             assert "enrolled again" in refused.detail and node_id in refused.detail
             # Every endpoint, not only the heartbeat.
-            assert _refused(lambda: thief.fetch_desired_state(node_id)).reason == "certificate-revoked"
-            assert _refused(lambda: thief.serving()).reason == "certificate-revoked"
+            assert rejection(lambda: thief.fetch_desired_state(node_id)).reason == "certificate-revoked"
+            assert rejection(lambda: thief.serving()).reason == "certificate-revoked"
 
             assert rebuilt.heartbeat(node_id).node_id == node_id
             assert rebuilt.fetch_desired_state(node_id).status == FetchStatus.NONE_PUBLISHED
     # The original files are the same certificate as the copy: refused as well.
-    with _client_on(server, original) as old:
-        assert _refused(lambda: old.heartbeat(node_id)).reason == "certificate-revoked"
+    with node_client(server.base_url, NodeIdentity(original)) as old:
+        assert rejection(lambda: old.heartbeat(node_id)).reason == "certificate-revoked"
 
 
 def test_enrolling_again_also_revokes_the_certificates_renewal_issued(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    identity = NodeIdentity(tmp_path / "node")
-    with enroll_node(server, identity.directory, node_id) as client:
-        pending = identity.new_key(node_id)
-        identity.install_renewal(client.renew_certificate(node_id, pending.csr_pem), pending)
-    with _client_on(server, identity.directory) as renewed:
+    identity = renewed_node(server, tmp_path / "node", node_id)
+    with node_client(server.base_url, NodeIdentity(identity.directory)) as renewed:
         assert renewed.heartbeat(node_id).node_id == node_id
         enroll_node(server, tmp_path / "elsewhere", node_id, server.new_token(f"again-{node_id}")).close()
-        assert _refused(lambda: renewed.heartbeat(node_id)).reason == "certificate-revoked"
+        assert rejection(lambda: renewed.heartbeat(node_id)).reason == "certificate-revoked"
         # Nor can a superseded certificate renew itself back to life.
         csr = NodeIdentity(tmp_path / "new").new_key(node_id).csr_pem
-        assert _refused(lambda: renewed.renew_certificate(node_id, csr)).reason == "certificate-revoked"
+        assert rejection(lambda: renewed.renew_certificate(node_id, csr)).reason == "certificate-revoked"
     rows = [line for line in server.cli("nodes").stdout.splitlines() if line.split()[:1] == [node_id]]
     assert len(rows) == 1
 
@@ -98,7 +72,7 @@ def test_a_refused_enrollment_revokes_nothing(server: DevServer, tmp_path: Path,
                 (other, "token-wrong-node"),
                 ("mnt_never-issued", "token-unknown"),
             ):
-                refused = _refused(lambda token=token: anonymous.enroll(node_id, token, intruder.csr_pem(node_id)))
+                refused = rejection(partial(anonymous.enroll, node_id, token, intruder.csr_pem(node_id)))
                 assert refused.reason == reason
         assert client.heartbeat(node_id).node_id == node_id
 

@@ -6,8 +6,6 @@ carry a CSR for a new key that names the node, and leaves the old certificate va
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,23 +16,21 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
-from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected, FetchStatus
+from ansible_collections.meridian.node.tests.devserver.devserver_process import (
+    DevServer,
+    enroll_node,
+    node_client,
+    rejection,
+    renew_identity,
+)
+from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
+from meridian_node_agent.agent_side.control_client import ControlClient, FetchStatus
 from meridian_node_agent.agent_side.identity import NodeIdentity
-
-_names = itertools.count(1)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    root = tmp_path_factory.mktemp("devserver-renewal")
-    with running(root / "data", extra=["--certificate-seconds", "3600"]) as started:
-        yield started
-
-
-@pytest.fixture
-def node_id() -> str:
-    return f"renew-node-{next(_names)}"
+def devserver_options() -> DevServerOptions:
+    return DevServerOptions(extra=["--certificate-seconds", "3600"])
 
 
 def _csr(key: ec.EllipticCurvePrivateKey, common_name: str, dns_names: list[str]) -> str:
@@ -48,18 +44,10 @@ def _csr(key: ec.EllipticCurvePrivateKey, common_name: str, dns_names: list[str]
     return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM).decode("ascii")
 
 
-def _refusal(call: object) -> ControlPlaneRejected:
-    assert callable(call)
-    with pytest.raises(ControlPlaneRejected) as refused:
-        call()
-    return refused.value
-
-
 def _renew(client: ControlClient, identity: NodeIdentity, node_id: str) -> ControlClient:
     """Renew through ``client`` and switch ``identity`` to the new pair; a client on the new pair."""
-    pending = identity.new_key(node_id)
-    identity.install_renewal(client.renew_certificate(node_id, pending.csr_pem), pending)
-    return ControlClient(client.base_url, identity.ca_path, identity.cert_path, identity.key_path, timeout=10)
+    renew_identity(client, identity, node_id)
+    return node_client(client.base_url, identity)
 
 
 def test_renewal_issues_a_certificate_for_the_new_key_that_works(
@@ -106,7 +94,7 @@ def test_certificate_of_another_node_on_the_renewal_path_is_403(
     enroll_node(server, tmp_path / other, other).close()
     with enroll_node(server, tmp_path / node_id, node_id) as client:
         csr = NodeIdentity(tmp_path / "new").new_key(other).csr_pem
-        refused = _refusal(lambda: client.renew_certificate(other, csr))
+        refused = rejection(lambda: client.renew_certificate(other, csr))
     assert (refused.status, refused.reason) == (403, "wrong-node")
     assert node_id in refused.detail and other in refused.detail
 
@@ -115,7 +103,7 @@ def test_renewal_without_a_client_certificate_is_403(server: DevServer, tmp_path
     enroll_node(server, tmp_path / node_id, node_id).close()
     csr = NodeIdentity(tmp_path / "new").new_key(node_id).csr_pem
     with ControlClient(server.base_url, server.ca_bundle) as anonymous:
-        refused = _refusal(lambda: anonymous.renew_certificate(node_id, csr))
+        refused = rejection(lambda: anonymous.renew_certificate(node_id, csr))
     assert (refused.status, refused.reason) == (403, "client-certificate-required")
 
 
@@ -123,7 +111,7 @@ def test_revoked_certificate_cannot_renew_itself_back_to_life(server: DevServer,
     with enroll_node(server, tmp_path / node_id, node_id) as client:
         server.cli("revoke", node_id)
         csr = NodeIdentity(tmp_path / "new").new_key(node_id).csr_pem
-        refused = _refusal(lambda: client.renew_certificate(node_id, csr))
+        refused = rejection(lambda: client.renew_certificate(node_id, csr))
     assert (refused.status, refused.reason) == (403, "certificate-revoked")
 
 
@@ -131,14 +119,14 @@ def test_revoking_a_node_also_revokes_its_renewed_certificates(server: DevServer
     identity = NodeIdentity(tmp_path / node_id)
     with enroll_node(server, identity.directory, node_id) as old_client, _renew(old_client, identity, node_id) as new:
         assert "revoked 2 certificate" in server.cli("revoke", node_id).stdout
-        refused = _refusal(lambda: new.heartbeat(node_id))
+        refused = rejection(lambda: new.heartbeat(node_id))
     assert (refused.status, refused.reason) == (403, "certificate-revoked")
 
 
 def test_malformed_csr_is_refused_with_the_reason(server: DevServer, tmp_path: Path, node_id: str) -> None:
     garbage = "-----BEGIN CERTIFICATE REQUEST-----\nbm90IGEgQ1NS\n-----END CERTIFICATE REQUEST-----\n"
     with enroll_node(server, tmp_path / node_id, node_id) as client:
-        refused = _refusal(lambda: client.renew_certificate(node_id, garbage))
+        refused = rejection(lambda: client.renew_certificate(node_id, garbage))
         assert (refused.status, refused.reason) == (422, "bad-csr")
         assert "not a PEM certificate signing request" in refused.detail
         # And the node's certificate is untouched by the refusal.
@@ -174,7 +162,7 @@ def test_csr_that_does_not_name_exactly_this_node_is_refused(
         ec.generate_private_key(ec.SECP256R1()), common_name.format(**names), [n.format(**names) for n in dns_names]
     )
     with enroll_node(server, tmp_path / node_id, node_id) as client:
-        refused = _refusal(lambda: client.renew_certificate(node_id, csr))
+        refused = rejection(lambda: client.renew_certificate(node_id, csr))
     assert (refused.status, refused.reason) == (422, "bad-csr")
     assert f"must name node {node_id!r}" in refused.detail
 
@@ -182,7 +170,7 @@ def test_csr_that_does_not_name_exactly_this_node_is_refused(
 def test_csr_that_keeps_the_current_key_is_refused(server: DevServer, tmp_path: Path, node_id: str) -> None:
     identity = NodeIdentity(tmp_path / node_id)
     with enroll_node(server, identity.directory, node_id) as client:
-        refused = _refusal(lambda: client.renew_certificate(node_id, identity.csr_pem(node_id)))
+        refused = rejection(lambda: client.renew_certificate(node_id, identity.csr_pem(node_id)))
     assert (refused.status, refused.reason) == (422, "bad-csr")
     assert "generate a new key" in refused.detail
 
@@ -190,6 +178,6 @@ def test_csr_that_keeps_the_current_key_is_refused(server: DevServer, tmp_path: 
 def test_csr_with_a_refused_key_type_is_refused(server: DevServer, tmp_path: Path, node_id: str) -> None:
     csr = _csr(ec.generate_private_key(ec.SECP256K1()), node_id, [node_id])
     with enroll_node(server, tmp_path / node_id, node_id) as client:
-        refused = _refusal(lambda: client.renew_certificate(node_id, csr))
+        refused = rejection(lambda: client.renew_certificate(node_id, csr))
     assert (refused.status, refused.reason) == (422, "bad-csr")
     assert "secp256k1" in refused.detail

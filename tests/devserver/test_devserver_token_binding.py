@@ -6,18 +6,15 @@ must not burn the token (node A still enrolls with it) and must not tell the cal
 
 from __future__ import annotations
 
-import itertools
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, cli, enroll_node, running
+from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
 from meridian_node_agent.agent_side.control_client import ControlPlaneRejected
 from meridian_node_agent.devserver.store import token_digest
-
-_names = itertools.count(1)
 
 # The tokens table exactly as devservers created it before tokens could be bound to a node.
 _OLD_TOKENS_TABLE = """
@@ -32,16 +29,10 @@ CREATE TABLE IF NOT EXISTS tokens (
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    root = tmp_path_factory.mktemp("devserver-binding")
-    tokens = ["edge@gpu-bound-serve:auto", "fixed@gpu-bound-fixed:va@lue:with:colons", "open:auto"]
-    with running(root / "data", tokens=tokens) as started:
-        yield started
-
-
-@pytest.fixture
-def node_id() -> str:
-    return f"gpu-bind-{next(_names)}"
+def devserver_options() -> DevServerOptions:
+    return DevServerOptions(
+        tokens=["edge@gpu-bound-serve:auto", "fixed@gpu-bound-fixed:va@lue:with:colons", "open:auto"]
+    )
 
 
 def _refused(server: DevServer, directory: Path, node_id: str, token: str) -> ControlPlaneRejected:

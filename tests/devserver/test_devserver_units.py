@@ -231,7 +231,7 @@ def test_unreachable_control_plane_is_unavailable_not_rejected(control: ControlP
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with (
-        ControlClient(f"https://127.0.0.1:{port}", control.ca.cert_path, timeout=2) as client,
+        ControlClient(f"https://127.0.0.1:{port}", control.ca.cert_path, timeout_s=2) as client,
         pytest.raises(ControlPlaneUnavailable),
     ):
         client.heartbeat("gpu-a")

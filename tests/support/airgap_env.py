@@ -19,12 +19,11 @@ from typing import Any
 
 import yaml
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy, load_policy
 from ansible_collections.meridian.node.tests.support.bundle_fixtures import ARTIFACT, AUTHORITY, CONTROL
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     NODE_ID,
-    desired_state,
+    current_state,
     envelope,
     write_policy,
 )
@@ -152,13 +151,7 @@ def state_bundle(
     here by CONTROL) or ``desired_envelope`` (signed elsewhere, a devserver's publish)."""
     now = datetime.now(UTC).replace(microsecond=0)
     if desired_envelope is None:
-        state = desired_state(
-            node_id=node.node_id,
-            generation=generation,
-            issued_at=format_rfc3339(now - timedelta(minutes=1)),
-            expires_at=format_rfc3339(now + timedelta(hours=1)),
-            **(desired or {}),
-        )
+        state = current_state(generation, node_id=node.node_id, **(desired or {}))
         desired_envelope = envelope("desired-state", state, [CONTROL])
     out = node.bundles / name
     build_bundle(

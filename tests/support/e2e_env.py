@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 import sqlite3
+import urllib.request
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,12 +42,16 @@ __all__ = [
     "E2ENode",
     "applied",
     "container_named",
+    "engine_serving",
     "engine_spec",
     "free_engine_port",
     "last_observation",
     "make_e2e_node",
+    "observed_engine",
     "remove_containers",
+    "served_endpoint",
     "serving",
+    "standin_policy",
     "standin_vllm",
     "tag_for_e2e",
 ]
@@ -77,6 +82,15 @@ def standin_vllm(client: Any, base: LocalImage) -> Iterator[LocalImage]:
         client.images.remove(tagged.tag)  # only the tag: the image keeps its stand-in name
 
 
+def standin_policy() -> dict[str, Any]:
+    """The policy sections that let the stand-in vLLM engine run, and nothing else of ours: ``images`` (only
+    ``E2E_REPOSITORY``, pinned by digest) and ``engines`` (only vllm, on ``BIND`` in ``PORT_RANGE``)."""
+    return {
+        "images": {"allowed_repositories": [E2E_REPOSITORY], "require_digest": True},
+        "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORT_RANGE)},
+    }
+
+
 def free_engine_port() -> int:
     start = PORT_RANGE[0] + secrets.randbelow(PORT_RANGE[1] - PORT_RANGE[0])
     candidates: list[int] = [*range(start, PORT_RANGE[1] + 1), *range(PORT_RANGE[0], start)]
@@ -99,6 +113,46 @@ def engine_spec(name: str, image: LocalImage, port: int, **overrides: Any) -> di
     }
 
 
+def engine_serving(port: int) -> bool:
+    """Whether the stand-in engine published on ``BIND:port`` answers ``/health`` with 200 now."""
+    try:
+        with urllib.request.urlopen(f"http://{BIND}:{port}/health", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def observed_engine(name: str, image: LocalImage, port: int, **overrides: Any) -> dict[str, Any]:
+    """What an observation lists for the engine ``engine_spec(name, image, port)`` started: managed, running and
+    ready, not draining, never restarted or exited (``ready_since``, a time, is the caller's to check)."""
+    return {
+        "name": name,
+        "managed": True,
+        "driver": "vllm",
+        "image": image.pinned,
+        "state": "running",
+        "ready": True,
+        "draining": False,
+        "port": port,
+        "served_model_name": "tiny-chat",
+        "restarts": 0,
+        "exit_code": None,
+        "exit_reason": None,
+        **overrides,
+    }
+
+
+def served_endpoint(node_id: str, name: str, port: int) -> dict[str, Any]:
+    """The serving projection's endpoint for the engine ``engine_spec(name, image, port)`` on ``node_id``."""
+    return {
+        "node_id": node_id,
+        "engine": name,
+        "driver": "vllm",
+        "served_model_name": "tiny-chat",
+        "address": f"{BIND}:{port}",
+    }
+
+
 class E2ENode:
     def __init__(self, node: Node, server: DevServer) -> None:
         self.node = node
@@ -116,7 +170,7 @@ class E2ENode:
         """The agent as ``meridian-node run`` builds it, but observing Docker afresh every cycle (the real
         source caches for 5 s, and these tests look right after an apply)."""
         engines = DockerEngines(
-            DockerEngine.from_env(), state_dir=self.state_dir, refresh_seconds=0, owner=f"agent:{self.node_id}"
+            DockerEngine.from_env(), state_dir=self.state_dir, refresh_s=0, owner=f"agent:{self.node_id}"
         )
         policy = load_policy(self.node.config.policy, keys=False)
         observer = Observer(
@@ -129,7 +183,7 @@ class E2ENode:
     def client(self) -> ControlClient:
         identity = self.node.config.identity_dir
         return ControlClient(
-            self.server.base_url, identity / "ca.pem", identity / "node.pem", identity / "node.key.pem", timeout=10
+            self.server.base_url, identity / "ca.pem", identity / "node.pem", identity / "node.key.pem", timeout_s=10
         )
 
 
@@ -137,8 +191,7 @@ def make_e2e_node(server: DevServer, root: Path, node_id: str, *, mode: str = "m
     node = make_node(server, root, node_id, mode=mode)
     policy_path = root / "policy.yaml"
     policy = yaml.safe_load(policy_path.read_text())
-    policy["images"] = {"allowed_repositories": [E2E_REPOSITORY], "require_digest": True}
-    policy["engines"] = {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORT_RANGE)}
+    policy.update(standin_policy())
     policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
     return E2ENode(node, server)
 

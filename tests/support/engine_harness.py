@@ -42,6 +42,16 @@ def free_ports(count: int) -> list[int]:
     return found
 
 
+def run_foreign_engine(client: Any, image_id: str, name: str, *, seconds: int) -> Any:
+    """Someone else's container, running ``sleep seconds`` in ``image_id``: no labels of ours, but it publishes
+    Ollama's port (11434) on BIND, so discovery lists it, as an engine meridian.node does not manage."""
+    container = client.containers.run(
+        image_id, ["sleep", str(seconds)], name=name, detach=True, init=True, ports={"11434/tcp": (BIND, None)}
+    )
+    container.reload()
+    return container
+
+
 def run_playbook(
     playbook: Path,
     *,

@@ -41,7 +41,7 @@ import pytest
 
 from meridian_node_agent.devserver.ca import CertificateAuthority
 
-__all__ = ["ArtifactServer", "RequestRecord", "TlsMaterial", "small_tmpfs", "tls_material"]
+__all__ = ["ArtifactServer", "RequestRecord", "TlsMaterial", "running_artifact_server", "small_tmpfs", "tls_material"]
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,19 @@ def _handler_for(server: ArtifactServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
 
     return Handler
+
+
+@contextlib.contextmanager
+def running_artifact_server(
+    files: dict[str, bytes] | None = None, tls: TlsMaterial | None = None
+) -> Iterator[ArtifactServer]:
+    """An ``ArtifactServer`` serving ``files`` (over HTTPS with ``tls``), started for the block and stopped
+    when it ends, pass or fail: what a test's server fixture yields."""
+    server = ArtifactServer(files, tls=tls).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @contextlib.contextmanager

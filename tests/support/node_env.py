@@ -50,6 +50,14 @@ class Node:
         path = self.state_dir / "oplog.jsonl"
         return path.read_text().splitlines() if path.exists() else []
 
+    def configure(self, **sections: Any) -> None:
+        """Set top-level ``sections`` of the node's config file (each replaced whole) and reload ``config``
+        from it, as the agent reads it when it starts."""
+        document = yaml.safe_load(self.config_path.read_text())
+        document.update(sections)
+        self.config_path.write_text(yaml.safe_dump(document, sort_keys=False))
+        self.config = load_config(self.config_path)
+
     def agent(self, **overrides: Any) -> Agent:
         agent: Agent = build_agent(self.config, log=EventLogger())
         for name, value in overrides.items():

@@ -2,7 +2,8 @@
 
 ``apply_spooled`` runs the real ``meridian-node apply-spooled`` (what ``meridian-node-apply.service``
 starts); ``PathUnit`` plays ``meridian-node-apply.path`` (``PathChanged=`` on the request file): each new
-request file starts the verb once, in a thread, until the ``with`` block ends.
+request file starts the verb once, in a thread, until the ``with`` block ends. ``write_split_config``
+writes the root-owned config of such a node, which the verb reads.
 """
 
 from __future__ import annotations
@@ -12,9 +13,28 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from meridian_node_agent.agent_side.systemd_applier import watch_directory
 from meridian_node_agent.boundary.spool import REQUEST_FILE, SPOOL_DIR
+
+
+def write_split_config(path: Path, *, node_id: str, policy: Path, state_dir: Path, apply: Mapping[str, Any]) -> Path:
+    """Write to ``path`` the root-owned config of a split node (as the apply unit reads it) and return it:
+    ``node_id`` in mode managed-host, ``policy``, the agent's ``state_dir``, the ``apply`` section, and a control
+    plane that is never called (these nodes only apply what is spooled)."""
+    config = {
+        "node_id": node_id,
+        "mode": "managed-host",
+        "policy": str(policy),
+        "state_dir": str(state_dir),
+        "control_plane": {"url": "https://127.0.0.1:9"},
+        "apply": dict(apply),
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 def apply_spooled(config_path: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:

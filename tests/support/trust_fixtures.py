@@ -35,6 +35,7 @@ __all__ = [
     "SigningKey",
     "artifact_manifest",
     "bundle",
+    "current_state",
     "desired_state",
     "encode",
     "envelope",
@@ -126,6 +127,19 @@ def desired_state(**overrides: Any) -> dict[str, Any]:
     }
     payload.update(overrides)
     return payload
+
+
+def current_state(generation: int, *, valid_for: timedelta = timedelta(hours=1), **overrides: Any) -> dict[str, Any]:
+    """``desired_state`` for ``generation``, but valid at the real clock instead of at ``NOW``: issued a minute
+    ago, expiring ``valid_for`` from now. For tests whose code under test reads the clock itself (the agent, the
+    root verbs, ansible-runner runs of the modules)."""
+    now = datetime.now(UTC).replace(microsecond=0)
+    return desired_state(
+        generation=generation,
+        issued_at=format_rfc3339(now - timedelta(minutes=1)),
+        expires_at=format_rfc3339(now + valid_for),
+        **overrides,
+    )
 
 
 def artifact_manifest(**overrides: Any) -> dict[str, Any]:

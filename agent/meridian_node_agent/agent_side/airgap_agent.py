@@ -7,7 +7,7 @@ writes the outbox: it never reads the inbox.
 
 A pass: take every complete bundle in the inbox (``apply.inbox``; under the split: read root's new
 outcomes), write each run's journal summary to the outbox, then observe and write an observation when it
-differs from the last one written, or when ``OBSERVATION_REFRESH_SECONDS`` after the last one (the far side
+differs from the last one written, or when ``OBSERVATION_REFRESH_S`` after the last one (the far side
 then still sees a live node, without an unchanged record every few seconds piling up between two trips of
 the removable media).
 Between passes the loop sleeps on inotify on the inbox (under the split: on root's ``public/``), at most
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from meridian_node_agent.agent_side.cycle import ObservePort
 
 __all__ = [
-    "OBSERVATION_REFRESH_SECONDS",
+    "OBSERVATION_REFRESH_S",
     "ROOT_SEEN_FILE",
     "AirGapAgent",
     "PassResult",
@@ -62,7 +62,7 @@ __all__ = [
     "root_inbox_problems",
 ]
 
-OBSERVATION_REFRESH_SECONDS = 3600.0
+OBSERVATION_REFRESH_S = 3600.0
 # Under the split: the last outcome of root's the agent journaled, and root's record as root published it.
 ROOT_SEEN_FILE = "airgap-root-seen.json"
 # The same file the online agent writes (cycle.STATUS_FILE), read by ``meridian-node status``.
@@ -280,7 +280,7 @@ class AirGapAgent:
         )
         fingerprint = observation.model_dump_json(exclude={"observed_at"})
         now = self.monotonic()
-        fresh = self._observed_at is not None and now - self._observed_at < OBSERVATION_REFRESH_SECONDS
+        fresh = self._observed_at is not None and now - self._observed_at < OBSERVATION_REFRESH_S
         if fingerprint == self._observed and fresh:
             return []
         path = self.outbox.write("observation", observation, epoch=epoch, now=self.clock())
@@ -455,7 +455,7 @@ def build_airgap_agent(config: AgentConfig, *, log: EventLogger | None = None) -
     else:
         try:
             engines = DockerEngines(
-                DockerEngine.from_env(timeout=5), state_dir=Path(config.state_dir), owner=f"agent:{config.node_id}"
+                DockerEngine.from_env(timeout_s=5), state_dir=Path(config.state_dir), owner=f"agent:{config.node_id}"
             )
         except DockerEngineError as exc:
             (log or EventLogger()).warning("engines-not-observed", reason=str(exc))

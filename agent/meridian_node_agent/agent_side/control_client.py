@@ -169,7 +169,7 @@ class ControlClient:
     """A client for one control plane.
 
     ``cert``/``key`` are the node's client certificate and key; without them only ``enroll`` works.
-    ``timeout`` bounds connecting and each read; a long-poll adds its ``wait`` to the read bound.
+    ``timeout_s`` bounds connecting and each read; a long-poll adds its ``wait_s`` to the read bound.
     ``clock`` is what "now" is when the certificate's end is compared with it (this host's UTC clock).
     """
 
@@ -179,7 +179,7 @@ class ControlClient:
         ca_bundle: Path | str,
         cert: Path | str | None = None,
         key: Path | str | None = None,
-        timeout: float = 10.0,
+        timeout_s: float = 10.0,
         *,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         clock: Callable[[], datetime] | None = None,
@@ -188,10 +188,10 @@ class ControlClient:
             raise ValueError(f"control plane URL {base_url!r} must start with https:// (mutual TLS is required)")
         if (cert is None) != (key is None):
             raise ValueError("give both the client certificate and its key, or neither (enrollment only)")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
+        self.timeout_s = timeout_s
         self.max_response_bytes = max_response_bytes
         url = urlsplit(self.base_url)
         if not url.hostname:
@@ -258,18 +258,18 @@ class ControlClient:
             raise ControlPlaneUnavailable(f"the control plane answered with the lease of node {lease.node_id!r}")
         return lease
 
-    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch:
-        """The node's desired state unless it is still ``etag``; with ``wait`` > 0, a long-poll of that length."""
-        if wait < 0:
-            raise ValueError(f"wait must be >= 0 seconds, got {wait}")
+    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait_s: float = 0) -> DesiredStateFetch:
+        """The node's desired state unless it is still ``etag``; with ``wait_s`` > 0, a long-poll of that length."""
+        if wait_s < 0:
+            raise ValueError(f"wait_s must be >= 0 seconds, got {wait_s}")
         headers = {"If-None-Match": etag} if etag else {}
-        params = {"wait": f"{wait:g}"} if wait else {}
+        params = {"wait": f"{wait_s:g}"} if wait_s else {}  # the protocol's query parameter
         answer = self._call(
             "GET",
             f"/v1/nodes/{_segment(node_id)}/desired-state",
             headers=headers,
             params=params,
-            read_timeout=self.timeout + wait,
+            read_timeout_s=self.timeout_s + wait_s,
             expect=(200, 204, 304),
         )
         if answer.status == 204:
@@ -300,7 +300,7 @@ class ControlClient:
         body: BaseModel | None = None,
         headers: dict[str, str] | None = None,
         params: dict[str, str] | None = None,
-        read_timeout: float | None = None,
+        read_timeout_s: float | None = None,
         expect: tuple[int, ...] = (200,),
         repeatable: bool = True,
     ) -> _ControlAnswer:
@@ -312,7 +312,7 @@ class ControlClient:
             data = body.model_dump_json().encode("utf-8")
             send_headers["Content-Type"] = "application/json"
         try:
-            received = self._exchange(method, target, send_headers, data, read_timeout or self.timeout, repeatable)
+            received = self._exchange(method, target, send_headers, data, read_timeout_s or self.timeout_s, repeatable)
         except ControlPlaneError:
             self.close()
             raise
@@ -360,13 +360,13 @@ class ControlClient:
         target: str,
         headers: dict[str, str],
         body: bytes | None,
-        read_timeout: float,
+        read_timeout_s: float,
         repeatable: bool = True,
     ) -> Reply:
         """One request and its answer on the kept-alive connection, sent once more on a new connection if
         the server closed the old one before answering (its idle timeout raced the request) and the request
         is ``repeatable``."""
-        link = self._open(read_timeout)
+        link = self._open(read_timeout_s)
         try:
             reply = link.exchange(
                 method, target, host=self._host_header, headers=headers, body=body, max_body=self.max_response_bytes
@@ -379,7 +379,7 @@ class ControlClient:
             # observation sent twice does no harm, so it goes once more on a fresh connection; a failure
             # there is the control plane's answer.
             self.close()
-            link = self._open(read_timeout)
+            link = self._open(read_timeout_s)
             reply = link.exchange(
                 method, target, host=self._host_header, headers=headers, body=body, max_body=self.max_response_bytes
             )
@@ -388,8 +388,8 @@ class ControlClient:
             self.close()
         return reply
 
-    def _open(self, read_timeout: float) -> Link:
-        """The kept-alive connection, (re)opened when needed, with ``read_timeout`` for this call's reads.
+    def _open(self, read_timeout_s: float) -> Link:
+        """The kept-alive connection, (re)opened when needed, with ``read_timeout_s`` for this call's reads.
 
         Refuses (``CertificateExpired``) before touching the network when the client certificate has ended.
         """
@@ -401,13 +401,13 @@ class ControlClient:
             # than send into a socket that is already gone.
             self.close()
         if self._link is None:
-            raw = socket.create_connection((self._host, self._port), timeout=self.timeout)
+            raw = socket.create_connection((self._host, self._port), timeout=self.timeout_s)
             try:
                 self._link = Link(context.wrap_socket(raw, server_hostname=self._host))
             except BaseException:
                 raw.close()
                 raise
-        self._link.sock.settimeout(read_timeout)
+        self._link.sock.settimeout(read_timeout_s)
         return self._link
 
     def _ssl_context(self) -> ssl.SSLContext:

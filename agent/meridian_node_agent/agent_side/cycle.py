@@ -58,7 +58,7 @@ from meridian_node_agent.config import AgentConfig
 from meridian_node_agent.logs import EventLogger
 
 __all__ = [
-    "REPORT_REFRESH_SECONDS",
+    "REPORT_REFRESH_S",
     "SPOOL_FILE",
     "STATUS_FILE",
     "Agent",
@@ -72,8 +72,8 @@ SPOOL_FILE = Path("spool") / "desired-state.json"
 STATUS_FILE = "status.json"
 # An unchanged observation is re-sent at least this often; a changed one at once. The heartbeat already
 # proves the node alive each cycle, and posting identical observations is most of an idle cycle's cost.
-REPORT_REFRESH_SECONDS = 60.0
-STATUS_REFRESH_SECONDS = 60.0
+REPORT_REFRESH_S = 60.0
+STATUS_REFRESH_S = 60.0
 _REFUSAL_HINTS = {
     "certificate-revoked": "this node's certificate was revoked: enroll again with a new token",
     "certificate-expired": "the node's certificate expired before it was renewed: enroll again with a new token",
@@ -109,7 +109,7 @@ class CycleOutcome:
 
 class ControlPlanePort(Protocol):
     def heartbeat(self, node_id: str) -> Lease: ...
-    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch: ...
+    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait_s: float = 0) -> DesiredStateFetch: ...
     def post_observation(self, observation: Observation) -> None: ...
 
 
@@ -146,18 +146,18 @@ class ObservePort(Protocol):
 class Backoff:
     """Exponential backoff with jitter: attempt n waits a random time in [base/2, base], base = initial·2^(n-1)."""
 
-    initial: float
-    maximum: float
+    initial_s: float
+    maximum_s: float
     rng: random.Random = field(default_factory=random.Random)
 
     def base(self, attempt: int) -> float:
-        return float(min(self.maximum, self.initial * 2 ** max(0, attempt - 1)))
+        return float(min(self.maximum_s, self.initial_s * 2 ** max(0, attempt - 1)))
 
     def delay(self, attempt: int) -> float:
-        base = self.base(attempt)
+        base_s = self.base(attempt)
         # Half fixed, half random: failing agents spread out instead of returning in lockstep, and
         # the wait still grows with every failure.
-        return base / 2 + self.rng.uniform(0, base / 2)
+        return base_s / 2 + self.rng.uniform(0, base_s / 2)
 
 
 @dataclass
@@ -175,7 +175,7 @@ class ApplyRetry:
     payload_sha256: str
     failures: int
     retry_at: float  # on the agent's monotonic clock
-    backoff_seconds: float
+    backoff_s: float
     failed_at: datetime
     error: str
 
@@ -217,7 +217,7 @@ class Agent:
         self.sleep = sleep
         self.metrics = metrics
         # Intervals (heartbeat due, observation refresh) run on this clock; a test or a benchmark can
-        # stand in a clock that moves as a long-poll of ``wait`` seconds would.
+        # stand in a clock that moves as a long-poll of ``wait_s`` seconds would.
         self.monotonic = monotonic
         self.backoff = Backoff(config.backoff.initial_seconds, config.backoff.max_seconds, rng or random.Random())  # noqa: S311 - jitter, not secrecy
         self.state_dir = Path(config.state_dir)
@@ -236,11 +236,11 @@ class Agent:
         self._engines: list[dict[str, Any]] = []
         supervision = config.supervision
         self.supervisor = Supervisor(
-            settle_seconds=supervision.settle_seconds,
-            startup_grace_seconds=supervision.startup_grace_seconds,
-            backoff_initial_seconds=supervision.backoff_initial_seconds,
-            backoff_max_seconds=supervision.backoff_max_seconds,
-            healthy_reset_seconds=supervision.healthy_reset_seconds,
+            settle_s=supervision.settle_seconds,
+            startup_grace_s=supervision.startup_grace_seconds,
+            backoff_initial_s=supervision.backoff_initial_seconds,
+            backoff_max_s=supervision.backoff_max_seconds,
+            healthy_reset_s=supervision.healthy_reset_seconds,
             clock=monotonic,
         )
         # The envelope of the state last applied successfully, verified: what supervision repairs towards.
@@ -254,8 +254,8 @@ class Agent:
         )
         self.renewal_backoff = Backoff(renewal.retry_initial_seconds, renewal.retry_max_seconds, self.backoff.rng)
         control = config.control_plane
-        self.wait = float(min(control.long_poll_seconds, control.heartbeat_seconds)) if control else 0.0
-        self.pause = float(control.heartbeat_seconds) if control else 30.0
+        self.wait_s = float(min(control.long_poll_seconds, control.heartbeat_seconds)) if control else 0.0
+        self.pause_s = float(control.heartbeat_seconds) if control else 30.0
 
     # The loop
 
@@ -269,7 +269,7 @@ class Agent:
             attempts += 1
             ok = True
             try:
-                outcome = self.cycle(wait=0 if once else self.wait)
+                outcome = self.cycle(wait_s=0 if once else self.wait_s)
                 # A failed repair is not the control plane's fault: supervision paces its own retries.
                 ok = outcome.outcome not in (
                     CycleStatus.APPLY_FAILED,
@@ -303,15 +303,15 @@ class Agent:
                 return 0 if ok else 1
             if failed_call:
                 failures += 1
-                delay = self.backoff.delay(failures)
-                self.log.info("backing-off", seconds=round(delay, 3), attempt=failures)
-                self.sleep(delay)
+                delay_s = self.backoff.delay(failures)
+                self.log.info("backing-off", seconds=round(delay_s, 3), attempt=failures)
+                self.sleep(delay_s)
                 continue
             failures = 0
-            if self.wait == 0:
-                self.sleep(self.pause)
+            if self.wait_s == 0:
+                self.sleep(self.pause_s)
 
-    def cycle(self, *, wait: float = 0) -> CycleOutcome:
+    def cycle(self, *, wait_s: float = 0) -> CycleOutcome:
         started = time.monotonic()
         self.counters.cycles += 1
         node = self.config.node_id
@@ -321,7 +321,7 @@ class Agent:
             self.lease = self.client.heartbeat(node)
             self._renewed_at = self.monotonic()
             self._epoch_ok = self._observe_epoch(self.lease.epoch)
-        fetched = self.client.fetch_desired_state(node, etag=self.etag, wait=wait)
+        fetched = self.client.fetch_desired_state(node, etag=self.etag, wait_s=wait_s)
         if fetched.status == FetchStatus.NOT_MODIFIED:
             outcome = CycleOutcome(CycleStatus.UNCHANGED, fetched.generation)
             if self._retry is not None:
@@ -428,20 +428,20 @@ class Agent:
         previous = self._retry
         same = previous is not None and previous.payload_sha256 == verified.payload_sha256
         failures = previous.failures + 1 if same and previous is not None else 1
-        delay = self.supervisor.backoff(failures)
+        delay_s = self.supervisor.backoff(failures)
         error = "; ".join(result.failures) or f"the run ended {result.status}"
         self._retry = ApplyRetry(
             envelope=envelope,
             generation=verified.state.generation,
             payload_sha256=verified.payload_sha256,
             failures=failures,
-            retry_at=self.monotonic() + delay,
-            backoff_seconds=delay,
+            retry_at=self.monotonic() + delay_s,
+            backoff_s=delay_s,
             failed_at=self.clock(),
             error=error[:500],
         )
         self.log.warning(
-            "apply-backing-off", generation=verified.state.generation, failures=failures, seconds=delay, error=error
+            "apply-backing-off", generation=verified.state.generation, failures=failures, seconds=delay_s, error=error
         )
 
     def _retry_apply(self, retry: ApplyRetry) -> CycleOutcome:
@@ -504,7 +504,7 @@ class Agent:
                 journal=Path(),
                 started_at=started_at,
                 finished_at=self.clock(),
-                wall_seconds=0.0,
+                wall_s=0.0,
                 failures=[f"the apply could not be run: {type(exc).__name__}: {exc}"],
             )
         self.last_run = result
@@ -529,7 +529,7 @@ class Agent:
             status=result.status,
             changed=result.changed,
             failed=result.failed,
-            seconds=round(result.wall_seconds, 3),
+            seconds=round(result.wall_s, 3),
             failures=result.failures,
         )
         return result
@@ -611,9 +611,9 @@ class Agent:
         """
         if self.lease is None or self._renewed_at is None:
             return True
-        if self.monotonic() - self._renewed_at >= self.pause:
+        if self.monotonic() - self._renewed_at >= self.pause_s:
             return True
-        return (self.lease.expires_at - self.clock()).total_seconds() < self.pause
+        return (self.lease.expires_at - self.clock()).total_seconds() < self.pause_s
 
     def _observe_epoch(self, epoch: int) -> bool:
         try:
@@ -652,7 +652,7 @@ class Agent:
         ]
         fingerprint = observation.model_dump_json(exclude={"observed_at"})
         now = self.monotonic()
-        if self._reported and self._reported[0] == fingerprint and now - self._reported[1] < REPORT_REFRESH_SECONDS:
+        if self._reported and self._reported[0] == fingerprint and now - self._reported[1] < REPORT_REFRESH_S:
             return
         try:
             self.client.post_observation(observation)
@@ -683,14 +683,14 @@ class Agent:
             "apply_retry": self._retry_status(),
             "certificate": self.renewal.status(),
         }
-        # Rewritten when something in it changed, or STATUS_REFRESH_SECONDS after the last write so that
+        # Rewritten when something in it changed, or STATUS_REFRESH_S after the last write so that
         # 'updated_at' still shows a live agent: an unchanged cycle would otherwise cost a file write.
         counters = document["counters"]
         assert isinstance(counters, dict)
         unchanged = {**document, "updated_at": None, "counters": {**counters, "cycles": None}}
         now = self.monotonic()
         last = self._status_written
-        if last is not None and last[0] == unchanged and now - last[1] < STATUS_REFRESH_SECONDS:
+        if last is not None and last[0] == unchanged and now - last[1] < STATUS_REFRESH_S:
             return
         path = self.state_dir / STATUS_FILE
         temp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
@@ -702,17 +702,17 @@ class Agent:
         retry = self._retry
         if retry is None:
             return None
-        left = max(0.0, retry.retry_at - self.monotonic())
+        left_s = max(0.0, retry.retry_at - self.monotonic())
         return {
-            "state": "backing-off" if left > 0 else "retry-due",
+            "state": "backing-off" if left_s > 0 else "retry-due",
             "generation": retry.generation,
             "failures": retry.failures,
-            "backoff_seconds": retry.backoff_seconds,
+            "backoff_seconds": retry.backoff_s,
             "last_failed_at": format_rfc3339(retry.failed_at),
-            "next_attempt_in_seconds": round(left, 1),
+            "next_attempt_in_seconds": round(left_s, 1),
             # From the failure, not from now: both clocks were read together when it failed, and a status
             # written later must name the same moment.
-            "next_attempt_at": format_rfc3339(retry.failed_at + timedelta(seconds=retry.backoff_seconds)),
+            "next_attempt_at": format_rfc3339(retry.failed_at + timedelta(seconds=retry.backoff_s)),
             "error": retry.error,
         }
 
@@ -722,8 +722,8 @@ class Agent:
         report = self.supervisor.status()
         now = self.clock()
         for entry in report.values():
-            left = entry.get("next_repair_in_seconds")
-            entry["next_repair_at"] = None if not left else format_rfc3339(now + timedelta(seconds=left))
+            left_s = entry.get("next_repair_in_seconds")
+            entry["next_repair_at"] = None if not left_s else format_rfc3339(now + timedelta(seconds=left_s))
         return report
 
 

@@ -357,16 +357,16 @@ class CertificateRenewal:
         self.last_renewed_at = now
         return info
 
-    def failed(self, now: datetime, error: str, retry_in: float) -> datetime:
-        """Record a failure; the next attempt is ``retry_in`` seconds away, or half the time left if sooner."""
+    def failed(self, now: datetime, error: str, retry_in_s: float) -> datetime:
+        """Record a failure; the next attempt is ``retry_in_s`` seconds away, or half the time left if sooner."""
         self.failures += 1
         self.last_error = error
         self.last_failed_at = now
-        left = self.info.remaining(now) if self.info is not None else 0.0
-        if left > 0:
+        left_s = self.info.remaining(now) if self.info is not None else 0.0
+        if left_s > 0:
             # Try again before the certificate lapses, but not in a tight loop in its last seconds.
-            retry_in = min(retry_in, max(left / 2, 10.0))
-        self.next_attempt_at = now + timedelta(seconds=retry_in)
+            retry_in_s = min(retry_in_s, max(left_s / 2, 10.0))
+        self.next_attempt_at = now + timedelta(seconds=retry_in_s)
         return self.next_attempt_at
 
     def status(self) -> dict[str, Any]:

@@ -49,8 +49,8 @@ class Metrics:
             self._server.server_close()
             self._server = None
 
-    def cycle_done(self, seconds: float, outcome: Any) -> None:
-        self.cycle_seconds.observe(seconds)
+    def cycle_done(self, wall_s: float, outcome: Any) -> None:
+        self.cycle_seconds.observe(wall_s)
         self.last_success.set(time.time())
 
     def applied(self, result: Any) -> None:

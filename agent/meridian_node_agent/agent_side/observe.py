@@ -3,7 +3,7 @@
 Runs on: the agent side; under the split it reads the engines root published (``boundary/engines_file``).
 
 Each source is a plain callable so the agent stays usable where one is missing (no NVML, no Docker)
-and tests can swap the hardware seam. GPU facts are re-read at most every ``gpu_refresh_seconds``:
+and tests can swap the hardware seam. GPU facts are re-read at most every ``gpu_refresh_s``:
 NVML reads cost far more than the rest of an unchanged cycle, and they change slowly.
 """
 
@@ -34,7 +34,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.discovery im
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, list_draining
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import Driver, DriverError, get_driver
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import Reservation
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import Reservation
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import probe_readiness
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from meridian_node_agent.boundary.engines_file import (
@@ -66,7 +66,7 @@ class DockerEngines:
     An owned, running engine is ready when its driver's readiness probe says so on its published port;
     an unmanaged container is never reported ready (nothing routes to what we do not run). Draining
     marks are the files ``<state_dir>/draining/<name>.json`` the drain path writes. The listing is
-    re-read at most every ``refresh_seconds``. While the Docker Engine does not answer, the engines of its
+    re-read at most every ``refresh_s``. While the Docker Engine does not answer, the engines of its
     last listing are reported with state ``unknown`` and not ready.
     """
 
@@ -75,7 +75,7 @@ class DockerEngines:
         engine: DockerEngine,
         *,
         state_dir: Path,
-        refresh_seconds: float = 5.0,
+        refresh_s: float = 5.0,
         monotonic: Callable[[], float] = time.monotonic,
         owner: str | None = None,
         log: EventLogger | None = None,
@@ -83,7 +83,7 @@ class DockerEngines:
         self.engine = engine
         self.owner = owner  # "agent:<node id>": only this agent's engines are reported as ours
         self.state_dir = Path(state_dir)
-        self.refresh_seconds = refresh_seconds
+        self.refresh_s = refresh_s
         self._monotonic = monotonic
         self._log = log or EventLogger()
         self._cache: tuple[float, list[dict[str, Any]]] | None = None
@@ -92,7 +92,7 @@ class DockerEngines:
 
     def __call__(self) -> list[dict[str, Any]]:
         now = self._monotonic()
-        if self._cache is not None and now - self._cache[0] < self.refresh_seconds:
+        if self._cache is not None and now - self._cache[0] < self.refresh_s:
             return self._cache[1]
         try:
             engines = discover_engines(
@@ -131,7 +131,7 @@ class InventoryEngines:
 
     The file is re-read only when its identity (inode, mtime, size) changes. Readiness is the agent's own:
     each running engine with an address is probed once the driver's way per refresh (at most every
-    ``refresh_seconds``, or after ``forget``), and draining comes from the marks in
+    ``refresh_s``, or after ``forget``), and draining comes from the marks in
     ``<apply.state_dir>/draining`` (world-readable, written by root). The dicts are the ones
     ``DockerEngines`` gives for our engines, so the observation and the serving projection read the same;
     foreign containers are not listed (root lists only this node's engines). A missing or invalid file is
@@ -143,16 +143,16 @@ class InventoryEngines:
         *,
         root_dir: Path,
         node_id: str,
-        refresh_seconds: float = 5.0,
+        refresh_s: float = 5.0,
         monotonic: Callable[[], float] = time.monotonic,
         log: EventLogger | None = None,
-        probe_timeout: float = _PROBE_TIMEOUT_S,
+        probe_timeout_s: float = _PROBE_TIMEOUT_S,
     ) -> None:
         self.root_dir = Path(root_dir)
         self.path = self.root_dir / PUBLIC_DIR / INVENTORY_FILE
         self.node_id = node_id
-        self.refresh_seconds = refresh_seconds
-        self.probe_timeout = probe_timeout
+        self.refresh_s = refresh_s
+        self.probe_timeout_s = probe_timeout_s
         self._monotonic = monotonic
         self._log = log or EventLogger()
         self._identity: FileIdentity | None = None
@@ -163,7 +163,7 @@ class InventoryEngines:
 
     def __call__(self) -> list[dict[str, Any]]:
         now = self._monotonic()
-        if self._cache is not None and now - self._cache[0] < self.refresh_seconds:
+        if self._cache is not None and now - self._cache[0] < self.refresh_s:
             return self._cache[1]
         self._reload()
         try:
@@ -232,7 +232,7 @@ class InventoryEngines:
         driver = _driver(engine.probe_driver, engine.health_path)
         if driver is None:
             return False
-        return probe_readiness(driver, engine.host, engine.port, timeout=self.probe_timeout).ready
+        return probe_readiness(driver, engine.host, engine.port, timeout_s=self.probe_timeout_s).ready
 
 
 def _driver(name: str, health_path: str) -> Driver | None:
@@ -249,8 +249,8 @@ class Observer:
         store_path: str | None,
         gpu_facts: Callable[[], dict[str, Any]] | None = None,
         engines: EngineSource = no_engines,
-        gpu_refresh_seconds: float = 30.0,
-        artifact_refresh_seconds: float = 30.0,
+        gpu_refresh_s: float = 30.0,
+        artifact_refresh_s: float = 30.0,
         monotonic: Callable[[], float] = time.monotonic,
         placement: tuple[Sequence[int], str] | None = None,
     ) -> None:
@@ -262,10 +262,10 @@ class Observer:
         self._ready_since: dict[str, str] = {}
         self._gpu_facts = gpu_facts or (lambda: collect_gpu_facts(processes=False, nvlink=False))
         self._engines = engines
-        self._gpu_refresh = gpu_refresh_seconds
+        self._gpu_refresh_s = gpu_refresh_s
         self._monotonic = monotonic
         self._gpu_cache: tuple[float, GpuFacts] | None = None
-        self._artifact_refresh = artifact_refresh_seconds
+        self._artifact_refresh_s = artifact_refresh_s
         self._artifact_cache: tuple[float, list[dict[str, Any]]] | None = None
         # Per engine of ours, the settings changed by hand since it was created (``docker.drift``), from the
         # last observation: for supervision, not for the control plane (the observation contract has no
@@ -282,7 +282,7 @@ class Observer:
 
     def gpu(self) -> GpuFacts:
         now = self._monotonic()
-        if self._gpu_cache is None or now - self._gpu_cache[0] >= self._gpu_refresh:
+        if self._gpu_cache is None or now - self._gpu_cache[0] >= self._gpu_refresh_s:
             self._gpu_cache = (now, GpuFacts.model_validate(self._gpu_facts()))
         return self._gpu_cache[1]
 
@@ -312,20 +312,20 @@ class Observer:
         if self._placement is None or not callable(compute):
             return {}
         now = self._monotonic()
-        if self._capacity_cache is None or now - self._capacity_cache[0] >= self._gpu_refresh:
+        if self._capacity_cache is None or now - self._capacity_cache[0] >= self._gpu_refresh_s:
             port_range, bind_address = self._placement
             room: dict[str, Any] = compute(self.gpu().model_dump(mode="json"), port_range, bind_address)
             self._capacity_cache = (now, room)
         return self._capacity_cache[1]
 
     def artifacts(self) -> list[dict[str, Any]]:
-        """The store's versions, re-read at most every ``artifact_refresh_seconds`` (or after ``forget``)."""
+        """The store's versions, re-read at most every ``artifact_refresh_s`` (or after ``forget``)."""
         if self._store is None:
             return []
         now = self._monotonic()
-        if self._artifact_cache is not None and now - self._artifact_cache[0] < self._artifact_refresh:
+        if self._artifact_cache is not None and now - self._artifact_cache[0] < self._artifact_refresh_s:
             return self._artifact_cache[1]
-        from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import ArtifactStoreError
+        from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import ArtifactStoreError
 
         try:
             rows = self._store.list_versions()

@@ -5,15 +5,15 @@ the cycle does the repair (a reconcile of the same generation, through whichever
 
 Each engine the applied state lists as ``started`` is drifted when, for longer than its grace:
 
-- it is **missing** from what the agent observes, or **not running** (``settle_seconds``: Docker's own
+- it is **missing** from what the agent observes, or **not running** (``settle_s``: Docker's own
   restart policy gets the first go, and a replace in progress is not mistaken for a loss);
-- it **lost readiness**: it was ready and its probe now fails (``settle_seconds``; under the privilege split
+- it **lost readiness**: it was ready and its probe now fails (``settle_s``; under the privilege split
   this is how a killed engine shows before root's next look at it in ``engines.json``);
-- it was **never ready** since the state was applied (``startup_grace_seconds``: engines load models for
+- it was **never ready** since the state was applied (``startup_grace_s``: engines load models for
   minutes, and a slow start is not a failure);
 - it was **changed by hand**: its live settings differ from those it was created with (``drifted``, the
   names of the settings, from ``docker.drift`` through the cycle's inspect: ``docker update``, or a
-  container recreated by hand with our labels copied) (``settle_seconds``). Under the privilege split the
+  container recreated by hand with our labels copied) (``settle_s``). Under the privilege split the
   names come from root's ``engines.json``, which root's observe timer rewrites (``root_side.observe_unit``).
 
 A draining engine is never drifted: a drain wins over drift until the next generation. Engines listed
@@ -21,7 +21,7 @@ A draining engine is never drifted: a drain wins over drift until the next gener
 
 Crash loops back off per engine, as kubelet's CrashLoopBackOff does: after the n-th repair of an engine
 that has not been healthy since, the next waits ``initial * 2^(n-1)`` seconds, at most ``maximum``;
-``healthy_reset_seconds`` of continuous readiness forgets the count. A repair is due when at least one
+``healthy_reset_s`` of continuous readiness forgets the count. A repair is due when at least one
 drifted engine is past its grace and not backing off.
 """
 
@@ -45,7 +45,7 @@ class EngineTrack:
     ready_since: float | None = None
     problem: str | None = None
     bad_since: float | None = None
-    repairs: int = 0  # repairs since it was last healthy for healthy_reset_seconds
+    repairs: int = 0  # repairs since it was last healthy for healthy_reset_s
     retry_at: float = 0.0
 
 
@@ -62,11 +62,14 @@ class Drift:
 
 @dataclass
 class Supervisor:
-    settle_seconds: float = 10.0
-    startup_grace_seconds: float = 300.0
-    backoff_initial_seconds: float = 10.0
-    backoff_max_seconds: float = 300.0
-    healthy_reset_seconds: float = 600.0
+    """Graces and backoff in seconds; ``cycle.Agent`` fills them from the config's ``supervision`` section
+    (``settle_seconds`` -> ``settle_s`` and so on)."""
+
+    settle_s: float = 10.0
+    startup_grace_s: float = 300.0
+    backoff_initial_s: float = 10.0
+    backoff_max_s: float = 300.0
+    healthy_reset_s: float = 600.0
     clock: Callable[[], float] = time.monotonic
     generation: int | None = None
     tracks: dict[str, EngineTrack] = field(default_factory=dict)
@@ -119,7 +122,7 @@ class Supervisor:
             track.retry_at = now + self.backoff(track.repairs)
 
     def backoff(self, repairs: int) -> float:
-        return float(min(self.backoff_max_seconds, self.backoff_initial_seconds * 2 ** max(0, repairs - 1)))
+        return float(min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, repairs - 1)))
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Per engine with a problem or a backoff: for status.json, observations and metrics.
@@ -166,7 +169,7 @@ class Supervisor:
             if track.ready_since is None:
                 track.ready_since = now
             track.seen_ready = True
-            if track.repairs and now - track.ready_since >= self.healthy_reset_seconds:
+            if track.repairs and now - track.ready_since >= self.healthy_reset_s:
                 track.repairs, track.retry_at = 0, 0.0
             return None
         track.ready_since = None
@@ -174,5 +177,5 @@ class Supervisor:
 
     def _grace(self, track: EngineTrack, problem: str) -> float:
         if problem == "not ready since it was applied":
-            return self.startup_grace_seconds
-        return self.settle_seconds
+            return self.startup_grace_s
+        return self.settle_s

@@ -62,14 +62,14 @@ class SystemdApplier:
         *,
         state_dir: Path,
         apply_state_dir: Path,
-        timeout_seconds: float,
+        timeout_s: float,
         clock: Callable[[], datetime] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.spool = self.state_dir / SPOOL_DIR
         self.public = Path(apply_state_dir) / PUBLIC_DIR
-        self.timeout_seconds = timeout_seconds
+        self.timeout_s = timeout_s
         self.clock = clock or (lambda: datetime.now(UTC))
         self.monotonic = monotonic
         self.oplog = OpLog(self.state_dir / "oplog.jsonl")
@@ -102,7 +102,7 @@ class SystemdApplier:
         begin = self.monotonic()
         with watch_directory(self.public) as watch:
             write_request(self.spool, ident, envelope)
-            answer = self._await(watch, ident, begin + self.timeout_seconds)
+            answer = self._await(watch, ident, begin + self.timeout_s)
         if answer is None:
             # No result line: the oplog keeps the operation unfinished, so start-up applies it again.
             return ApplyResult(
@@ -115,9 +115,9 @@ class SystemdApplier:
                 journal=self.journal_dir / ident,
                 started_at=started_at,
                 finished_at=self.clock(),
-                wall_seconds=self.monotonic() - begin,
+                wall_s=self.monotonic() - begin,
                 failures=[
-                    f"the root apply unit did not answer request {ident} within {self.timeout_seconds:g} s "
+                    f"the root apply unit did not answer request {ident} within {self.timeout_s:g} s "
                     f"(apply.timeout_seconds); see 'systemctl status meridian-node-apply.path "
                     f"meridian-node-apply.service' and 'journalctl -u meridian-node-apply.service'"
                 ],
@@ -168,7 +168,7 @@ class SystemdApplier:
                 answer = None  # a damaged answer is nobody's answer; the right one replaces it
             if answer is not None and answer.request == ident:
                 return answer
-            remaining = deadline - self.monotonic()
-            if remaining <= 0:
+            remaining_s = deadline - self.monotonic()
+            if remaining_s <= 0:
                 return None
-            watch.wait(remaining)
+            watch.wait(remaining_s)

@@ -224,7 +224,7 @@ class Applier:
             )
             status, rc = str(runner.status), runner.rc
         finally:
-            wall = time.monotonic() - begin
+            wall_s = time.monotonic() - begin
             journal = self.journal_dir / ident
             with contextlib.suppress(OSError):
                 scrub_journal(journal, secrets)
@@ -242,7 +242,7 @@ class Applier:
             journal=journal,
             started_at=started_at,
             finished_at=finished_at,
-            wall_seconds=wall,
+            wall_s=wall_s,
             failures=counter.failures,
         )
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
-from ansible_collections.meridian.node.plugins.module_utils._lockfile import LOCK_WAIT_SECONDS, hold_lock
+from ansible_collections.meridian.node.plugins.module_utils._lockfile import LOCK_WAIT_S, hold_lock
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader import (
     BundleProblem,
     BundleRefused,
@@ -35,7 +35,7 @@ from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader
 )
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_stage import stage_artifacts
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import ArtifactError
-from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import ArtifactStoreError
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import ArtifactStoreError
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
@@ -64,7 +64,7 @@ REJECTED_DIR = "rejected"
 # The entry point of a bundle's own playbooks: the same name as the collection's, with the same extra vars.
 BUNDLE_PLAYBOOK = "reconcile.yml"
 _IN_PROGRESS_SUFFIXES = (".part", ".partial")
-_COLLECTION_INSTALL_SECONDS = 300.0
+_COLLECTION_INSTALL_S = 300.0
 _MANIFEST_SEARCH_MEMBERS = 64
 _MAX_COLLECTION_MANIFEST_BYTES = 1024 * 1024
 
@@ -229,13 +229,13 @@ class InboxProcessor:
         self.record = StateStore(self.record_dir)
         self.make_applier = applier or Applier
 
-    def process_once(self, *, lock_wait: float = LOCK_WAIT_SECONDS) -> list[BundleOutcome]:
+    def process_once(self, *, lock_wait_s: float = LOCK_WAIT_S) -> list[BundleOutcome]:
         """One pass under the inbox lock, so a bundle is never taken twice at once. The lock is the applier's
         own (``_lockfile``: 0600, a file an older release left open to others is replaced); held by another
-        process (a second ``run``, root's unit) for longer than ``lock_wait`` seconds, it raises
+        process (a second ``run``, root's unit) for longer than ``lock_wait_s`` seconds, it raises
         ``_lockfile.LockTimeout``: the caller reports the inbox busy, never "no bundle"."""
         self.record_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with hold_lock(self.record_dir / LOCK_FILE, wait_seconds=lock_wait, what="the air-gap inbox lock"):
+        with hold_lock(self.record_dir / LOCK_FILE, wait_s=lock_wait_s, what="the air-gap inbox lock"):
             return self._pass()
 
     def _pass(self) -> list[BundleOutcome]:
@@ -481,7 +481,7 @@ def _install_collection(tarball: Path, work: Path) -> Path:
         [*command, "--no-deps", "-p", str(target), str(tarball)],
         capture_output=True,
         text=True,
-        timeout=_COLLECTION_INSTALL_SECONDS,
+        timeout=_COLLECTION_INSTALL_S,
         check=False,
         env={**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(target), "ANSIBLE_NOCOLOR": "1"},
     )

@@ -35,15 +35,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
+    CappedFileMissingError,
+    CappedReadError,
+    atomic_write,
+    read_capped,
+)
 
 __all__ = [
     "INVENTORY_FILE",
@@ -132,8 +136,6 @@ class Inventory:
 
 def write_inventory(state_dir: Path, inventory: Inventory, *, group: int = -1) -> Path:
     """Replace ``<state_dir>/engines.json`` atomically (temporary file, fsync, rename), mode 0644, ``group``."""
-    from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
-
     path = Path(state_dir) / INVENTORY_FILE
     data = json.dumps(inventory.as_dict(), sort_keys=True, indent=1).encode("utf-8") + b"\n"
     atomic_write(path, data, mode=INVENTORY_MODE, group=group)
@@ -153,20 +155,14 @@ def read_inventory(path: Path, *, node_id: str) -> Inventory:
     """The inventory at ``path`` for ``node_id``; ``InventoryError`` (with the reason) when it is missing,
     not a regular file, larger than ``MAX_INVENTORY_BYTES``, not JSON, of another shape or another node."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
+        raw = read_capped(path, MAX_INVENTORY_BYTES, what="the engine inventory")
+    except CappedFileMissingError:
         raise InventoryError(
             f"{path} does not exist yet; the root apply unit (meridian-node apply-spooled) writes it "
             "after each apply and when it starts"
         ) from None
-    except OSError as exc:
-        raise InventoryError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise InventoryError(f"{path} is not a regular file")
-        raw = handle.read(MAX_INVENTORY_BYTES + 1)
-    if len(raw) > MAX_INVENTORY_BYTES:
-        raise InventoryError(f"{path} is larger than {MAX_INVENTORY_BYTES} bytes; an engine inventory never is")
+    except CappedReadError as exc:
+        raise InventoryError(str(exc)) from exc
     return parse_inventory(raw, path=path, node_id=node_id)
 
 
@@ -297,7 +293,7 @@ def collect_inventory(
     )
     from ansible_collections.meridian.node.plugins.module_utils.engines.discovery import engine_info
     from ansible_collections.meridian.node.plugins.module_utils.engines.drain import driver_of, probe_address
-    from ansible_collections.meridian.node.plugins.module_utils.engines.instance import LABEL_OWNER
+    from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
 
     owner = f"agent:{node_id}"
     listed = engine_info(connect, policy_path=policy_path, state_dir=state_dir, owner=owner, probe=False)["engines"]

@@ -53,6 +53,7 @@ __all__ = [
     "keyid_of",
     "load_node_public_key",
     "record_name",
+    "record_name_parts",
     "verify_outbox_record",
 ]
 
@@ -209,18 +210,24 @@ class Outbox:
         return path
 
 
+def record_name_parts(name: str) -> tuple[str, int, str]:
+    """``(node, sequence, kind)`` as outbox file name ``name`` says them; ``OutboxRefused`` (``bad-name``)
+    when it is not one. The first of ``verify_outbox_record``'s checks, and the only one that needs no bytes."""
+    match = _NAME.match(name)
+    if match is None:
+        raise OutboxRefused(
+            "bad-name", f"{name!r} is not <node>-<12-digit sequence>-<observation|journal>.json: not an outbox file"
+        )
+    return match["node"], int(match["sequence"]), match["kind"]
+
+
 def verify_outbox_record(name: str, data: bytes, keys: Mapping[str, ec.EllipticCurvePublicKey]) -> OutboxRecord:
     """The record in file ``name`` holding ``data``, signed by its node's key in ``keys`` (node id -> key).
 
     Checks, in order: the name's shape, the size, the envelope, its payload type, a signature by that node's
     key (others are ignored), the strict body, and that the body says what the name says.
     """
-    match = _NAME.match(name)
-    if match is None:
-        raise OutboxRefused(
-            "bad-name", f"{name!r} is not <node>-<12-digit sequence>-<observation|journal>.json: not an outbox file"
-        )
-    node = match["node"]
+    node, sequence, kind = record_name_parts(name)
     if len(data) > MAX_RECORD_BYTES:
         raise OutboxRefused("too-large", f"{name} is {len(data)} bytes, more than {MAX_RECORD_BYTES}")
     key = keys.get(node)
@@ -260,7 +267,7 @@ def verify_outbox_record(name: str, data: bytes, keys: Mapping[str, ec.EllipticC
     except (contracts.JsonError, ValidationError) as exc:
         detail = describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
         raise OutboxRefused("schema", f"{name}: the signed record is invalid: {detail}") from None
-    named = (node, int(match["sequence"]), match["kind"])
+    named = (node, sequence, kind)
     if (record.node_id, record.sequence, record.record_kind) != named:
         raise OutboxRefused(
             "name-mismatch",

@@ -7,14 +7,17 @@ refuse the whole file.
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
+    CappedFileMissingError,
+    CappedReadError,
+    read_capped,
+)
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     NodeId,
     StrictModel,
@@ -121,15 +124,9 @@ def read_outcomes(public: Path, *, node_id: str) -> RootOutcomes | None:
     """``public/airgap-outcomes.json`` (agent side, and root reading its own), or None when there is none yet."""
     path = Path(public) / OUTCOMES_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+        raw = read_capped(path, MAX_OUTCOMES_BYTES, what="root's air-gap outcomes")
+    except CappedFileMissingError:
         return None
-    except OSError as exc:
-        raise OutcomesError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise OutcomesError(f"{path} is not a regular file")
-        raw = handle.read(MAX_OUTCOMES_BYTES + 1)
-    if len(raw) > MAX_OUTCOMES_BYTES:
-        raise OutcomesError(f"{path} is larger than {MAX_OUTCOMES_BYTES} bytes; root never writes one that big")
+    except CappedReadError as exc:
+        raise OutcomesError(str(exc)) from exc
     return parse_outcomes(raw, path=path, node_id=node_id)

@@ -20,7 +20,6 @@ half a file. Root reads the request once, from a file it checks is a regular fil
 from __future__ import annotations
 
 import base64
-import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -29,6 +28,11 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import Field, ValidationError
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
+    CappedFileMissingError,
+    CappedReadError,
+    read_capped,
+)
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     StrictModel,
     describe_validation_error,
@@ -77,7 +81,7 @@ class ApplyResult:
     journal: Path
     started_at: datetime
     finished_at: datetime
-    wall_seconds: float
+    wall_s: float  # the answer's ``wall_seconds``
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -132,7 +136,7 @@ class ApplyAnswer(StrictModel):
             journal=Path(self.journal),
             started_at=datetime.fromisoformat(self.started_at),
             finished_at=datetime.fromisoformat(self.finished_at),
-            wall_seconds=self.wall_seconds,
+            wall_s=self.wall_seconds,
             failures=list(self.failures),
         )
 
@@ -151,7 +155,7 @@ class ApplyAnswer(StrictModel):
             journal=str(result.journal),
             started_at=format_rfc3339(result.started_at),
             finished_at=format_rfc3339(result.finished_at),
-            wall_seconds=result.wall_seconds,
+            wall_seconds=result.wall_s,
         )
 
 
@@ -172,15 +176,11 @@ def read_answer_file(public: Path) -> ApplyAnswer | None:
     """The answer in root's ``public/`` directory, or None when there is none yet (agent side)."""
     path = public / RESULT_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+        raw = read_capped(path, MAX_REQUEST_BYTES, what="root's apply answer")
+    except CappedFileMissingError:
         return None
-    except OSError as exc:
-        raise SpoolError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    with os.fdopen(fd, "rb") as handle:
-        raw = handle.read(MAX_REQUEST_BYTES + 1)
-    if len(raw) > MAX_REQUEST_BYTES:
-        raise SpoolError(f"{path} is larger than {MAX_REQUEST_BYTES} bytes; an answer is never that big")
+    except CappedReadError as exc:
+        raise SpoolError(str(exc)) from exc
     return parse_answer(raw, path)
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 __all__ = ["DirectoryWatch", "watch_directory"]
 
 # Even with inotify, look again this often: an event lost to a replaced directory must not cost a timeout.
-_BACKSTOP_SECONDS = 5.0
+_BACKSTOP_S = 5.0
 # Without inotify (not Linux), or before root's public directory exists, this is the re-check interval.
-_FALLBACK_SECONDS = 0.5
+_FALLBACK_S = 0.5
 
 
 # Waiting for the answer: inotify on root's public directory, through libc (no third-party package).
@@ -55,14 +55,14 @@ class DirectoryWatch:
             return
         self.fd = fd
 
-    def wait(self, seconds: float) -> None:
-        if seconds <= 0:
+    def wait(self, timeout_s: float) -> None:
+        if timeout_s <= 0:
             return
         if self.fd is None:
-            time.sleep(min(seconds, _FALLBACK_SECONDS))
+            time.sleep(min(timeout_s, _FALLBACK_S))
             self._start()
             return
-        ready, _, _ = select.select([self.fd], [], [], min(seconds, _BACKSTOP_SECONDS))
+        ready, _, _ = select.select([self.fd], [], [], min(timeout_s, _BACKSTOP_S))
         if ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(self.fd, 65536):

@@ -101,7 +101,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     try:
         csr = identity.csr_pem(config.node_id)
         control = config.control_plane
-        with ControlClient(str(control.url), args.ca_bundle, timeout=control.timeout_seconds) as client:
+        with ControlClient(str(control.url), args.ca_bundle, timeout_s=control.timeout_seconds) as client:
             response = client.enroll(config.node_id, token, csr)
         info = identity.store(response)
     except IdentityError as exc:
@@ -131,7 +131,7 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         identity.ca_path,
         identity.cert_path,
         identity.key_path,
-        timeout=config.control_plane.timeout_seconds,
+        timeout_s=config.control_plane.timeout_seconds,
     )
     applier = build_applier(config)
     observer = Observer(
@@ -161,7 +161,7 @@ def build_applier(config: AgentConfig) -> Any:
         return SystemdApplier(
             state_dir=Path(config.state_dir),
             apply_state_dir=Path(config.apply.state_dir),
-            timeout_seconds=config.apply.timeout_seconds,
+            timeout_s=config.apply.timeout_seconds,
         )
     from meridian_node_agent.apply.applier import Applier
 
@@ -186,7 +186,7 @@ def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
         return InventoryEngines(root_dir=Path(config.apply.state_dir), node_id=config.node_id, log=log)
 
     try:
-        engine = DockerEngine.from_env(timeout=5)
+        engine = DockerEngine.from_env(timeout_s=5)
     except DockerEngineError as exc:
         (log or EventLogger()).warning("engines-not-observed", reason=str(exc))
         return no_engines
@@ -404,8 +404,8 @@ def _retry_text(retry: dict[str, Any] | None) -> str:
 def _certificate_text(certificate: CertificateInfo | None, now: datetime) -> str:
     if certificate is None:
         return "none (not enrolled)"
-    left = certificate.remaining(now)
-    state = f"{left / 86400:.1f} day(s) left" if left > 0 else "EXPIRED: enroll again"
+    left_s = certificate.remaining(now)
+    state = f"{left_s / 86400:.1f} day(s) left" if left_s > 0 else "EXPIRED: enroll again"
     return f"serial {certificate.serial:x}, valid until {format_rfc3339(certificate.not_after)} ({state})"
 
 

@@ -97,7 +97,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         planned = ensure_artifact(store, manifest, check_mode=True, **options).plan
         reporter = Progress(f"{manifest.name} {manifest.version}", planned.summary()["fetch_bytes"], sys.stderr)
         outcome = ensure_artifact(
-            store, manifest, config=FetchConfig(timeout=args.timeout, progress=reporter), **options
+            store, manifest, config=FetchConfig(timeout_s=args.timeout, progress=reporter), **options
         )
     except (ArtifactError, ArtifactStoreError, OSError) as exc:
         print(json.dumps({"ok": False, "reason": type(exc).__name__, "message": str(exc)}))
@@ -201,10 +201,10 @@ class Progress:
         return self.completed + self.file_done
 
     def line(self, now: float) -> str:
-        elapsed = max(now - self.started, 1e-6)
-        rate = self.done / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 and self.total >= self.done else None
-        eta_text = "--:--" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
+        elapsed_s = max(now - self.started, 1e-6)
+        rate = self.done / elapsed_s
+        eta_s = (self.total - self.done) / rate if rate > 0 and self.total >= self.done else None
+        eta_text = "--:--" if eta_s is None else time.strftime("%H:%M:%S", time.gmtime(eta_s))
         return (
             f"{self.label}: {human_bytes(self.done)} / {human_bytes(self.total)} "
             f"at {human_bytes(rate)}/s, ETA {eta_text}"

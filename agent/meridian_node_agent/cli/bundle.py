@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import CappedReadError, read_capped
 from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YamlFileError, parse_yaml
 from ansible_collections.meridian.node.plugins.module_utils.airgap import bundle_reader
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_writer import (
@@ -240,13 +241,10 @@ def _private_key(path: Path) -> Any:
 
 def _read_small(path: Path, what: str) -> bytes:
     try:
-        with path.open("rb") as handle:
-            data = handle.read(_MAX_STATE_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
-    if len(data) > _MAX_STATE_BYTES:
-        raise UsageError(f"{what} {path} is larger than {_MAX_STATE_BYTES} bytes: is it the right file?")
-    return data
+        # The operator named it on the command line: a symlink is followed.
+        return read_capped(path, _MAX_STATE_BYTES, what=what, nofollow=False)
+    except CappedReadError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _code_members(playbooks: Path | None, collection: Path | None) -> list[tuple[str, str]]:

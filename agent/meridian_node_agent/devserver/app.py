@@ -31,12 +31,12 @@ from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
 from meridian_node_agent.devserver.store import PublishedState
 from meridian_node_agent.devserver.tls import peer_certificate_der
 
-__all__ = ["MAX_REQUEST_BYTES", "POLL_INTERVAL_SECONDS", "create_app"]
+__all__ = ["MAX_REQUEST_BYTES", "POLL_INTERVAL_S", "create_app"]
 
 # Requests are small JSON documents; an observation of a busy 8-GPU host is a few tens of KiB.
 MAX_REQUEST_BYTES = 1024 * 1024
 # How often a long-poll looks at the database's change counter (a header read, not a query).
-POLL_INTERVAL_SECONDS = 0.05
+POLL_INTERVAL_S = 0.05
 GENERATION_HEADER = "X-Meridian-Generation"
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -73,9 +73,9 @@ def create_app(control: ControlPlane) -> FastAPI:
     @app.get("/v1/nodes/{node_id}/desired-state")
     async def desired_state(node_id: str, request: Request) -> Response:
         _authenticate(control, request, node_id)
-        wait = _wait_seconds(request, control.settings.max_wait_seconds)
+        wait_s = _wait_seconds(request, control.settings.max_wait_s)
         known = _etags(request.headers.get("if-none-match"))
-        current = await _wait_for_change(control, request, node_id, known, wait)
+        current = await _wait_for_change(control, request, node_id, known, wait_s)
         if current is None:
             return Response(status_code=204)
         headers = {"ETag": current.etag, GENERATION_HEADER: str(current.generation), "Cache-Control": "no-cache"}
@@ -110,15 +110,15 @@ def _authenticate(control: ControlPlane, request: Request, node_id: str | None) 
 
 
 async def _wait_for_change(
-    control: ControlPlane, request: Request, node_id: str, known: set[str], wait: float
+    control: ControlPlane, request: Request, node_id: str, known: set[str], wait_s: float
 ) -> PublishedState | None:
-    """The node's latest state, waiting up to ``wait`` seconds for one whose ETag the client does not have.
+    """The node's latest state, waiting up to ``wait_s`` seconds for one whose ETag the client does not have.
 
     Publishes come from this process or from the CLI writing the same database file; both move the
     store's change marker, and only then is the state queried again.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
+    deadline = loop.time() + wait_s
     marker: tuple[int, int] | None = None
     current: PublishedState | None = None
     while True:
@@ -128,13 +128,14 @@ async def _wait_for_change(
             current = control.desired_state(node_id)
             if current is not None and current.etag not in known and "*" not in known:
                 return current
-        remaining = deadline - loop.time()
-        if remaining <= 0 or await request.is_disconnected():
+        remaining_s = deadline - loop.time()
+        if remaining_s <= 0 or await request.is_disconnected():
             return current
-        await asyncio.sleep(min(POLL_INTERVAL_SECONDS, remaining))
+        await asyncio.sleep(min(POLL_INTERVAL_S, remaining_s))
 
 
-def _wait_seconds(request: Request, limit: float) -> float:
+def _wait_seconds(request: Request, limit_s: float) -> float:
+    """The long-poll's ``wait`` query parameter, in seconds (0 without it)."""
     raw = request.query_params.get("wait")
     if raw is None:
         return 0.0
@@ -142,9 +143,9 @@ def _wait_seconds(request: Request, limit: float) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not 0 <= value <= limit:
+    if not 0 <= value <= limit_s:
         raise ProtocolError(
-            422, "invalid-request", f"wait must be a number of seconds from 0 to {limit:g}, got {raw!r}"
+            422, "invalid-request", f"wait must be a number of seconds from 0 to {limit_s:g}, got {raw!r}"
         )
     return value
 

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import CappedReadError, read_capped
 from meridian_node_agent import VersionAction
 from meridian_node_agent.devserver.control import ControlPlane, Settings, check_node_id, open_control_plane
 from meridian_node_agent.devserver.store import NodeRow, UnknownNode
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--database", help="SQLite database: a file path or ':memory:' (default DATA_DIR/devserver.sqlite3)"
     )
-    serve.add_argument("--lease-seconds", type=int, default=Settings.lease_seconds, help="lease length per heartbeat")
+    serve.add_argument("--lease-seconds", type=int, default=Settings.lease_s, help="lease length per heartbeat")
     serve.add_argument(
         "--certificate-days", type=int, default=Settings.certificate_days, help="validity of issued client certs"
     )
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("node", metavar="NODE")
     publish.add_argument("document", type=Path, metavar="DESIRED.yaml")
     publish.add_argument(
-        "--ttl", type=int, default=Settings.state_ttl_seconds, help="seconds until the state expires (default 3600)"
+        "--ttl", type=int, default=Settings.state_ttl_s, help="seconds until the state expires (default 3600)"
     )
     publish.add_argument(
         "--out",
@@ -224,9 +225,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         settings = Settings(
-            lease_seconds=args.lease_seconds,
+            lease_s=args.lease_seconds,
             certificate_days=args.certificate_days,
-            certificate_seconds=args.certificate_seconds,
+            certificate_s=args.certificate_seconds,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -272,7 +273,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     document = _read_document(args.document)
     control = _open(args)
     try:
-        published = control.publish(args.node, document, ttl_seconds=args.ttl)
+        published = control.publish(args.node, document, ttl_s=args.ttl)
     except ValueError as exc:
         raise Refused(str(exc)) from exc
     finally:
@@ -397,8 +398,8 @@ def format_nodes(rows: list[NodeRow], now: datetime) -> str:
 def _lease_text(expires: datetime | None, now: datetime) -> str:
     if expires is None:
         return "none"
-    seconds = int((expires - now).total_seconds())
-    return f"{seconds}s left" if seconds >= 0 else f"lapsed {-seconds}s ago"
+    left_s = int((expires - now).total_seconds())
+    return f"{left_s}s left" if left_s >= 0 else f"lapsed {-left_s}s ago"
 
 
 def _stamp(value: datetime | None) -> str:
@@ -468,12 +469,10 @@ def _log_to_stderr(level: str) -> None:
 
 def _read_document(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as handle:
-            data = handle.read(_MAX_DOCUMENT_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from exc
-    if len(data) > _MAX_DOCUMENT_BYTES:
-        raise UsageError(f"{str(path)!r} is larger than {_MAX_DOCUMENT_BYTES} bytes; not a desired state")
+        # The operator named it on the command line: a symlink is followed.
+        data = read_capped(path, _MAX_DOCUMENT_BYTES, what="the desired state", nofollow=False)
+    except CappedReadError as exc:
+        raise UsageError(str(exc)) from exc
     try:
         document = yaml.safe_load(data)
     except yaml.YAMLError as exc:

@@ -84,24 +84,30 @@ class ProtocolError(MeridianError):
 class Settings:
     """Tunables, with the limits the server enforces."""
 
-    lease_seconds: int = 30
+    lease_s: int = 30
     certificate_days: int = 30
-    state_ttl_seconds: int = 3600
-    max_wait_seconds: float = 60.0
+    state_ttl_s: int = 3600
+    max_wait_s: float = 60.0
     # When set, overrides certificate_days: short certificates for tests and demos of renewal.
-    certificate_seconds: int | None = None
+    certificate_s: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("lease_seconds", "certificate_days", "state_ttl_seconds"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.certificate_seconds is not None and self.certificate_seconds < 1:
-            raise ValueError(f"certificate_seconds must be at least 1, got {self.certificate_seconds}")
+        # Messages name what an operator sets (serve's --lease-seconds, --certificate-seconds...).
+        limits = (
+            ("lease_seconds", self.lease_s),
+            ("certificate_days", self.certificate_days),
+            ("state_ttl_seconds", self.state_ttl_s),
+        )
+        for name, value in limits:
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.certificate_s is not None and self.certificate_s < 1:
+            raise ValueError(f"certificate_seconds must be at least 1, got {self.certificate_s}")
 
     @property
     def certificate_lifetime(self) -> timedelta:
-        if self.certificate_seconds is not None:
-            return timedelta(seconds=self.certificate_seconds)
+        if self.certificate_s is not None:
+            return timedelta(seconds=self.certificate_s)
         return timedelta(days=self.certificate_days)
 
 
@@ -231,9 +237,9 @@ class ControlPlane:
             raise ValueError(exc.detail) from exc
         return token
 
-    def publish(self, node_id: str, document: Mapping[str, Any], *, ttl_seconds: int | None = None) -> PublishedState:
+    def publish(self, node_id: str, document: Mapping[str, Any], *, ttl_s: int | None = None) -> PublishedState:
         """Sign and store ``document`` as the node's next desired state (generation, epoch and times filled in)."""
-        ttl = timedelta(seconds=ttl_seconds if ttl_seconds is not None else self.settings.state_ttl_seconds)
+        ttl = timedelta(seconds=ttl_s if ttl_s is not None else self.settings.state_ttl_s)
         if ttl <= timedelta(0):
             raise ValueError(f"the state's time to live must be positive, got {ttl.total_seconds():g} s")
         body_fields = _publishable(node_id, document)
@@ -284,7 +290,7 @@ class ControlPlane:
                 node_id=request.node_id,
                 serial=_serial_key(issued.serial),
                 not_after=issued.not_after,
-                lease_for=timedelta(seconds=self.settings.lease_seconds),
+                lease_for=timedelta(seconds=self.settings.lease_s),
                 now=self.now(),
             )
         except StoreConflict as exc:
@@ -401,7 +407,7 @@ class ControlPlane:
 
     def heartbeat(self, node_id: str) -> Lease:
         try:
-            record = self.store.renew_lease(node_id, timedelta(seconds=self.settings.lease_seconds), self.now())
+            record = self.store.renew_lease(node_id, timedelta(seconds=self.settings.lease_s), self.now())
         except UnknownNode as exc:
             raise _unknown(node_id) from exc
         return _lease(record)

@@ -16,9 +16,7 @@ way, until its cause is fixed.
 from __future__ import annotations
 
 import hashlib
-import os
 import sqlite3
-import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,8 +26,19 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
+    CappedReadError,
+    CappedReadReason,
+    read_capped,
+)
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
-from meridian_node_agent.boundary.outbox import MAX_RECORD_BYTES, OutboxRecord, OutboxRefused, verify_outbox_record
+from meridian_node_agent.boundary.outbox import (
+    MAX_RECORD_BYTES,
+    OutboxRecord,
+    OutboxRefused,
+    record_name_parts,
+    verify_outbox_record,
+)
 from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
 
 __all__ = ["ImportResult", "import_outbox"]
@@ -90,16 +99,18 @@ def import_outbox(
 
 def _read(path: Path, name: str) -> tuple[bytes | None, ImportResult | None]:
     try:
-        # O_NOFOLLOW | O_NONBLOCK: a symlink is refused, a FIFO cannot hang the import.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        return None, ImportResult(name, "refused", reason="unreadable", message=f"{path}: {exc.strerror}")
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            return None, ImportResult(name, "refused", reason="not-a-file", message=f"{path} is not a regular file")
-        data = handle.read(MAX_RECORD_BYTES + 1)
-    return data, None
+        # A symlink is refused, a FIFO cannot hang the import.
+        return read_capped(path, MAX_RECORD_BYTES, what="outbox record"), None
+    except CappedReadError as exc:
+        if exc.reason is CappedReadReason.TOO_LARGE:
+            try:
+                record_name_parts(name)  # the name is checked before the size, as verify_outbox_record does
+            except OutboxRefused as refused:
+                return None, ImportResult(name, "refused", reason=refused.reason, message=refused.message)
+            reason = "too-large"
+        else:
+            reason = "not-a-file" if exc.reason is CappedReadReason.NOT_REGULAR else "unreadable"
+        return None, ImportResult(name, "refused", reason=reason, message=str(exc))
 
 
 def _ingest(

@@ -166,7 +166,7 @@ def refresh_inventory(
     if connect is None:
 
         def connect() -> Any:
-            return DockerEngine.from_env(timeout=30)
+            return DockerEngine.from_env(timeout_s=30)
 
     try:
         inventory = collect_inventory(

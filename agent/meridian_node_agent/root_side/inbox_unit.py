@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
-from ansible_collections.meridian.node.plugins.module_utils._lockfile import LOCK_WAIT_SECONDS, LockTimeout
+from ansible_collections.meridian.node.plugins.module_utils._lockfile import LOCK_WAIT_S, LockTimeout
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     format_rfc3339,
 )
@@ -182,7 +182,7 @@ def cmd_airgap_inbox(args: argparse.Namespace) -> int:
                 untrusted_uid=agent[0],
                 file_group=inbox.st_gid,
                 wait=watch.wait,
-                lock_wait=LOCK_WAIT_SECONDS,
+                lock_wait_s=LOCK_WAIT_S,
             )
     except LockTimeout as exc:
         # Busy is not "empty": a bundle may be waiting, and the run must fail so that someone looks.
@@ -224,13 +224,13 @@ def take_bundles(
     clock: Callable[[], datetime] | None = None,
     applier: Callable[..., Any] | None = None,
     wait: Callable[[float], None] | None = None,
-    lock_wait: float = LOCK_WAIT_SECONDS,
+    lock_wait_s: float = LOCK_WAIT_S,
 ) -> list[Any]:
     """Passes over the inbox with root's record until one takes nothing new; after each that took a bundle,
     ``engines.json`` then the outcomes are published (the agent observes right after it reads an outcome).
     A pass that only left a bundle still being written waits (``wait``: inotify on the inbox, at most
     ``air_gap.poll_seconds``) and looks again; without ``wait`` the run ends there. The inbox lock held by
-    another process for longer than ``lock_wait`` seconds raises ``_lockfile.LockTimeout`` (``inbox-busy``)."""
+    another process for longer than ``lock_wait_s`` seconds raises ``_lockfile.LockTimeout`` (``inbox-busy``)."""
     from meridian_node_agent.apply.inbox import BundleResult, InboxProcessor, close_interrupted
     from meridian_node_agent.logs import EventLogger
     from meridian_node_agent.root_side.apply_unit import refresh_inventory
@@ -252,7 +252,7 @@ def take_bundles(
     )
     taken: list[Any] = []
     for _ in range(_MAX_PASSES):
-        outcomes = processor.process_once(lock_wait=lock_wait)
+        outcomes = processor.process_once(lock_wait_s=lock_wait_s)
         taken.extend(outcomes)
         filed = [outcome for outcome in outcomes if outcome.result != BundleResult.LEFT]
         if not filed:

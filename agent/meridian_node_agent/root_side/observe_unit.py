@@ -53,10 +53,10 @@ class ReadOnlyDockerApi(DockerApi):
         return super()._request(method, path, action, **kwargs)
 
 
-def connect_read_only(timeout: int = 30) -> DockerEngine:
+def connect_read_only(timeout_s: int = 30) -> DockerEngine:
     """The local Docker Engine through ``ReadOnlyDockerApi`` (DOCKER_HOST, or the local socket)."""
     try:
-        api = ReadOnlyDockerApi.from_env(timeout=timeout)
+        api = ReadOnlyDockerApi.from_env(timeout_s=timeout_s)
     except DockerApiError as exc:
         raise DockerUnavailableError(
             f"Error connecting to the Docker Engine: {exc.reason}; is dockerd running and is its socket "

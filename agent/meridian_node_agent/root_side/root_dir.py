@@ -12,7 +12,7 @@ in it at any moment, so root reads exactly one file there, the request, and noth
 - the request must be a regular file (a FIFO or a device would block root or feed it endless bytes; it is
   opened ``O_NONBLOCK`` so the open itself cannot hang), with one link (a hard link to a file the agent
   may not read would make root read it for the agent), owned by the owner of the spool directory, and at
-  most ``MAX_REQUEST_BYTES``; it is read once, into memory.
+  most ``MAX_REQUEST_BYTES``; it is read once, into memory (``_fileutil.read_capped``, with these checks).
 
 Root's own directory (``apply.state_dir``, the unit's ``StateDirectory=``) holds its record, journal, runs,
 operation log, draining marks and Ansible's home. It must be root's (the euid's), not writable by group or
@@ -37,6 +37,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
+    CappedFileMissingError,
+    CappedReadError,
+    CappedReadReason,
+    file_kind,
+    read_capped,
+)
 from ansible_collections.meridian.node.plugins.module_utils._lockfile import open_private_lock
 from meridian_node_agent.boundary.directories import BoundaryError
 from meridian_node_agent.boundary.spool import (
@@ -94,35 +101,31 @@ def _read_agent_file(agent_dir: Path, subdir: str, name: str) -> bytes | None:
             ) from exc
         try:
             owner = os.fstat(spool).st_uid
-            try:
-                fd = os.open(name, flags | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=spool)
-            except FileNotFoundError:
-                return None
-            except OSError as exc:
-                raise BoundaryError(f"refusing {path}: {_why(exc, name, spool)}; it must be a regular file") from exc
+
+            def check(info: os.stat_result) -> None:
+                if info.st_nlink != 1:
+                    raise BoundaryError(
+                        f"refusing {path}: it has {info.st_nlink} hard links; the agent writes it by renaming a new "
+                        "file into place, so another link means it names some other file"
+                    )
+                if info.st_uid != owner:
+                    raise BoundaryError(
+                        f"refusing {path}: it is owned by uid {info.st_uid}, not by uid {owner} who owns {path.parent}"
+                    )
+
+            # Relative to the spool it checked, without following a symlink or blocking on a FIFO.
+            return read_capped(name, MAX_REQUEST_BYTES, what="the apply request", dir_fd=spool, check=check)
+        except CappedFileMissingError:
+            return None
+        except CappedReadError as exc:
+            if exc.reason is CappedReadReason.TOO_LARGE:
+                raise BoundaryError(f"refusing {path}: more than {MAX_REQUEST_BYTES} bytes") from exc
+            fix = "" if exc.reason is CappedReadReason.NOT_REGULAR else "; it must be a regular file"
+            raise BoundaryError(f"refusing {path}: {exc.detail}{fix}") from exc
         finally:
             os.close(spool)
     finally:
         os.close(base)
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise BoundaryError(f"refusing {path}: it is a {_kind(info.st_mode)}, not a regular file")
-        if info.st_nlink != 1:
-            raise BoundaryError(
-                f"refusing {path}: it has {info.st_nlink} hard links; the agent writes it by renaming a new file "
-                "into place, so another link means it names some other file"
-            )
-        if info.st_uid != owner:
-            raise BoundaryError(
-                f"refusing {path}: it is owned by uid {info.st_uid}, not by uid {owner} who owns {path.parent}"
-            )
-        if info.st_size > MAX_REQUEST_BYTES:
-            raise BoundaryError(f"refusing {path}: {info.st_size} bytes, more than {MAX_REQUEST_BYTES}")
-        raw = handle.read(MAX_REQUEST_BYTES + 1)
-    if len(raw) > MAX_REQUEST_BYTES:
-        raise BoundaryError(f"refusing {path}: more than {MAX_REQUEST_BYTES} bytes")
-    return raw
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ def _check_owned(path: Path, *, allow_sticky: bool) -> None:
         raise BoundaryError(f"cannot check {path}: {_why(exc)}") from exc
     if not stat.S_ISDIR(info.st_mode):
         raise BoundaryError(
-            f"refusing {path}: it is a {_kind(info.st_mode)}; root keeps its state in directories it owns"
+            f"refusing {path}: it is a {file_kind(info.st_mode)}; root keeps its state in directories it owns"
         )
     euid = os.geteuid()
     if info.st_uid not in (0, euid):
@@ -233,25 +236,11 @@ def _check_owned(path: Path, *, allow_sticky: bool) -> None:
         )
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    if stat.S_ISDIR(mode):
-        return "directory"
-    return "regular file" if stat.S_ISREG(mode) else "special file"
-
-
 def _why(exc: OSError, name: str | None = None, dir_fd: int | None = None) -> str:
     """Why an open failed, in words; ``name`` and ``dir_fd`` let it say what is there instead."""
     if name is not None and exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
         with contextlib.suppress(OSError):
-            return f"it is a {_kind(os.lstat(name, dir_fd=dir_fd).st_mode)}"
+            return f"it is a {file_kind(os.lstat(name, dir_fd=dir_fd).st_mode)}"
     if exc.errno == errno.ELOOP:
         return "it is a symlink"
     if exc.errno == errno.ENOTDIR:

@@ -148,16 +148,16 @@ def new_sha256() -> Any:
 class FetchConfig:
     """How hard to try. ``sleep`` and ``jitter`` are injectable so tests do not wait and stay repeatable.
 
-    ``timeout`` bounds connecting and every single read (seconds of silence), not the whole download:
+    ``timeout_s`` bounds connecting and every single read (seconds of silence), not the whole download:
     a 100 GB file legitimately takes hours. ``attempts`` counts the first try. The delay before retry
-    ``n`` (1-based) is ``min(backoff_max, backoff_base * 2**(n-1))``, scaled by ``0.5 + jitter()/2`` so
+    ``n`` (1-based) is ``min(backoff_max_s, backoff_base_s * 2**(n-1))``, scaled by ``0.5 + jitter()/2`` so
     that many hosts retrying one mirror do not retry in lockstep.
     """
 
-    timeout: float = 30.0
+    timeout_s: float = 30.0
     attempts: int = 5
-    backoff_base: float = 1.0
-    backoff_max: float = 60.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     jitter: Callable[[], float] = field(default=random.random, repr=False)
@@ -170,19 +170,19 @@ class FetchConfig:
     def __post_init__(self) -> None:
         if (
             self.attempts < 1
-            or self.timeout <= 0
+            or self.timeout_s <= 0
             or self.chunk_size < 1
-            or self.backoff_base < 0
+            or self.backoff_base_s < 0
             or self.max_redirects < 0
         ):
             raise RuntimeError(
-                "FetchConfig needs attempts >= 1, timeout > 0, chunk_size >= 1, backoff_base >= 0, "
+                "FetchConfig needs attempts >= 1, timeout_s > 0, chunk_size >= 1, backoff_base_s >= 0, "
                 f"max_redirects >= 0 (got {self!r})"
             )
 
     def delay(self, retry: int) -> float:
-        base = min(self.backoff_max, self.backoff_base * (2 ** (retry - 1)))
-        return float(base * (0.5 + self.jitter() / 2))
+        base_s = min(self.backoff_max_s, self.backoff_base_s * (2 ** (retry - 1)))
+        return float(base_s * (0.5 + self.jitter() / 2))
 
 
 @dataclass(frozen=True)
@@ -644,7 +644,7 @@ class _Job:
                     chain[-1],
                     headers=headers,
                     method="GET",
-                    timeout=self.config.timeout,
+                    timeout=self.config.timeout_s,
                     http_agent=self.config.user_agent,
                     decompress=False,
                     use_netrc=False,

@@ -20,23 +20,25 @@ fetcher into a fresh inode of its own, and fetches it from the source when the c
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import resolve_location
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import (
+    CURRENT,
+    NAME,
+    SHA256,
+    VERSION,
+    ArtifactPathError,
+    ArtifactStoreError,
+)
 from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest, format_rfc3339
 
-CURRENT = "current"
 INDEX_FILE = "index.json"
 LOCK_FILE = ".lock"
 _FORMAT = 1
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$")
-_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 # Engines in containers read model files under other uids; content is public to the host, not secret.
 _DIR_MODE = 0o755
 _BLOB_MODE = 0o444
@@ -44,14 +46,6 @@ _BLOB_MODE = 0o444
 # that failed on Friday evening and is retried on Tuesday still resumes) and a mirror that is down for
 # days, and still bounds how long an abandoned download holds disk outside every version.
 PARTIAL_MAX_AGE = timedelta(days=7)
-
-
-class ArtifactStoreError(MeridianError):
-    """The store cannot do what was asked; the message names the path or value and what to do."""
-
-
-class ArtifactPathError(ArtifactStoreError):
-    """A manifest path would leave its version directory, collide, or go through a symlink."""
 
 
 class StoreLockedError(ArtifactStoreError):
@@ -258,17 +252,17 @@ class ArtifactPlan:
 
 def check_manifest_paths(manifest: ArtifactManifest) -> None:
     """The store's own re-check of names, digests and paths (the contract checked them once already)."""
-    if not _NAME.match(str(manifest.name)):
+    if not NAME.match(str(manifest.name)):
         raise ArtifactPathError(f"artifact name {manifest.name!r} is not a valid store name")
-    if not _VERSION.match(str(manifest.version)) or manifest.version == CURRENT:
+    if not VERSION.match(str(manifest.version)) or manifest.version == CURRENT:
         raise ArtifactPathError(
             f"artifact version {manifest.version!r} cannot be a directory in the store "
-            f"(it must match {_VERSION.pattern} and must not be {CURRENT!r}, the name of the switch)"
+            f"(it must match {VERSION.pattern} and must not be {CURRENT!r}, the name of the switch)"
         )
     seen: dict[str, str] = {}
     for entry in manifest.files:
         _check_relative(entry.path)
-        if not _SHA256.match(str(entry.sha256)):
+        if not SHA256.match(str(entry.sha256)):
             raise ArtifactPathError(f"file {entry.path!r}: sha256 {entry.sha256!r} is not 64 lowercase hex digits")
         if not isinstance(entry.size, int) or entry.size < 0:
             raise ArtifactPathError(f"file {entry.path!r}: size {entry.size!r} is not a byte count")

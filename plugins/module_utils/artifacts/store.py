@@ -39,8 +39,9 @@ Choices worth knowing:
 - A blob another user owns, that its group or others can write, or that has more hard links than the
   store made is never taken as verified: it is re-ingested (see ``artifacts.plan``). A version directory
   another user owns or can write is not intact and is assembled again.
-- ``artifacts/<name>/current`` is read through ``current_version``, which checks the link on its resolved
-  path: anything but a version directory right beside it is refused, naming the link and its target.
+- ``artifacts/<name>/current`` is read through ``artifacts.layout.current_version``, the rule engines mount
+  by too, which checks the link on its resolved path: anything but a version directory right beside it is
+  refused, naming the link and its target.
 - A blob present on disk but not in the index (a crash between rename and index write) is re-hashed
   and adopted rather than downloaded again.
 - Paths are validated again here even though the contracts already did: ``model_construct`` and
@@ -87,6 +88,7 @@ from typing import TYPE_CHECKING, Any
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
 from ansible_collections.meridian.node.plugins.module_utils._lockfile import open_private_lock
+from ansible_collections.meridian.node.plugins.module_utils.artifacts import layout
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import (
     ArtifactIntegrityError,
     ArtifactTransferError,
@@ -98,20 +100,20 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch impo
     hash_file,
     resolve_location,
 )
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import (
+    CURRENT,
+    SHA256,
+    ArtifactPathError,
+    ArtifactStoreError,
+)
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import (
     _BLOB_MODE,
     _DIR_MODE,
     _FORMAT,
-    _NAME,
-    _SHA256,
-    _VERSION,
-    CURRENT,
     INDEX_FILE,
     LOCK_FILE,
     PARTIAL_MAX_AGE,
-    ArtifactPathError,
     ArtifactPlan,
-    ArtifactStoreError,
     BlobRecord,
     Eviction,
     FetchStep,
@@ -214,10 +216,10 @@ class Store:
 
     @property
     def artifacts_dir(self) -> str:
-        return os.path.join(self.root, "artifacts")
+        return layout.artifacts_dir(self.root)
 
     def blob_path(self, sha: str) -> str:
-        if not _SHA256.match(sha):
+        if not SHA256.match(sha):
             raise ArtifactPathError(f"sha256 {sha!r} is not 64 lowercase hex digits")
         return os.path.join(self.blobs_dir, sha)
 
@@ -226,14 +228,12 @@ class Store:
         return os.path.join(self.staging_dir, f"{sha}.partial")
 
     def version_dir(self, name: str, version: str) -> str:
-        if not _NAME.match(name) or not _VERSION.match(version) or version == CURRENT:
-            raise ArtifactPathError(f"{name!r}/{version!r} is not a valid artifact name and version")
-        return os.path.join(self.artifacts_dir, name, version)
+        return layout.version_dir(self.root, name, version)
 
     # locking
     @contextlib.contextmanager
-    def lock(self, timeout: float | None = None, poll: float = 0.05) -> Iterator[None]:
-        """Hold the store's flock. ``timeout`` None waits as long as it takes."""
+    def lock(self, timeout_s: float | None = None, poll_s: float = 0.05) -> Iterator[None]:
+        """Hold the store's flock. ``timeout_s`` None waits as long as it takes."""
         self.check_trust()  # before creating anything: the path to the root must be ours to create in
         _makedirs(self.root)
         path = os.path.join(self.root, LOCK_FILE)
@@ -241,7 +241,7 @@ class Store:
         # so anyone could open a readable lock file by name and hold it.
         fd = open_private_lock(path)
         try:
-            deadline = None if timeout is None else time.monotonic() + timeout
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
@@ -251,9 +251,9 @@ class Store:
                         holder = _read_small(path)
                         raise StoreLockedError(
                             f"the artifact store {self.root} is locked by another run ({holder or 'pid unknown'}) "
-                            f"and it did not finish within {timeout} s; try again later"
+                            f"and it did not finish within {timeout_s} s; try again later"
                         ) from None
-                    time.sleep(poll)
+                    time.sleep(poll_s)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
             yield
@@ -327,40 +327,6 @@ class Store:
             f"fix it (chown {owner} {path}; {mode_fix} {path}) and run again"
         )
 
-    def current_version(self, name: str) -> str | None:
-        """The version ``artifacts/<name>/current`` points at; None when there is no such link.
-
-        Checked on the resolved path: a link that leads anywhere but to a version directory beside it
-        (an absolute path, ``..``, a version that is itself a symlink, a temporary, a file) is refused,
-        naming the link and its target. A link to a version that is missing is returned: nothing is read
-        through it, and the next promote replaces it.
-        """
-        name_dir = os.path.join(self.artifacts_dir, name)
-        link = os.path.join(name_dir, CURRENT)
-        if not os.path.islink(link):
-            if os.path.lexists(link):
-                raise ArtifactPathError(
-                    f"{link} is not a symlink; the store only makes 'current' as a link to a version. Remove it "
-                    "and make a version current again"
-                )
-            return None
-        target = os.readlink(link)
-        resolved = os.path.realpath(link)
-        real_name_dir = os.path.realpath(name_dir)
-        if (
-            not _VERSION.match(target)
-            or target == CURRENT
-            or resolved != os.path.join(real_name_dir, target)
-            or os.path.dirname(real_name_dir) != os.path.realpath(self.artifacts_dir)
-            or (os.path.lexists(resolved) and not os.path.isdir(resolved))
-        ):
-            raise ArtifactPathError(
-                f"{link} points at {target!r}, which resolves to {resolved}: not a version directory of {name!r} "
-                f"in the store {self.root}. Refusing to use it; remove the link (rm {link}) and make a version "
-                "current again"
-            )
-        return target
-
     # reading
     def observe(self, name: str | None = None, version: str | None = None) -> StoreState:
         """Read index and disk; with ``name``/``version``, also check that version's directory."""
@@ -373,7 +339,7 @@ class Store:
         stats: dict[str, os.stat_result] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.blobs_dir):
-                if _SHA256.match(entry.name) and entry.is_file(follow_symlinks=False):
+                if SHA256.match(entry.name) and entry.is_file(follow_symlinks=False):
                     info = entry.stat(follow_symlinks=False)
                     present[entry.name] = BlobRecord(info.st_size, info.st_ino, info.st_mtime_ns)
                     stats[entry.name] = info
@@ -384,14 +350,14 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.staging_dir):
                 sha = entry.name.removesuffix(".partial")
-                if sha != entry.name and _SHA256.match(sha) and entry.is_file(follow_symlinks=False):
+                if sha != entry.name and SHA256.match(sha) and entry.is_file(follow_symlinks=False):
                     info = entry.stat(follow_symlinks=False)
                     partial[sha] = PartialFile(info.st_size, datetime.fromtimestamp(info.st_mtime_ns / 1e9, UTC))
         current: dict[str, str] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.artifacts_dir):
                 if entry.is_dir(follow_symlinks=False):
-                    points_at = self.current_version(entry.name)
+                    points_at = layout.current_version(self.root, entry.name)
                     if points_at is not None:
                         current[entry.name] = points_at
         state = StoreState(
@@ -558,6 +524,8 @@ class Store:
         return check_manifest_location(location, path, self.local_sources)
 
     def _apply(self, plan: ArtifactPlan, config: FetchConfig) -> StoreApplyResult:
+        """The plan's steps in order; the index is written after each step that changed what it records, so a
+        run cut short leaves an index that describes the disk."""
         now = self.clock()
         # Before anything changes: a refused location must not cost an eviction.
         locations = self.check_locations(plan)
@@ -570,31 +538,8 @@ class Store:
         ):
             _makedirs(directory)
         self.check_trust()
-        index = self._load_index()
-        versions: dict[tuple[str, str], VersionRecord] = dict(index["versions"])
-        blobs: dict[str, BlobRecord] = dict(index["blobs"])
-
-        evicted: list[str] = []
-        for eviction in plan.evict:
-            versions.pop((eviction.name, eviction.version), None)
-            self._write_index(versions, blobs)
-            self._remove_version_dir(eviction.name, eviction.version)
-            evicted.append(f"{eviction.name}/{eviction.version}")
-        if plan.remove:
-            link = os.path.join(self.artifacts_dir, plan.name, CURRENT)
-            if os.path.islink(link) and os.readlink(link) == plan.version:
-                _remove_link(link)
-                fsync_directory(os.path.dirname(link))
-            versions.pop((plan.name, plan.version), None)
-            self._write_index(versions, blobs)
-            self._remove_version_dir(plan.name, plan.version)
-        dropped = self._drop_partials(plan)
-        keep = {sha for record in versions.values() for sha in record.digests}
-        if plan.manifest is not None:
-            keep.update(entry.sha256 for entry in plan.manifest.files)
-        removed_blobs = self._sweep_blobs(keep, blobs) if (plan.evict or plan.remove) else []
-        if removed_blobs:
-            self._write_index(versions, blobs)
+        index = _IndexInProgress(self, self._load_index())
+        evicted, removed_blobs, dropped = self._make_room(plan, index)
         if plan.state == "absent" or plan.manifest is None:
             return StoreApplyResult(
                 changed=plan.changed,
@@ -602,49 +547,113 @@ class Store:
                 removed_blobs=tuple(removed_blobs),
                 dropped_partials=dropped,
             )
-
         manifest = plan.manifest
         check_manifest_paths(manifest)
-        first_path: dict[str, tuple[int, str, str | None]] = {}
-        for entry in manifest.files:
-            first_path.setdefault(entry.sha256, (entry.size, entry.path, entry.url))
+        sources = _Sources.of(manifest)
+        repairs = self._repair_blobs(plan, sources, index, config)
+        fetched = self._fetch_blobs([*plan.fetch, *repairs.refetch], locations, index, config)
+        if plan.assemble or repairs.repaired or not self.observe(manifest.name, manifest.version).intact:
+            self._assemble(manifest)
+        changed_record, swept = self._record_version(
+            plan, manifest, sources, index, now, bool(fetched or repairs.rehashed)
+        )
+        removed_blobs += swept
+        promoted = False
+        if plan.promote:
+            self._switch_current(manifest.name, manifest.version)
+            promoted = True
+        changed = bool(
+            fetched
+            or repairs.repaired
+            or repairs.reingested
+            or evicted
+            or removed_blobs
+            or dropped
+            or promoted
+            or changed_record
+            or plan.assemble
+        )
+        return StoreApplyResult(
+            changed=changed,
+            fetched=tuple(fetched),
+            rehashed=tuple(repairs.rehashed),
+            repaired=tuple(repairs.repaired),
+            evicted=tuple(evicted),
+            removed_blobs=tuple(removed_blobs),
+            dropped_partials=dropped,
+            reingested=tuple(repairs.reingested),
+            promoted=promoted,
+        )
 
-        # Re-hash what the plan distrusts; a blob that fails is deleted and fetched like a missing one.
-        to_fetch = list(plan.fetch)
-        rehashed: list[str] = []
-        repaired: list[str] = []
+    def _make_room(self, plan: ArtifactPlan, index: _IndexInProgress) -> tuple[list[str], list[str], tuple[str, ...]]:
+        """Evictions, the removal the plan asks for, stale partials, then the blobs nothing uses any more:
+        before any fetch, so the budget holds while downloading. (evicted, removed blobs, dropped partials)."""
+        evicted: list[str] = []
+        for eviction in plan.evict:
+            index.versions.pop((eviction.name, eviction.version), None)
+            index.write()
+            self._remove_version_dir(eviction.name, eviction.version)
+            evicted.append(f"{eviction.name}/{eviction.version}")
+        if plan.remove:
+            link = os.path.join(self.artifacts_dir, plan.name, CURRENT)
+            if os.path.islink(link) and os.readlink(link) == plan.version:
+                _remove_link(link)
+                fsync_directory(os.path.dirname(link))
+            index.versions.pop((plan.name, plan.version), None)
+            index.write()
+            self._remove_version_dir(plan.name, plan.version)
+        dropped = self._drop_partials(plan)
+        keep = index.referenced()
+        if plan.manifest is not None:
+            keep.update(entry.sha256 for entry in plan.manifest.files)
+        removed_blobs = self._sweep_blobs(keep, index.blobs) if (plan.evict or plan.remove) else []
+        if removed_blobs:
+            index.write()
+        return evicted, removed_blobs, dropped
+
+    def _repair_blobs(
+        self, plan: ArtifactPlan, sources: _Sources, index: _IndexInProgress, config: FetchConfig
+    ) -> _Repairs:
+        """Re-hash what the plan distrusts and re-ingest untrusted blobs; what fails either is deleted and
+        fetched again like a missing blob (``_Repairs.refetch``)."""
+        repairs = _Repairs()
         for sha in plan.rehash:
             blob = self.blob_path(sha)
             digest, size = hash_file(blob, config.chunk_size)
-            rehashed.append(sha)
-            if digest == sha and size == first_path[sha][0]:
-                blobs[sha] = _stat_blob(blob)
+            repairs.rehashed.append(sha)
+            if digest == sha and size == sources.size(sha):
+                index.blobs[sha] = _stat_blob(blob)
                 continue
             _unlink(blob)
-            blobs.pop(sha, None)
-            repaired.append(sha)
-            size_expected, path, url = first_path[sha]
-            location = resolve_location(plan.source, path, file_url=url, base_url=manifest.base_url)
-            to_fetch.append(FetchStep(sha, size_expected, path, self._readable(plan, location, path), 0))
-        if rehashed:
-            self._write_index(versions, blobs)
-
-        reingested: list[str] = []
+            index.blobs.pop(sha, None)
+            repairs.repaired.append(sha)
+            repairs.refetch.append(self._refetch_step(plan, sources, sha))
+        if plan.rehash:
+            index.write()
         for item in plan.reingest:
-            size_expected, path, url = first_path[item.sha256]
-            if self._reingest(item.sha256, size_expected, path, config):
-                blobs[item.sha256] = _stat_blob(self.blob_path(item.sha256))
-                reingested.append(item.sha256)
+            _size, path, _url = sources.first[item.sha256]
+            if self._reingest(item.sha256, sources.size(item.sha256), path, config):
+                index.blobs[item.sha256] = _stat_blob(self.blob_path(item.sha256))
+                repairs.reingested.append(item.sha256)
                 continue
-            blobs.pop(item.sha256, None)
-            repaired.append(item.sha256)
-            location = resolve_location(plan.source, path, file_url=url, base_url=manifest.base_url)
-            to_fetch.append(FetchStep(item.sha256, size_expected, path, self._readable(plan, location, path), 0))
+            index.blobs.pop(item.sha256, None)
+            repairs.repaired.append(item.sha256)
+            repairs.refetch.append(self._refetch_step(plan, sources, item.sha256))
         if plan.reingest:
-            self._write_index(versions, blobs)
+            index.write()
+        return repairs
 
+    def _refetch_step(self, plan: ArtifactPlan, sources: _Sources, sha: str) -> FetchStep:
+        size, path, url = sources.first[sha]
+        location = resolve_location(plan.source, path, file_url=url, base_url=sources.base_url)
+        return FetchStep(sha, size, path, self._readable(plan, location, path), 0)
+
+    def _fetch_blobs(
+        self, steps: Sequence[FetchStep], locations: Mapping[str, str], index: _IndexInProgress, config: FetchConfig
+    ) -> list[FetchResult]:
+        """Each blob through the verifying fetcher into staging, then renamed into ``blobs/`` read-only."""
         fetched: list[FetchResult] = []
-        for step in to_fetch:
+        for step in steps:
             staging = self.staging_path(step.sha256)
             result = fetch_file(
                 locations.get(step.sha256, step.location),
@@ -658,63 +667,43 @@ class Store:
             os.chmod(staging, _BLOB_MODE)
             os.replace(staging, blob)
             fsync_directory(self.blobs_dir)
-            blobs[step.sha256] = _stat_blob(blob)
-            self._write_index(versions, blobs)
+            index.blobs[step.sha256] = _stat_blob(blob)
+            index.write()
             fetched.append(result)
+        return fetched
 
+    def _record_version(
+        self,
+        plan: ArtifactPlan,
+        manifest: ArtifactManifest,
+        sources: _Sources,
+        index: _IndexInProgress,
+        now: datetime,
+        verified_now: bool,
+    ) -> tuple[bool, list[str]]:
+        """The version's index record (files, size, pin, last used, verified at); (record changed, blobs swept
+        because the version's content changed under the same name)."""
         name, version = manifest.name, manifest.version
-        if plan.assemble or repaired or not self.observe(name, version).intact:
-            self._assemble(manifest)
-
-        previous = versions.get((name, version))
+        previous = index.versions.get((name, version))
         files = tuple((entry.path, entry.sha256, entry.size) for entry in manifest.files)
         changed_record = previous is None or previous.files != files or previous.pinned != plan.pin
-        verified_at = (
-            now if (previous is None or fetched or rehashed or previous.files != files) else previous.verified_at
-        )
-        versions[(name, version)] = VersionRecord(
+        verified_at = now if (previous is None or verified_now or previous.files != files) else previous.verified_at
+        index.versions[(name, version)] = VersionRecord(
             name=name,
             version=version,
             manifest_sha256=plan.manifest_sha256 or "",
             files=files,
-            size=sum(size for size, _p, _u in first_path.values()),
+            size=sources.total_size(),
             pinned=plan.pin,
             last_used=now,
             verified_at=verified_at,
         )
-        self._write_index(versions, blobs)
+        index.write()
+        swept: list[str] = []
         if previous is not None and previous.files != files:
-            # The version's content changed under the same name: blobs only the old content used go now.
-            keep = {sha for record in versions.values() for sha in record.digests}
-            removed_blobs += self._sweep_blobs(keep, blobs)
-            self._write_index(versions, blobs)
-
-        promoted = False
-        if plan.promote:
-            self._switch_current(name, version)
-            promoted = True
-        changed = bool(
-            fetched
-            or repaired
-            or reingested
-            or evicted
-            or removed_blobs
-            or dropped
-            or promoted
-            or changed_record
-            or plan.assemble
-        )
-        return StoreApplyResult(
-            changed=changed,
-            fetched=tuple(fetched),
-            rehashed=tuple(rehashed),
-            repaired=tuple(repaired),
-            evicted=tuple(evicted),
-            removed_blobs=tuple(removed_blobs),
-            dropped_partials=dropped,
-            reingested=tuple(reingested),
-            promoted=promoted,
-        )
+            swept = self._sweep_blobs(index.referenced(), index.blobs)
+            index.write()
+        return changed_record, swept
 
     def _reingest(self, sha: str, size: int, path: str, config: FetchConfig) -> bool:
         """Copy an untrusted blob through the verifying fetcher into a fresh inode; False if it is bad.
@@ -830,6 +819,56 @@ class Store:
 # --- one-call helpers ----------------------------------------------------------------------------------
 
 
+@dataclass
+class _IndexInProgress:
+    """The index as one apply changes it: its versions and blobs, written back after each step."""
+
+    store: Store
+    document: dict[str, Any]
+    versions: dict[tuple[str, str], VersionRecord] = field(init=False)
+    blobs: dict[str, BlobRecord] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.versions = dict(self.document["versions"])
+        self.blobs = dict(self.document["blobs"])
+
+    def write(self) -> None:
+        self.store._write_index(self.versions, self.blobs)
+
+    def referenced(self) -> set[str]:
+        return {sha for record in self.versions.values() for sha in record.digests}
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """Per distinct sha256 of a manifest, its first file: (size, path, url), where a repair fetches it from."""
+
+    first: Mapping[str, tuple[int, str, str | None]]
+    base_url: str | None
+
+    @classmethod
+    def of(cls, manifest: ArtifactManifest) -> _Sources:
+        first: dict[str, tuple[int, str, str | None]] = {}
+        for entry in manifest.files:
+            first.setdefault(entry.sha256, (entry.size, entry.path, entry.url))
+        return cls(first, manifest.base_url)
+
+    def size(self, sha: str) -> int:
+        return self.first[sha][0]
+
+    def total_size(self) -> int:
+        """The bytes the version holds on disk: each distinct blob once."""
+        return sum(size for size, _path, _url in self.first.values())
+
+
+@dataclass
+class _Repairs:
+    rehashed: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)  # failed a re-hash or a re-ingest: fetched again
+    reingested: list[str] = field(default_factory=list)
+    refetch: list[FetchStep] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class StoreOutcome:
     plan: ArtifactPlan
@@ -853,7 +892,7 @@ def ensure_artifact(
     in_use: Sequence[str] = (),
     config: FetchConfig | None = None,
     check_mode: bool = False,
-    lock_timeout: float | None = None,
+    lock_timeout_s: float | None = None,
 ) -> StoreOutcome:
     """Lock, observe, plan and (unless ``check_mode``) apply: the whole ``state: present`` run."""
     options: dict[str, Any] = {
@@ -871,7 +910,7 @@ def ensure_artifact(
         plan = plan_artifact(manifest, state, **options)
         store.check_locations(plan)  # check mode fails where the real run would refuse a location
         return StoreOutcome(plan, None)
-    with store.lock(lock_timeout):
+    with store.lock(lock_timeout_s):
         state = store.observe(manifest.name, manifest.version)
         plan = plan_artifact(manifest, state, **options)
         return StoreOutcome(plan, store.apply(plan, config))
@@ -884,12 +923,12 @@ def remove_artifact(
     *,
     in_use: Sequence[str] = (),
     check_mode: bool = False,
-    lock_timeout: float | None = None,
+    lock_timeout_s: float | None = None,
 ) -> StoreOutcome:
     """Lock, observe, plan and apply ``state: absent`` for one version."""
     if check_mode:
         return StoreOutcome(plan_removal(name, version, store.observe(name, version), in_use=frozenset(in_use)), None)
-    with store.lock(lock_timeout):
+    with store.lock(lock_timeout_s):
         plan = plan_removal(name, version, store.observe(name, version), in_use=frozenset(in_use))
         return StoreOutcome(plan, store.apply(plan))
 

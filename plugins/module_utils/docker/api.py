@@ -66,7 +66,7 @@ class _DockerAnswer:
 class DockerApi:
     """One Docker Engine endpoint; every method is one API call returning the engine's JSON."""
 
-    def __init__(self, host: str = DEFAULT_HOST, *, timeout: float = 60, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, host: str = DEFAULT_HOST, *, timeout_s: float = 60, tls: ssl.SSLContext | None = None) -> None:
         scheme, rest = host.split("://", 1) if "://" in host else (host, "")
         if scheme == "unix" and rest.startswith("/"):
             self._target = rest
@@ -81,13 +81,13 @@ class DockerApi:
                 "(with DOCKER_TLS_VERIFY=1 for TLS); ssh:// is not supported"
             )
         self.host = host
-        self.timeout = timeout
+        self.timeout_s = timeout_s
         self._scheme = scheme
         self._tls = tls
         self._prefix = ""
 
     @classmethod
-    def from_env(cls, timeout: float = 60, environ: Mapping[str, str] | None = None) -> DockerApi:
+    def from_env(cls, timeout_s: float = 60, environ: Mapping[str, str] | None = None) -> DockerApi:
         """The engine the ``docker`` CLI would talk to, with the API version negotiated by one ping."""
         env = os.environ if environ is None else environ
         host = env.get("DOCKER_HOST") or DEFAULT_HOST
@@ -101,7 +101,7 @@ class DockerApi:
                     f"DOCKER_TLS_VERIFY is set but the TLS files in {cert_path} (ca.pem, cert.pem, key.pem) "
                     f"cannot be used: {exc}"
                 ) from exc
-        api = cls(host, timeout=timeout, tls=tls)
+        api = cls(host, timeout_s=timeout_s, tls=tls)
         api.negotiate()
         return api
 
@@ -155,14 +155,14 @@ class DockerApi:
     def start(self, container_id: str) -> None:
         self._request("POST", f"/containers/{_quote(container_id)}/start", f"starting {container_id[:12]}")
 
-    def stop(self, container_id: str, timeout: int) -> None:
+    def stop(self, container_id: str, timeout_s: int) -> None:
         # The engine answers only after the grace period and the kill: wait that long plus our own timeout.
         self._request(
             "POST",
             f"/containers/{_quote(container_id)}/stop",
             f"stopping {container_id[:12]}",
-            query={"t": str(timeout)},
-            timeout=self.timeout + timeout,
+            query={"t": str(timeout_s)},
+            timeout_s=self.timeout_s + timeout_s,
         )
 
     def remove(self, container_id: str, *, force: bool = False) -> None:
@@ -178,18 +178,18 @@ class DockerApi:
         except ValueError as exc:
             raise DockerApiError(f"the engine's answer is not JSON ({exc})", action=action) from exc
 
-    def _connect(self, timeout: float) -> socket.socket:
+    def _connect(self, timeout_s: float) -> socket.socket:
         if self._scheme == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.settimeout(timeout)
+                sock.settimeout(timeout_s)
                 sock.connect(self._target)
             except OSError:
                 sock.close()
                 raise
             return sock
         address, _colon, port = self._target.rpartition(":")
-        sock = socket.create_connection((address, int(port)), timeout=timeout)
+        sock = socket.create_connection((address, int(port)), timeout=timeout_s)
         if self._tls is None:
             return sock
         try:
@@ -206,7 +206,7 @@ class DockerApi:
         *,
         query: Mapping[str, str] | None = None,
         body: Any = None,
-        timeout: float | None = None,
+        timeout_s: float | None = None,
         versioned: bool = True,
     ) -> _DockerAnswer:
         url = (self._prefix if versioned else "") + path
@@ -215,7 +215,7 @@ class DockerApi:
         payload = None if body is None else json.dumps(body).encode("utf-8")
         headers = {"Content-Type": "application/json"} if payload is not None else {}
         try:
-            sock = self._connect(self.timeout if timeout is None else timeout)
+            sock = self._connect(self.timeout_s if timeout_s is None else timeout_s)
             try:
                 answer = exchange(
                     sock, method, url, host="docker", headers=headers, body=payload, max_body=_MAX_RESPONSE_BYTES

@@ -165,7 +165,7 @@ class ContainerSettings:
     gpus: tuple[str, ...] = ()
     init: bool = True
     stop_signal: str = "SIGTERM"
-    stop_timeout: int = 30
+    stop_timeout_s: int = 30
     restart_policy: str = "no"
     shm_size_mib: int | None = None
     ipc_mode: str = "private"
@@ -177,8 +177,8 @@ class ContainerSettings:
             raise ValueError(f"labels {reserved} are set by DockerEngine.create itself; remove them from settings")
         if self.restart_policy not in RESTART_POLICIES:
             raise ValueError(f"restart_policy {self.restart_policy!r} is not one of {', '.join(RESTART_POLICIES)}")
-        if self.stop_timeout < 0:
-            raise ValueError(f"stop_timeout must be >= 0 seconds, got {self.stop_timeout}")
+        if self.stop_timeout_s < 0:
+            raise ValueError(f"stop_timeout_s must be >= 0 seconds, got {self.stop_timeout_s}")
         if self.ipc_mode not in IPC_MODES:
             raise ValueError(f"ipc_mode {self.ipc_mode!r} is not one of {', '.join(IPC_MODES)}")
         if self.shm_size_mib is not None and (self.shm_size_mib < 1 or self.ipc_mode == "host"):
@@ -217,7 +217,7 @@ class ContainerSettings:
             "gpus": list(self.gpus),
             "init": self.init,
             "stop_signal": self.stop_signal,
-            "stop_timeout": self.stop_timeout,
+            "stop_timeout": self.stop_timeout_s,  # the hash's key: renaming it would recreate every engine
             "restart_policy": self.restart_policy,
             "shm_size_mib": self.shm_size_mib,
             # Only when set, so that a container created before these settings existed keeps its hash.
@@ -386,10 +386,10 @@ class DockerEngine:
         self._drift_cache: dict[str, tuple[tuple[Any, Any, Any], tuple[str, ...] | None]] = {}
 
     @classmethod
-    def from_env(cls, timeout: int = 60) -> DockerEngine:
+    def from_env(cls, timeout_s: int = 60) -> DockerEngine:
         """Connect as the ``docker`` CLI would (DOCKER_HOST, or the local socket) and check it answers."""
         try:
-            api = DockerApi.from_env(timeout=timeout)
+            api = DockerApi.from_env(timeout_s=timeout_s)
         except DockerApiError as exc:
             raise DockerUnavailableError(
                 f"Error connecting to the Docker Engine: {exc.reason}; is dockerd running and is its socket "
@@ -639,17 +639,17 @@ class DockerEngine:
         with _docker_call(f"starting container {container.name!r}", not_found=ContainerNotFoundError):
             self.api.start(container.id)
 
-    def stop(self, container: ContainerInfo, timeout: int) -> None:
-        """Send the container's stop signal, then SIGKILL after ``timeout`` seconds.
+    def stop(self, container: ContainerInfo, timeout_s: int) -> None:
+        """Send the container's stop signal, then SIGKILL after ``timeout_s`` seconds.
 
         The timeout is required: the engine answers only once the grace period is over, so the HTTP call
         waits that much longer than the client timeout.
         """
         self._require_owned(container, "stop")
-        if timeout < 0:
-            raise ValueError(f"stop timeout must be >= 0 seconds, got {timeout}")
+        if timeout_s < 0:
+            raise ValueError(f"stop timeout must be >= 0 seconds, got {timeout_s}")
         with _docker_call(f"stopping container {container.name!r}", not_found=ContainerNotFoundError):
-            self.api.stop(container.id, timeout)
+            self.api.stop(container.id, timeout_s)
 
     def remove(self, container: ContainerInfo, force: bool = False) -> None:
         self._require_owned(container, "remove")
@@ -693,7 +693,7 @@ def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str
         "Env": [f"{key}={value}" for key, value in sorted(settings.env.items())],
         "Labels": dict(labels),
         "StopSignal": settings.stop_signal,
-        "StopTimeout": settings.stop_timeout,
+        "StopTimeout": settings.stop_timeout_s,
         "AttachStdin": False,
         "AttachStdout": False,
         "AttachStderr": False,

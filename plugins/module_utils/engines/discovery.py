@@ -48,10 +48,9 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import driver_of, probe_address
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import list_draining
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import Driver, get_driver
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
-    LABEL_OWNER,
+from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER, label_spec
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
     Reservation,
-    label_spec,
     reservations_from,
     resolve_devices,
 )
@@ -110,7 +109,7 @@ def guess_driver(container: ContainerInfo) -> str | None:
 def _ready(container: ContainerInfo, driver: Driver, address: tuple[str, int] | None) -> bool:
     if not container.running or address is None:
         return False
-    return probe_readiness(driver, address[0], address[1], timeout=_PROBE_TIMEOUT_S).ready
+    return probe_readiness(driver, address[0], address[1], timeout_s=_PROBE_TIMEOUT_S).ready
 
 
 def discover_engines(

@@ -141,7 +141,7 @@ def wait_until_idle(
     last: InFlight | None = None
     while True:
         try:
-            last = read_in_flight(driver, address[0], address[1], timeout=_METRICS_TIMEOUT_S)
+            last = read_in_flight(driver, address[0], address[1], timeout_s=_METRICS_TIMEOUT_S)
         except MetricsFormatError:
             last = None
         total = None if last is None else last.total
@@ -271,8 +271,8 @@ def _drain(
         )
     stopped = False
     if options.stop:
-        timeout = driver.facts.stop_timeout_s if options.stop_timeout_s is None else options.stop_timeout_s
-        engine.stop(container, timeout=timeout)
+        stop_timeout_s = driver.facts.stop_timeout_s if options.stop_timeout_s is None else options.stop_timeout_s
+        engine.stop(container, timeout_s=stop_timeout_s)
         stopped = True
         container = engine.container(container.id)
     return _result(changed, actions, container, marked=True, outcome=outcome, stopped=stopped)

@@ -20,7 +20,13 @@ from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
+    CappedFileMissingError,
+    CappedReadError,
+    atomic_write,
+    fsync_directory,
+    read_capped,
+)
 
 __all__ = [
     "DRAINING_DIR",
@@ -69,18 +75,16 @@ def read_mark(state_dir: str, name: str) -> DrainMark | None:
     """The mark of engine ``name``, or None when it is not draining."""
     path = _mark_path(state_dir, name)
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(_MAX_MARK_BYTES + 1)
-    except FileNotFoundError:
+        # Marks are only ever written by atomic_write: a symlink or a FIFO in their place is not ours.
+        data = read_capped(path, _MAX_MARK_BYTES, what="draining mark")
+    except CappedFileMissingError:
         return None
-    except OSError as exc:
-        raise DrainStateError(f"cannot read draining mark {path}: {exc.strerror or exc}") from exc
+    except CappedReadError as exc:
+        raise DrainStateError(str(exc)) from exc
     return _parse(path, data, name)
 
 
 def _parse(path: str, data: bytes, name: str) -> DrainMark:
-    if len(data) > _MAX_MARK_BYTES:
-        raise DrainStateError(f"draining mark {path} is larger than {_MAX_MARK_BYTES} bytes; it is not ours")
     try:
         document: Any = json.loads(data)
     except ValueError as exc:

@@ -24,25 +24,26 @@ the safety argument, so it is spelt out here:
 
 Nothing is created, stopped or removed before step 9, so every refusal leaves the host as it was.
 
-VRAM reservations: each container we create carries ``meridian.node/min-vram-mib`` and its GPUs (in the
-``meridian.node/spec`` label). A device's room for a new engine is ``min(free, total - reserved)``, where
-``reserved`` sums the reservations of the *other* engines we own on it (stopped ones too: starting them
-again is not re-checked) and ``free`` is NVML's, plus the reservation of the container being replaced,
-which is stopped before the new one starts. ``min_vram_mib`` is asked of every requested device.
+The spec and the host policy are ``engines.spec``'s; the labels each container carries, ``engines.labels``;
+where it may run and with how much VRAM, ``engines.placement``; which model directory it mounts,
+``artifacts.layout`` (the store's own rule).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY, DEFAULT_STATE_DIR
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import (
+    ArtifactNotPromotedError,
+    ArtifactStoreError,
+    promoted_dir,
+)
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     RESERVED_LABELS,
     ContainerInfo,
@@ -68,6 +69,17 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
     ProbeVerdict,
     get_driver,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.labels import (
+    engine_labels,
+    label_spec,
+    public_spec,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
+    Reservation,
+    placement_problem,
+    read_gpu_facts,
+    reservations_from,
+)
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import (
     Action,
     EnginePlan,
@@ -82,46 +94,29 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.probes impor
     probe_readiness,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import (
-    FieldError,
+    EngineInstanceError,
     ParsedEngineSpec,
-    parse_engine_spec,
+    build_spec,
+    check_policy,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.volumes import VolumeRefusedError, resolve_volumes
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy, PolicyError, load_policy
 
 __all__ = [
-    "LABEL_MIN_VRAM",
-    "LABEL_OWNER",
-    "LABEL_SPEC",
     "RETIRING",
-    "Device",
-    "EngineInstanceError",
     "EngineRun",
     "Options",
-    "Reservation",
     "apply_engine",
-    "artifact_dir",
-    "build_spec",
     "check_placement",
-    "check_policy",
     "converge",
     "engine_settings",
-    "label_spec",
     "load_engine_policy",
+    "mounted_artifact",
     "own_reservation",
-    "placement_problem",
     "prepare_engine",
-    "public_spec",
     "report_engine",
-    "reservations_from",
-    "resolve_devices",
 ]
 
-LABEL_SPEC = "meridian.node/spec"
-LABEL_MIN_VRAM = "meridian.node/min-vram-mib"
-# Who converges the engine, e.g. "agent:<node id>" for the pull agent's reconcile: what it prunes is only
-# what it started, never an operator's playbook engines or another agent's on a shared Docker Engine.
-LABEL_OWNER = "meridian.node/owner"
 _POLL_S = 0.25
 # The first probes come sooner: a small or cached engine is up within a second of its start, and every poll
 # interval rounds that up for whoever waits on the module (a rollout batch, the agent's record).
@@ -131,15 +126,6 @@ _LOG_LINES = 30
 # The config hash planned in check mode when the artifact is not in the store yet: unlike every real hash
 # (``sha256:...``) it matches no container, so the plan shows the create or replace the real run will do.
 _PENDING = "pending-artifact"
-
-
-class EngineInstanceError(MeridianError):
-    """A check refused the engine or an action failed; ``check`` names which, ``result`` what was done."""
-
-    def __init__(self, message: str, *, check: str, result: Mapping[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.check = check
-        self.result = dict(result or {})
 
 
 @dataclass(frozen=True)
@@ -159,127 +145,20 @@ class Options:
     owner: str | None = None
 
 
-# --- the spec --------------------------------------------------------------------------------------------
-
-_SPEC_KEYS = (
-    "name",
-    "driver",
-    "image",
-    "model",
-    "served_model_name",
-    "gpus",
-    "min_vram_mib",
-    "port",
-    "args",
-    "env",
-    "restart_policy",
-    "shm_size_mib",
-    "ipc_mode",
-    "ulimits",
-    "volumes",
-    "labels",
-)
+# --- the model ---------------------------------------------------------------------------------------------
 
 
-def build_spec(params: Mapping[str, Any], replace_strategy: ReplaceStrategy = "drain-then-replace") -> ParsedEngineSpec:
-    """The engine spec from the module's parameters (None means 'not given')."""
-    data = {key: params[key] for key in _SPEC_KEYS if params.get(key) is not None}
-    if isinstance(data.get("model"), Mapping):
-        data["model"] = {key: value for key, value in data["model"].items() if value is not None}
-    data["replace_strategy"] = replace_strategy
+def mounted_artifact(store_path: str, artifact: str) -> str:
+    """The promoted version's directory of ``artifact``, resolved, as the engine mounts it
+    (``artifacts.layout.promoted_dir``: the store lists by the same rule)."""
     try:
-        return parse_engine_spec(data)
-    except FieldError as exc:
-        raise EngineInstanceError(f"engine {params.get('name')!r}: invalid spec: {exc}", check="spec") from exc
-
-
-def _read_gpus() -> Mapping[str, Any]:
-    # Imported here: NVML (pynvml) is needed only when placement runs, never on a no-op converge.
-    from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
-
-    return collect_gpu_facts(processes=False, nvlink=False)
-
-
-def public_spec(spec: ParsedEngineSpec) -> dict[str, Any]:
-    """The spec without secrets, for the label and the diff: env keys only, never their values.
-
-    The generic driver's health path is left out: it changes how the engine is probed, not the
-    container, so changing it must not replace a serving engine.
-    """
-    return {
-        "name": spec.name,
-        "driver": spec.driver,
-        "image": spec.image,
-        "model": spec.model.as_dict(),
-        "served_model_name": spec.served_model_name,
-        "gpus": list(spec.gpus),
-        "min_vram_mib": spec.min_vram_mib,
-        "port": spec.port,
-        "args": list(spec.args),
-        "env_keys": sorted(spec.env),
-        "restart_policy": spec.restart_policy,
-        "shm_size_mib": spec.shm_size_mib,
-        "ipc_mode": spec.ipc_mode,
-        # One form for one limit: `stack: 8` and `stack: {soft: 8, hard: 8}` are the same container.
-        "ulimits": {
-            name: {"soft": limit, "hard": limit} if isinstance(limit, int) else {"soft": limit.soft, "hard": limit.hard}
-            for name, limit in sorted(spec.ulimits.items())
-        },
-        "volumes": [{"source": volume.source, "target": volume.target} for volume in spec.volumes],
-        "labels": dict(spec.labels),
-    }
-
-
-def check_policy(policy: Policy, spec: ParsedEngineSpec) -> None:
-    """Image, driver, port, IPC mode and volume paths against the host's policy; the first refusal raises,
-    naming the check. Pure: the volumes' paths as the spec gives them (``engines.volumes`` resolves them)."""
-    for check, problem in (
-        ("policy-image", policy.image_allowed(spec.image)),
-        ("policy-driver", policy.driver_allowed(spec.driver)),
-        ("policy-port", policy.port_allowed(spec.port)),
-        ("policy-ipc", policy.engines.host_ipc_problem(spec.ipc_mode)),
-        *(("policy-volume", policy.engines.volume_source_problem(volume.source)) for volume in spec.volumes),
-    ):
-        if problem is not None:
-            raise EngineInstanceError(f"engine {spec.name!r} refused by policy: {problem}", check=check)
-
-
-def artifact_dir(store_path: str, artifact: str) -> str:
-    """The promoted version's directory of ``artifact``: ``<store>/artifacts/<name>/current``, resolved.
-
-    Resolved to the version directory so the container mounts one fixed version, and a newly promoted
-    version changes the settings (and so replaces the engine) instead of changing under it.
-
-    Checked after resolving: the result must be a version directory of this artifact inside the store,
-    or a planted ``current`` (absolute, ``..``, a symlinked version) would mount any directory of the host
-    into the engine. The store's ``Store.current_version`` applies the same rule; it is repeated here
-    because this module must not import the store (its contracts import pydantic).
-    """
-    artifacts = os.path.join(store_path, "artifacts")
-    link = os.path.join(artifacts, artifact, "current")
-    if not os.path.isdir(link):
+        return promoted_dir(store_path, artifact)
+    except ArtifactNotPromotedError as exc:
         raise EngineInstanceError(
-            f"artifact {artifact!r} has no promoted version in the store: {link} does not exist; make it "
-            "present first with meridian.node.verified_artifact (promote: true)",
-            check="artifact",
-        )
-    resolved = os.path.realpath(link)
-    versions = os.path.realpath(os.path.join(artifacts, artifact))
-    version = os.path.basename(resolved)
-    if (
-        os.path.dirname(resolved) != versions
-        or versions != os.path.join(os.path.realpath(artifacts), artifact)
-        or version == "current"
-        or version.startswith(".")
-    ):
-        target = os.readlink(link) if os.path.islink(link) else "(not a symlink)"
-        raise EngineInstanceError(
-            f"artifact {artifact!r}: {link} points at {target!r}, which resolves to {resolved}, not a version "
-            f"directory of {artifact!r} in the store {store_path}; refusing to mount it. Remove the link and make "
-            "a version current again with meridian.node.verified_artifact",
-            check="artifact",
-        )
-    return resolved
+            f"{exc}; make it present first with meridian.node.verified_artifact (promote: true)", check="artifact"
+        ) from exc
+    except ArtifactStoreError as exc:
+        raise EngineInstanceError(f"artifact {artifact!r}: refusing to mount it: {exc}", check="artifact") from exc
 
 
 def _model_files(directory: str) -> list[str]:
@@ -288,177 +167,6 @@ def _model_files(directory: str) -> list[str]:
         for name in names:
             files.append(os.path.relpath(os.path.join(root, name), directory))
     return sorted(files)
-
-
-# --- placement -------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Device:
-    """A GPU or MIG instance a spec can ask for; ``key`` is its uuid, whatever id the spec used."""
-
-    key: str
-    requested_as: str
-    total_mib: int
-    free_mib: int
-    mig_mode: bool = False
-    mig_uuids: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """VRAM an owned engine holds on its devices (ids as its spec gave them)."""
-
-    name: str
-    gpus: tuple[str, ...]
-    min_vram_mib: int
-
-
-def resolve_devices(requested: Sequence[str], gpu_facts: Mapping[str, Any]) -> tuple[list[Device], list[str]]:
-    """The devices ``requested`` names (GPU uuid, GPU index or MIG uuid), and the ids that name none."""
-    found: list[Device] = []
-    missing: list[str] = []
-    for wanted in requested:
-        device = _find_device(wanted, gpu_facts.get("gpus") or [])
-        if device is None:
-            missing.append(wanted)
-        else:
-            found.append(device)
-    return found, missing
-
-
-def _find_device(wanted: str, gpus: Sequence[Mapping[str, Any]]) -> Device | None:
-    for gpu in gpus:
-        memory = gpu.get("memory") or {}
-        total = memory.get("total_mib")
-        if wanted in (gpu.get("uuid"), str(gpu.get("index"))) and total is not None:
-            instances = gpu.get("mig_instances") or []
-            free = memory.get("free_mib")
-            return Device(
-                key=str(gpu["uuid"]),
-                requested_as=wanted,
-                total_mib=int(total),
-                free_mib=int(total if free is None else free),
-                mig_mode=bool(gpu.get("mig_mode")),
-                mig_uuids=tuple(str(m["uuid"]) for m in instances),
-            )
-        for instance in gpu.get("mig_instances") or []:
-            if instance.get("uuid") == wanted and instance.get("memory_mib") is not None:
-                # NVML's per-process memory is not split by MIG instance here: the instance's size is the room.
-                size = int(instance["memory_mib"])
-                return Device(key=wanted, requested_as=wanted, total_mib=size, free_mib=size)
-    return None
-
-
-def placement_problem(
-    *,
-    name: str,
-    gpus: Sequence[str],
-    min_vram_mib: int,
-    gpu_facts: Mapping[str, Any] | None,
-    others: Sequence[Reservation],
-    replaced: Reservation | None = None,
-    freed: Sequence[Reservation] = (),
-    arriving: Sequence[Reservation] = (),
-) -> tuple[str, str] | None:
-    """None when the GPUs exist and have room, else ``(check, message with the numbers)``. Pure.
-
-    ``others`` reserve room whatever their state. ``replaced`` and ``freed`` are containers removed before
-    this engine starts: what NVML counts them as using is credited to the free VRAM. ``arriving`` are other
-    engines created in the same run (``engines.set``): NVML does not count them yet, so they are taken off it.
-    """
-    if not gpus:
-        if min_vram_mib:
-            return "placement-vram", (
-                f"engine {name!r} asks for min_vram_mib={min_vram_mib} but no gpus; name the GPUs or MIG "
-                "instances it should run on"
-            )
-        return None
-    if gpu_facts is None or not gpu_facts.get("nvml_available"):
-        reason = (gpu_facts or {}).get("reason") or "no GPU facts"
-        return "placement-gpus", f"engine {name!r} asks for GPUs {list(gpus)} but NVML cannot be read: {reason}"
-    devices, missing = resolve_devices(gpus, gpu_facts)
-    if missing:
-        known = _known_ids(gpu_facts)
-        return "placement-gpus", (
-            f"engine {name!r} asks for GPU(s) {missing}, which this host does not have (GPUs by index, uuid "
-            f"or MIG uuid: {', '.join(known) or 'none'})"
-        )
-    for device in devices:
-        if device.mig_mode:
-            return "placement-gpus", (
-                f"engine {name!r} asks for whole GPU {device.requested_as!r}, which is in MIG mode; ask for one "
-                f"of its MIG instances instead: {', '.join(device.mig_uuids) or 'none configured'}"
-            )
-    if not min_vram_mib:
-        return None
-    for device in devices:
-        reserved = sum(
-            other.min_vram_mib for other in others if device.key in {_device_key(g, gpu_facts) for g in other.gpus}
-        )
-        leaving = [*([replaced] if replaced is not None else []), *freed]
-        credit = sum(
-            gone.min_vram_mib for gone in leaving if device.key in {_device_key(g, gpu_facts) for g in gone.gpus}
-        )
-        coming = sum(
-            new.min_vram_mib for new in arriving if device.key in {_device_key(g, gpu_facts) for g in new.gpus}
-        )
-        free = min(device.total_mib, device.free_mib + credit) - coming
-        room = min(free, device.total_mib - reserved)
-        if room < min_vram_mib:
-            return "placement-vram", (
-                f"engine {name!r} needs {min_vram_mib} MiB on GPU {device.requested_as!r} ({device.key}) "
-                f"but only {max(room, 0)} MiB is available: {device.free_mib} MiB free of {device.total_mib} MiB"
-                + (
-                    f" (+{credit} MiB of the container it replaces)"
-                    if credit and not freed
-                    else f" (+{credit} MiB of the containers removed before it starts)"
-                    if credit
-                    else ""
-                )
-                + (f" (-{coming} MiB for the other engines created with it)" if coming else "")
-                + f", {reserved} MiB reserved by other meridian.node engines"
-            )
-    return None
-
-
-def _device_key(gpu: str, gpu_facts: Mapping[str, Any]) -> str:
-    device = _find_device(gpu, gpu_facts.get("gpus") or [])
-    return gpu if device is None else device.key
-
-
-def _known_ids(gpu_facts: Mapping[str, Any]) -> list[str]:
-    known = []
-    for gpu in gpu_facts.get("gpus") or []:
-        known.append(f"{gpu.get('index')}={gpu.get('uuid')}")
-        known.extend(str(m.get("uuid")) for m in gpu.get("mig_instances") or [])
-    return known
-
-
-def reservations_from(containers: Sequence[ContainerInfo], exclude: str | None = None) -> list[Reservation]:
-    """The VRAM reservations our containers' labels record; ``exclude`` is the engine being converged."""
-    reservations = []
-    for container in containers:
-        if not container.owned or container.instance == exclude:
-            continue
-        spec = label_spec(container)
-        try:
-            vram = int(container.labels.get(LABEL_MIN_VRAM, "0"))
-        except ValueError:
-            vram = 0
-        gpus = spec.get("gpus") if isinstance(spec, dict) else None
-        if vram and isinstance(gpus, list):
-            reservations.append(Reservation(str(container.instance), tuple(str(g) for g in gpus), vram))
-    return reservations
-
-
-def label_spec(container: ContainerInfo) -> dict[str, Any]:
-    """The non-secret spec an owned container carries in its label; {} when absent or unreadable."""
-    try:
-        spec = json.loads(container.labels.get(LABEL_SPEC, "{}"))
-    except ValueError:
-        return {}
-    return spec if isinstance(spec, dict) else {}
 
 
 # --- converging ------------------------------------------------------------------------------------------
@@ -515,7 +223,7 @@ def converge(
 
     Raises ``EngineInstanceError`` (with ``check`` and the partial result) for every refusal and failure.
     """
-    read_gpus = gpu_facts or _read_gpus
+    read_gpus = gpu_facts or read_gpu_facts
     try:
         run = prepare_engine(params, options, engine, check_mode=check_mode)
         # A run pending its artifact (check mode) has no settings to place: it says so in its result instead.
@@ -574,7 +282,7 @@ def prepare_engine(
         model_dir = files = None
         if spec.model.artifact is not None:
             try:
-                model_dir = artifact_dir(store_path, spec.model.artifact)
+                model_dir = mounted_artifact(store_path, spec.model.artifact)
             except EngineInstanceError as exc:
                 if not check_mode:
                     raise
@@ -625,13 +333,7 @@ def engine_settings(
     """The container engine ``spec`` is created from, labels included: what the config hash covers. Pure."""
     base = container_settings(name=spec.name, driver=spec.driver, launch=launch, bind_address=bind_address)
     # The spec's own labels cannot collide with ours: engine_spec refuses meridian.node's prefix.
-    labels = {
-        **spec.labels,
-        LABEL_SPEC: json.dumps(public_spec(spec), sort_keys=True, separators=(",", ":")),
-        LABEL_MIN_VRAM: str(spec.min_vram_mib),
-    }
-    if owner:
-        labels[LABEL_OWNER] = owner
+    labels = {**spec.labels, **engine_labels(spec, owner)}
     return dataclasses.replace(base, labels={**base.labels, **labels})
 
 
@@ -754,7 +456,7 @@ def report_engine(run: EngineRun, check_mode: bool) -> dict[str, Any]:
 def _probe(run: EngineRun) -> ProbeVerdict:
     if run.driver is None or run.settings is None or run.settings.port is None:
         raise RuntimeError(f"engine {run.name!r}: probing needs the driver and the published port")
-    return probe_readiness(run.driver, run.probe_host, run.settings.port.host_port, timeout=_PROBE_TIMEOUT_S)
+    return probe_readiness(run.driver, run.probe_host, run.settings.port.host_port, timeout_s=_PROBE_TIMEOUT_S)
 
 
 def _existing(run: EngineRun, action: str) -> ContainerInfo:
@@ -788,7 +490,7 @@ def apply_engine(
             _drain(run, sleep, clock)
         elif action is Action.STOP:
             current = _existing(run, "stop")
-            run.engine.stop(current, timeout=driver_of(current).facts.stop_timeout_s)
+            run.engine.stop(current, timeout_s=driver_of(current).facts.stop_timeout_s)
             run.current = run.engine.container(current.id)
         elif action is Action.REMOVE:
             run.engine.remove(_existing(run, "remove"))
@@ -844,10 +546,10 @@ def _drain(run: EngineRun, sleep: Callable[[float], None], clock: Callable[[], f
 
 def poll_intervals() -> Iterator[float]:
     """The pauses between readiness probes: doubling from ``_FIRST_POLL_S`` up to ``_POLL_S``, then steady."""
-    interval = _FIRST_POLL_S
+    interval_s = _FIRST_POLL_S
     while True:
-        yield interval
-        interval = min(interval * 2, _POLL_S)
+        yield interval_s
+        interval_s = min(interval_s * 2, _POLL_S)
 
 
 def _wait_ready(run: EngineRun, sleep: Callable[[float], None], clock: Callable[[], float]) -> ProbeVerdict:
@@ -869,7 +571,7 @@ def _wait_ready(run: EngineRun, sleep: Callable[[float], None], clock: Callable[
         why = f"exited ({state}) before it became ready"
     # A restart policy brings a crashed engine back ("restarting"): stopped, it stays down, as a drain's does.
     if state in ("running", "restarting", "paused"):
-        run.engine.stop(container, timeout=driver_of(container).facts.stop_timeout_s)
+        run.engine.stop(container, timeout_s=driver_of(container).facts.stop_timeout_s)
     # Read after stopping: the tail then also says how the engine took the stop.
     logs = run.engine.logs_tail(container, _LOG_LINES)
     run.current = run.engine.container(container.id)

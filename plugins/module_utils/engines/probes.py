@@ -44,7 +44,7 @@ def container_settings(*, name: str, driver: str, launch: LaunchSettings, bind_a
         mounts=tuple(BindMount(m.source, m.target, m.read_only) for m in launch.mounts),
         gpus=launch.gpu_device_ids,
         stop_signal=launch.stop_signal,
-        stop_timeout=launch.stop_timeout_s,
+        stop_timeout_s=launch.stop_timeout_s,
         restart_policy=launch.restart_policy,
         shm_size_mib=launch.shm_size_mib,
         ipc_mode=launch.ipc_mode,
@@ -61,11 +61,11 @@ class HttpAnswer:
         self.error = error
 
 
-def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> HttpAnswer:
+def http_get(host: str, port: int, path: str, timeout_s: float = 2.0) -> HttpAnswer:
     """One GET with a timeout; refused, reset and timed-out connections and garbled answers are 'nothing
     answered'. A body beyond 1 MiB is cut there (a health or metrics page never needs more)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
             answer = exchange(
                 sock,
                 "GET",
@@ -80,17 +80,17 @@ def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> HttpAnswe
     return HttpAnswer(answer.status, answer.body.decode("utf-8", errors="replace"))
 
 
-def probe_readiness(driver: Driver, host: str, port: int, timeout: float = 2.0) -> ProbeVerdict:
+def probe_readiness(driver: Driver, host: str, port: int, timeout_s: float = 2.0) -> ProbeVerdict:
     """Ask the engine's health endpoint once and read the answer the way its driver says."""
-    answer = http_get(host, port, driver.facts.health_path, timeout)
+    answer = http_get(host, port, driver.facts.health_path, timeout_s)
     return driver.interpret_probe(answer.status, answer.body)
 
 
-def read_in_flight(driver: Driver, host: str, port: int, timeout: float = 2.0) -> InFlight | None:
+def read_in_flight(driver: Driver, host: str, port: int, timeout_s: float = 2.0) -> InFlight | None:
     """The engine's running and waiting gauges; None when it has no metrics or did not answer."""
     if not driver.facts.has_metrics or driver.facts.metrics_path is None:
         return None
-    answer = http_get(host, port, driver.facts.metrics_path, timeout)
+    answer = http_get(host, port, driver.facts.metrics_path, timeout_s)
     if answer.status != 200:
         return None
     return in_flight(answer.body, driver.facts)

@@ -7,7 +7,8 @@ everything was checked.
 
 1. Read once: the policy, every container (one listing), and the desired state when it comes as a signed
    envelope (verified here with ``trust.desired_state.reconcile_desired_state``; this side never trusts the
-   agent), whose every artifact must already be in the store as signed (``_check_artifacts``). NVML is read
+   agent), whose every artifact must already be in the store as signed (``_check_artifacts``, with the
+   store's own check handed in: ``artifacts.held``). NVML is read
    only when a new engine asks for GPUs.
 2. Prepare every engine side by side (the drift check inspects each container): spec, policy, volumes,
    driver settings, ownership, plan. Then, for every engine to be created, placement against the host *and*
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY, DEFAULT_STATE_DIR
@@ -44,18 +45,20 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, clear_draining
 from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
-    LABEL_MIN_VRAM,
-    LABEL_OWNER,
-    EngineInstanceError,
     EngineRun,
     Options,
     apply_engine,
     check_placement,
-    label_spec,
     load_engine_policy,
     prepare_engine,
     report_engine,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.labels import (
+    LABEL_MIN_VRAM,
+    LABEL_OWNER,
+    label_spec,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import read_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import Action
 from ansible_collections.meridian.node.plugins.module_utils.engines.prune import PruneOrder, prune_order
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan import (
@@ -68,6 +71,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan imp
     port_handover,
     waves,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
 
 __all__ = ["MASK", "EngineSetError", "SetOptions", "converge_set", "run_engine_set"]
@@ -119,10 +123,21 @@ class _Outcome:
 # --- the module's entry point --------------------------------------------------------------------------
 
 
+class HeldCheck(Protocol):
+    """``artifacts.held.held_problems``, handed in by the module's outcome: engines/ never reaches into the store
+    (docs/ARCHITECTURE.md, the import rules)."""
+
+    def __call__(
+        self, artifacts: Sequence[Mapping[str, Any]], *, policy_path: str, store_path: str | None
+    ) -> list[str]:
+        """The problems with the store's copy of a state's artifacts; empty when it holds them all."""
+
+
 def run_engine_set(
     params: Mapping[str, Any],
     *,
     check_mode: bool,
+    held_artifacts: HeldCheck,
     engine: DockerEngine | None = None,
     gpu_facts: Callable[[], Mapping[str, Any]] | None = None,
     sleep: Callable[[float], None] = time.sleep,
@@ -141,7 +156,7 @@ def run_engine_set(
     envelope: bytes | None = None
     if envelope_path:
         envelope, verified = _verify(params, check_mode=check_mode)
-        store_warnings = _check_artifacts(verified, params, check_mode=check_mode)
+        store_warnings = _check_artifacts(verified, params, held_artifacts, check_mode=check_mode)
         if params.get("record") and not check_mode and not verified["already_applied"]:
             # Accepted before any engine changes: an apply cut short from here on still moves the floor.
             _record(verified, params, accepted=True)
@@ -278,55 +293,24 @@ def _record(verified: Mapping[str, Any], params: Mapping[str, Any], *, accepted:
     return True
 
 
-def _check_artifacts(verified: Mapping[str, Any], params: Mapping[str, Any], *, check_mode: bool) -> list[str]:
+def _check_artifacts(
+    verified: Mapping[str, Any], params: Mapping[str, Any], held: HeldCheck, *, check_mode: bool
+) -> list[str]:
     """Refuse a state that lists an artifact the store does not hold as its signed manifest says; the warnings.
 
     The reconcile playbook makes the artifacts present in a step before this one, and skips that step when its
-    caller says the state lists none (``meridian_state_artifacts``). The caller is not trusted: each listed
-    artifact must be recorded in the store with the manifest's files, intact, and be the promoted version, or
-    nothing changes. In check mode the artifact step only planned, so a missing artifact is a warning.
+    caller says the state lists none (``meridian_state_artifacts``). The caller is not trusted: ``held``
+    (``artifacts.held.held_problems``) checks each listed artifact is recorded in the store with the manifest's
+    files, intact, and is the promoted version, or nothing changes. In check mode the artifact step only
+    planned, so a missing artifact is a warning.
     """
     artifacts = verified.get("artifacts") or []
     if not artifacts:
         return []
-    import json
-
-    from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import ArtifactStoreError
-    from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store
-    from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError, load_policy
-    from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection, verify_artifact_manifest
-
-    policy_path = str(params.get("policy") or DEFAULT_POLICY)
     generation = verified["generation"]
-    problems: list[str] = []
-    try:
-        policy = load_policy(policy_path)
-        store = Store(params["store_path"]) if params.get("store_path") else Store.for_policy(policy.store)
-        for artifact in artifacts:
-            name, version = str(artifact["name"]), str(artifact["version"])
-            what = f"artifact {name!r} version {version!r}"
-            try:
-                # The same bytes verified_artifact is handed (the manifest as a dict, serialised).
-                manifest = verify_artifact_manifest(json.dumps(artifact["manifest"]).encode("utf-8"), policy).manifest
-            except Rejection as exc:
-                problems.append(f"{what}: its manifest is rejected ({exc.code.value}): {exc.message}")
-                continue
-            observed = store.observe(name, version)
-            record = observed.versions.get((name, version))
-            files = tuple((entry.path, entry.sha256, entry.size) for entry in manifest.files)
-            if record is None:
-                problems.append(f"{what} is not in the store {store.root}")
-            elif record.files != files:
-                problems.append(f"{what} is in the store {store.root} with other files than its signed manifest lists")
-            elif not observed.intact:
-                problems.append(
-                    f"{what} in the store {store.root} no longer matches its record (files or blobs changed)"
-                )
-            elif observed.current.get(name) != version:
-                current = observed.current.get(name)
-                problems.append(f"{what} is not the promoted version in the store {store.root} (current: {current})")
-    except (PolicyError, ArtifactStoreError, OSError) as exc:
-        problems.append(f"the store could not be read: {exc}")
+    problems = held(
+        artifacts, policy_path=str(params.get("policy") or DEFAULT_POLICY), store_path=params.get("store_path")
+    )
     if not problems:
         return []
     why = (
@@ -543,7 +527,7 @@ def _place(
     facts: Mapping[str, Any] | None = None
     if any(run.spec is not None and run.spec.gpus and run.settings is not None for run in creating):
         # NVML only when a new engine asks for GPUs: a no-op converge never loads it.
-        facts = (gpu_facts or _read_gpus)()
+        facts = (gpu_facts or read_gpu_facts)()
     refusals: list[tuple[str, str, str]] = []
     for port, clashing in port_clashes(list(members.values())):
         refusals.append(
@@ -596,12 +580,6 @@ def _place(
         except DockerEngineError as exc:
             refusals.append((run.name, str(exc), "docker"))
     return refusals
-
-
-def _read_gpus() -> Mapping[str, Any]:
-    from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
-
-    return collect_gpu_facts(processes=False, nvlink=False)
 
 
 def _act(

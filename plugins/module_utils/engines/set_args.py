@@ -9,7 +9,7 @@ ways and compares.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ansible.module_utils.basic import missing_required_lib
@@ -55,9 +55,17 @@ def engine_set_outcome(params: Mapping[str, Any], *, check_mode: bool) -> dict[s
     if YAML_IMPORT_ERROR is not None:
         return {"failed": True, "msg": missing_required_lib("PyYAML"), "exception": YAML_IMPORT_ERROR}
     try:
-        return run_engine_set(params, check_mode=check_mode)
+        return run_engine_set(params, check_mode=check_mode, held_artifacts=_held_problems)
     except EngineSetError as exc:
         if exc.missing_library is not None:
             package, error = exc.missing_library
             return {"failed": True, "msg": missing_required_lib(package), "exception": error}
         return {**exc.result, "failed": True, "msg": str(exc)}
+
+
+def _held_problems(artifacts: Sequence[Mapping[str, Any]], *, policy_path: str, store_path: str | None) -> list[str]:
+    # Imported on use: the store's contracts load pydantic (about 0.2 s), which a task whose state lists no
+    # artifact, or that converges listed engines, never needs (bench/engines.py: engine_set's no-op).
+    from ansible_collections.meridian.node.plugins.module_utils.artifacts.held import held_problems
+
+    return held_problems(artifacts, policy_path=policy_path, store_path=store_path)

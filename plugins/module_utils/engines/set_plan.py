@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import Reservation
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import Reservation
 from ansible_collections.meridian.node.plugins.module_utils.engines.prune import gpus_may_overlap
 
 __all__ = [

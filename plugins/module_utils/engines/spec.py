@@ -33,8 +33,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import (
     FieldError,
     check_choice,
@@ -68,12 +69,19 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_rules import 
     volume_targets_problem,
 )
 
+if TYPE_CHECKING:
+    from ansible_collections.meridian.node.plugins.module_utils.engines.plan import ReplaceStrategy
+    from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
+
 __all__ = [
+    "EngineInstanceError",
     "FieldError",
     "ParsedEngineSpec",
     "ParsedModelRef",
     "ParsedUlimit",
     "ParsedVolume",
+    "build_spec",
+    "check_policy",
     "parse_engine_spec",
 ]
 
@@ -249,3 +257,45 @@ def _parse_labels(data: Any, where: str) -> dict[str, str]:
         if problem is not None:
             raise FieldError(join(where, key), problem)
     return labels
+
+
+# --- one engine instance's spec, from a module's parameters and against the host's policy -------------
+
+
+class EngineInstanceError(MeridianError):
+    """A check refused the engine or an action failed; ``check`` names which, ``result`` what was done."""
+
+    def __init__(self, message: str, *, check: str, result: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.check = check
+        self.result = dict(result or {})
+
+
+# A module's parameters that are the spec: all but how to converge (``state``, ``replace_strategy``).
+_SPEC_KEYS = tuple(key for key in (*_REQUIRED, *_OPTIONAL) if key not in ("state", "replace_strategy"))
+
+
+def build_spec(params: Mapping[str, Any], replace_strategy: ReplaceStrategy = "drain-then-replace") -> ParsedEngineSpec:
+    """The engine spec from the module's parameters (None means 'not given')."""
+    data = {key: params[key] for key in _SPEC_KEYS if params.get(key) is not None}
+    if isinstance(data.get("model"), Mapping):
+        data["model"] = {key: value for key, value in data["model"].items() if value is not None}
+    data["replace_strategy"] = replace_strategy
+    try:
+        return parse_engine_spec(data)
+    except FieldError as exc:
+        raise EngineInstanceError(f"engine {params.get('name')!r}: invalid spec: {exc}", check="spec") from exc
+
+
+def check_policy(policy: Policy, spec: ParsedEngineSpec) -> None:
+    """Image, driver, port, IPC mode and volume paths against the host's policy; the first refusal raises,
+    naming the check. Pure: the volumes' paths as the spec gives them (``engines.volumes`` resolves them)."""
+    for check, problem in (
+        ("policy-image", policy.image_allowed(spec.image)),
+        ("policy-driver", policy.driver_allowed(spec.driver)),
+        ("policy-port", policy.port_allowed(spec.port)),
+        ("policy-ipc", policy.engines.host_ipc_problem(spec.ipc_mode)),
+        *(("policy-volume", policy.engines.volume_source_problem(volume.source)) for volume in spec.volumes),
+    ):
+        if problem is not None:
+            raise EngineInstanceError(f"engine {spec.name!r} refused by policy: {problem}", check=check)

@@ -14,7 +14,7 @@ ever moves backwards: a lower number on disk re-opens the door to replaying old 
 is an error, never "start from zero", for the same reason.
 
 Read-modify-write is serialised with an ``flock`` on ``applied.json.lock`` (``_lockfile``: 0600, the writer's
-own, replaced if an older release left it open to others; taken within ``lock_wait_seconds`` or
+own, replaced if an older release left it open to others; taken within ``lock_wait_s`` or
 ``StateStoreError``). In-process, the agent (lease epochs) and its playbook (generations) both write it, as
 one user. Under the privilege split each side has its own file in its own directory, and root's, 0600 in
 root's directory, is the one that decides what root applies.
@@ -32,7 +32,7 @@ from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
-from ansible_collections.meridian.node.plugins.module_utils._lockfile import LOCK_WAIT_SECONDS, LockTimeout, hold_lock
+from ansible_collections.meridian.node.plugins.module_utils._lockfile import LOCK_WAIT_S, LockTimeout, hold_lock
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import AcceptedState, AppliedState
 
 __all__ = ["STATE_FILE", "StateStore", "StateStoreError"]
@@ -51,10 +51,10 @@ class StateStoreError(MeridianError, RuntimeError):
 
 
 class StateStore:
-    def __init__(self, state_dir: os.PathLike[str] | str, *, lock_wait_seconds: float = LOCK_WAIT_SECONDS) -> None:
+    def __init__(self, state_dir: os.PathLike[str] | str, *, lock_wait_s: float = LOCK_WAIT_S) -> None:
         self.state_dir = Path(state_dir)
         self.path = self.state_dir / STATE_FILE
-        self.lock_wait_seconds = lock_wait_seconds
+        self.lock_wait_s = lock_wait_s
         # The last file read, by identity: the agent reads this several times a cycle and it changes rarely.
         # Every write is a rename of a new file, so its inode and times change; read-modify-write under the
         # lock always reads the file itself.
@@ -201,7 +201,7 @@ class StateStore:
         try:
             with hold_lock(
                 self.state_dir / f"{STATE_FILE}.lock",
-                wait_seconds=self.lock_wait_seconds,
+                wait_s=self.lock_wait_s,
                 what="the applied-state record's lock",
             ):
                 yield

@@ -20,6 +20,7 @@ from typing import Any
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import CappedReadError, read_capped
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import VerifiedState, verify_desired_state
@@ -46,15 +47,14 @@ class DesiredStateOutcome:
 
 
 def read_envelope(path: str) -> bytes:
-    """The envelope bytes, exactly as stored (verification must see what was signed)."""
+    """The envelope bytes, exactly as stored (verification must see what was signed).
+
+    ``path`` is the playbook's ``envelope`` option, so a symlink is followed; what it holds is verified.
+    """
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_ENVELOPE_BYTES + 1)
-    except OSError as exc:
-        raise EnvelopeInputError(f"cannot read the desired-state envelope {path}: {exc.strerror or exc}") from exc
-    if len(data) > MAX_ENVELOPE_BYTES:
-        raise EnvelopeInputError(f"the envelope {path} is larger than {MAX_ENVELOPE_BYTES} bytes; refusing to read it")
-    return data
+        return read_capped(path, MAX_ENVELOPE_BYTES, what="the desired-state envelope", nofollow=False)
+    except CappedReadError as exc:
+        raise EnvelopeInputError(str(exc)) from exc
 
 
 def reconcile_desired_state(

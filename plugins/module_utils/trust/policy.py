@@ -161,7 +161,7 @@ def parse_size(value: int | str) -> int:
 # --- durations ---------------------------------------------------------------------------------------
 
 _DURATION = re.compile(r"([0-9]+)([smhdw])")
-_DURATION_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 # timedelta's own ceiling is 999999999 days; a lifetime near it is "forever", which is what leaving the
 # field out says.
 _MAX_DURATION = timedelta(days=100 * 366)
@@ -175,10 +175,10 @@ def parse_duration(value: Any) -> timedelta:
             f"must be a duration: a whole number and one unit of s, m, h, d or w, such as 7d or 12h "
             f"(got {short_repr(value)})"
         )
-    seconds = int(match.group(1)) * _DURATION_SECONDS[match.group(2)]
-    if seconds <= 0 or seconds > _MAX_DURATION.total_seconds():
+    total_s = int(match.group(1)) * _UNIT_S[match.group(2)]
+    if total_s <= 0 or total_s > _MAX_DURATION.total_seconds():
         raise ValueError(f"must be more than 0 and at most 100 years (got {value!r})")
-    return timedelta(seconds=seconds)
+    return timedelta(seconds=total_s)
 
 
 def format_duration(value: timedelta) -> str:
@@ -187,8 +187,8 @@ def format_duration(value: timedelta) -> str:
     days, rest = value.days, value - timedelta(days=value.days)
     if days:
         parts.append(f"{days}d")
-    hours, rest_seconds = divmod(rest.total_seconds(), 3600)
-    minutes, seconds = divmod(rest_seconds, 60)
+    hours, rest_s = divmod(rest.total_seconds(), 3600)
+    minutes, seconds = divmod(rest_s, 60)
     if hours:
         parts.append(f"{int(hours)}h")
     if minutes:

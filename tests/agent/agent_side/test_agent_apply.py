@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
 from ansible_collections.meridian.node.plugins.module_utils.trust.desired_state import reconcile_desired_state
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection, RejectionCode
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     NODE_ID,
-    desired_state,
+    current_state,
     encode,
     local_artifact,
     make_key,
@@ -34,16 +33,6 @@ ARTIFACT = make_key()
 WEIGHTS = b"tiny weights\n" * 64
 
 
-def _state(generation: int, *, ttl: timedelta = timedelta(hours=1), **overrides: Any) -> dict[str, Any]:
-    now = datetime.now(UTC).replace(microsecond=0)
-    return desired_state(
-        generation=generation,
-        issued_at=format_rfc3339(now - timedelta(minutes=1)),
-        expires_at=format_rfc3339(now + ttl),
-        **overrides,
-    )
-
-
 def _sha(payload: dict[str, Any]) -> str:
     return hashlib.sha256(encode(payload)).hexdigest()
 
@@ -57,7 +46,7 @@ def policy(tmp_path: Path) -> Path:
 def _with_artifact(tmp_path: Path, generation: int) -> dict[str, Any]:
     """A state listing one artifact (signed manifest, files in a local source directory) and no engines."""
     ref = local_artifact(tmp_path / "models" / "tiny-model", WEIGHTS, ARTIFACT)
-    return _state(generation, artifacts=[ref])
+    return current_state(generation, artifacts=[ref])
 
 
 def _ran_and_skipped(journal: Path) -> tuple[list[str], list[str]]:
@@ -89,7 +78,7 @@ def test_reconcile_records_generation_keeps_a_scrubbed_journal_and_an_oplog(
 ) -> None:
     monkeypatch.setenv("MERIDIAN_NODE_TOKEN", "enroll-token-that-must-not-leak")
     applier = _applier(tmp_path, policy)
-    payload = _state(1)
+    payload = current_state(1)
 
     result = applier.apply(
         signed("desired-state", payload, [CONTROL]), generation=1, epoch=1, payload_sha256=_sha(payload)
@@ -118,11 +107,11 @@ def test_reapplying_the_applied_generation_changes_nothing_and_old_runs_rotate_o
     tmp_path: Path, policy: Path
 ) -> None:
     applier = _applier(tmp_path, policy, keep_runs=2)
-    first = _state(1)
+    first = current_state(1)
     envelope = signed("desired-state", first, [CONTROL])
     one = applier.apply(envelope, generation=1, epoch=1, payload_sha256=_sha(first))
     again = applier.apply(envelope, generation=1, epoch=1, payload_sha256=_sha(first))
-    second = _state(2)
+    second = current_state(2)
     two = applier.apply(signed("desired-state", second, [CONTROL]), generation=2, epoch=1, payload_sha256=_sha(second))
 
     assert [r.status for r in (one, again, two)] == ["successful"] * 3
@@ -132,7 +121,7 @@ def test_reapplying_the_applied_generation_changes_nothing_and_old_runs_rotate_o
 
 
 def test_playbook_reverifies_and_refuses_an_expired_state_the_agent_let_through(tmp_path: Path, policy: Path) -> None:
-    payload = _state(3, ttl=timedelta(seconds=-30))
+    payload = current_state(3, valid_for=timedelta(seconds=-30))
     result = _applier(tmp_path, policy).apply(
         signed("desired-state", payload, [CONTROL]), generation=3, epoch=1, payload_sha256=_sha(payload)
     )
@@ -145,7 +134,7 @@ def test_playbook_reverifies_and_refuses_an_expired_state_the_agent_let_through(
 
 
 def test_playbook_refuses_a_state_signed_by_an_untrusted_key(tmp_path: Path, policy: Path) -> None:
-    payload = _state(1)
+    payload = current_state(1)
     result = _applier(tmp_path, policy).apply(
         signed("desired-state", payload, [STRANGER]), generation=1, epoch=1, payload_sha256=_sha(payload)
     )
@@ -182,7 +171,7 @@ def test_an_agent_saying_no_artifacts_for_a_state_with_one_gets_a_failed_apply_t
 
 
 def test_a_state_without_artifacts_runs_only_the_engine_set_task(tmp_path: Path, policy: Path) -> None:
-    payload = _state(1)
+    payload = current_state(1)
     result = _applier(tmp_path, policy).apply(
         signed("desired-state", payload, [CONTROL]),
         generation=1,
@@ -200,7 +189,7 @@ def test_a_state_without_artifacts_runs_only_the_engine_set_task(tmp_path: Path,
 
 
 def test_record_is_idempotent_and_check_mode_records_nothing(tmp_path: Path, policy: Path) -> None:
-    envelope = signed("desired-state", _state(4), [CONTROL])
+    envelope = signed("desired-state", current_state(4), [CONTROL])
     common: dict[str, Any] = {"policy_path": str(policy), "node_id": NODE_ID, "state_dir": tmp_path / "s"}
 
     checked = reconcile_desired_state(envelope, record=True, check_mode=True, **common)
@@ -223,7 +212,7 @@ def test_module_summary_never_carries_engine_environment_values(tmp_path: Path, 
         "port": 8001,
         "env": {"HF_TOKEN": "hf-secret-value-123"},
     }
-    envelope = signed("desired-state", _state(1, engines=[engine]), [CONTROL])
+    envelope = signed("desired-state", current_state(1, engines=[engine]), [CONTROL])
     common: dict[str, Any] = {"policy_path": str(policy), "node_id": NODE_ID, "state_dir": tmp_path / "s"}
 
     summary = reconcile_desired_state(envelope, record=False, check_mode=False, **common)
@@ -236,10 +225,14 @@ def test_module_summary_never_carries_engine_environment_values(tmp_path: Path, 
 
 def test_module_rejects_a_replayed_lower_generation(tmp_path: Path, policy: Path) -> None:
     common: dict[str, Any] = {"policy_path": str(policy), "node_id": NODE_ID, "state_dir": tmp_path / "s"}
-    reconcile_desired_state(signed("desired-state", _state(5), [CONTROL]), record=True, check_mode=False, **common)
+    reconcile_desired_state(
+        signed("desired-state", current_state(5), [CONTROL]), record=True, check_mode=False, **common
+    )
 
     with pytest.raises(Rejection) as refused:
-        reconcile_desired_state(signed("desired-state", _state(4), [CONTROL]), record=True, check_mode=False, **common)
+        reconcile_desired_state(
+            signed("desired-state", current_state(4), [CONTROL]), record=True, check_mode=False, **common
+        )
     assert refused.value.code == RejectionCode.REPLAYED
     assert StateStore(tmp_path / "s").load().generation == 5
 

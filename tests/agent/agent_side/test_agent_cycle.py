@@ -7,11 +7,9 @@ no journal run, no oplog entry, nothing spooled).
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import socket
-from collections.abc import Iterator
 from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -29,18 +27,11 @@ from meridian_node_agent.agent_side.control_client import ControlClient, Desired
 from meridian_node_agent.agent_side.cycle import SPOOL_FILE, CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
 
-_names = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    with running(tmp_path_factory.mktemp("devserver") / "data") as started:
-        yield started
-
 
 @pytest.fixture
-def node_id() -> str:
-    return f"agent-node-{next(_names)}"
+def node(server: DevServer, tmp_path: Path, node_id: str) -> Node:
+    """The test's node, in mode managed-host, enrolled with the module's devserver as ``node_id``."""
+    return make_node(server, tmp_path / "node", node_id)
 
 
 def _applied_generation(node: Node) -> int:
@@ -65,7 +56,7 @@ class _Delivering:
         lease: Lease = self.real.heartbeat(node_id)
         return lease
 
-    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch:
+    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait_s: float = 0) -> DesiredStateFetch:
         return DesiredStateFetch(FetchStatus.NEW, envelope=self.envelope, etag="forged")
 
     def post_observation(self, observation: Observation) -> None:
@@ -80,11 +71,8 @@ def _fetch_envelope(server: DevServer, node: Node) -> bytes:
     return fetched.envelope
 
 
-def test_published_state_is_applied_once_and_unchanged_cycles_run_no_playbook(
-    server: DevServer, tmp_path: Path, node_id: str
-) -> None:
-    node = make_node(server, tmp_path / "node", node_id)
-    generation = publish(server, node_id)
+def test_published_state_is_applied_once_and_unchanged_cycles_run_no_playbook(server: DevServer, node: Node) -> None:
+    generation = publish(server, node.node_id)
     agent = node.agent()
 
     first = agent.cycle()
@@ -126,9 +114,8 @@ def test_state_for_another_node_is_rejected_and_nothing_changes(
     _assert_host_untouched(node)
 
 
-def test_expired_state_is_rejected_and_nothing_changes(server: DevServer, tmp_path: Path, node_id: str) -> None:
-    node = make_node(server, tmp_path / "node", node_id)
-    publish(server, node_id, ttl=60)
+def test_expired_state_is_rejected_and_nothing_changes(server: DevServer, node: Node) -> None:
+    publish(server, node.node_id, ttl=60)
     later = datetime.now(UTC) + timedelta(minutes=5)
     agent = node.agent(clock=lambda: later)
 
@@ -138,12 +125,9 @@ def test_expired_state_is_rejected_and_nothing_changes(server: DevServer, tmp_pa
     _assert_host_untouched(node)
 
 
-def test_state_from_a_fenced_epoch_is_rejected_and_nothing_changes(
-    server: DevServer, tmp_path: Path, node_id: str
-) -> None:
-    node = make_node(server, tmp_path / "node", node_id)
-    publish(server, node_id)
-    server.cli("fence", node_id)  # a failover: the published state's epoch is now a deposed leader's
+def test_state_from_a_fenced_epoch_is_rejected_and_nothing_changes(server: DevServer, node: Node) -> None:
+    publish(server, node.node_id)
+    server.cli("fence", node.node_id)  # a failover: the published state's epoch is now a deposed leader's
     agent = node.agent()
 
     outcome = agent.cycle()
@@ -178,15 +162,12 @@ def test_state_signed_by_an_unknown_control_key_is_rejected_and_nothing_changes(
     _assert_host_untouched(node)
 
 
-def test_replayed_older_envelope_is_rejected_after_a_newer_one_was_applied(
-    server: DevServer, tmp_path: Path, node_id: str
-) -> None:
-    node = make_node(server, tmp_path / "node", node_id)
-    publish(server, node_id)
+def test_replayed_older_envelope_is_rejected_after_a_newer_one_was_applied(server: DevServer, node: Node) -> None:
+    publish(server, node.node_id)
     agent = node.agent()
     assert agent.cycle().outcome == CycleStatus.APPLIED
     old = (node.state_dir / SPOOL_FILE).read_bytes()
-    newer = publish(server, node_id)
+    newer = publish(server, node.node_id)
     assert agent.cycle().outcome == CycleStatus.APPLIED
     runs = node.journal_runs()
     agent.client = _Delivering(agent.client, old)
@@ -207,14 +188,13 @@ class _KilledApply:
 
 
 def test_an_older_state_after_a_newer_one_was_cut_short_is_refused_and_the_newer_applies_again(
-    server: DevServer, tmp_path: Path, node_id: str
+    server: DevServer, node: Node
 ) -> None:
-    node = make_node(server, tmp_path / "node", node_id)
-    first = publish(server, node_id)
+    first = publish(server, node.node_id)
     agent = node.agent()
     assert agent.cycle().outcome == CycleStatus.APPLIED
     old = (node.state_dir / SPOOL_FILE).read_bytes()
-    newer = publish(server, node_id)
+    newer = publish(server, node.node_id)
     applier, client = agent.applier, agent.client
     agent.applier = _KilledApply()
     assert agent.cycle().outcome == CycleStatus.APPLY_FAILED
@@ -245,9 +225,8 @@ def test_observe_only_verifies_and_reports_but_never_applies(server: DevServer, 
     assert node_id in nodes
 
 
-def test_lapsed_lease_holds_new_applies(server: DevServer, tmp_path: Path, node_id: str) -> None:
-    node = make_node(server, tmp_path / "node", node_id)
-    publish(server, node_id, ttl=7200)
+def test_lapsed_lease_holds_new_applies(server: DevServer, node: Node) -> None:
+    publish(server, node.node_id, ttl=7200)
     # This host's clock says the 30 s lease just renewed is long gone: the agent must not apply.
     later = datetime.now(UTC) + timedelta(minutes=10)
     agent = node.agent(clock=lambda: later)
@@ -258,14 +237,13 @@ def test_lapsed_lease_holds_new_applies(server: DevServer, tmp_path: Path, node_
     assert node.journal_runs() == [] and _applied_generation(node) == 0
 
 
-def test_interrupted_apply_is_applied_again_at_start_up(server: DevServer, tmp_path: Path, node_id: str) -> None:
-    node = make_node(server, tmp_path / "node", node_id)
-    generation = publish(server, node_id)
+def test_interrupted_apply_is_applied_again_at_start_up(server: DevServer, node: Node) -> None:
+    generation = publish(server, node.node_id)
     envelope = _fetch_envelope(server, node)
     verified = verify_desired_state(
         envelope,
         load_policy(node.config.policy),
-        node_id=node_id,
+        node_id=node.node_id,
         now=datetime.now(UTC),
         applied=StateStore(node.state_dir).load(),
     )

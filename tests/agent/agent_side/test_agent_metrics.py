@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import pytest
 import requests
 
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
 from meridian_node_agent.agent_side.cycle import CycleStatus
 from meridian_node_agent.agent_side.metrics import Metrics
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    with running(tmp_path_factory.mktemp("devserver") / "data") as started:
-        yield started
 
 
 def test_rejections_are_counted_by_reason_and_cycles_timed(server: DevServer, tmp_path: Path) -> None:

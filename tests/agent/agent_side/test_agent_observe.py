@@ -38,11 +38,11 @@ def test_discovery_reports_owned_and_unmanaged_containers_with_draining_marks(
         mark_draining(str(tmp_path), f"chat-{suffix}", reason="test")
         ticks = iter([0.0, 1.0, 10.0])
         source = DockerEngines(
-            DockerEngine.from_env(), state_dir=tmp_path, refresh_seconds=5.0, monotonic=lambda: next(ticks)
+            DockerEngine.from_env(), state_dir=tmp_path, refresh_s=5.0, monotonic=lambda: next(ticks)
         )
 
         engines = {engine["name"]: engine for engine in source()}
-        cached = source()  # within refresh_seconds: the same list, no new listing
+        cached = source()  # within refresh_s: the same list, no new listing
 
         ours = engines[f"chat-{suffix}"]
         stranger = engines[f"stranger-{suffix}"]

@@ -16,7 +16,7 @@ import ssl
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,26 +26,32 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import EnrollmentResponse, format_rfc3339
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
+from ansible_collections.meridian.node.tests.devserver.devserver_process import (
+    DevServer,
+    enroll_node,
+    node_client,
+    renew_identity,
+    renewed_node,
+)
+from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
 from meridian_node_agent.agent_side.control_client import ControlClient
 from meridian_node_agent.agent_side.cycle import Agent, CycleStatus, read_status
 from meridian_node_agent.agent_side.identity import NodeIdentity, PendingKey
 
-_names = itertools.count(1)
 LIFETIME = timedelta(hours=1)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    root = tmp_path_factory.mktemp("devserver-agent-renewal")
-    with running(root / "data", extra=["--certificate-seconds", str(int(LIFETIME.total_seconds()))]) as started:
-        yield started
+def devserver_options() -> DevServerOptions:
+    return DevServerOptions(extra=["--certificate-seconds", str(int(LIFETIME.total_seconds()))])
 
 
 @pytest.fixture
-def node_id() -> str:
-    return f"renewing-node-{next(_names)}"
+def node(server: DevServer, tmp_path: Path, node_id: str) -> Node:
+    """The test's node, enrolled with the module's devserver as ``node_id``; observe-only, so that a cycle renews
+    without applying anything."""
+    return make_node(server, tmp_path / "node", node_id, mode="observe-only")
 
 
 class _Clock:
@@ -111,9 +117,8 @@ class _ForeignCsrIssuer:
 
 
 def test_agent_renews_in_a_normal_cycle_and_then_works_only_with_the_new_pair(
-    server: DevServer, tmp_path: Path, node_id: str
+    node: Node, server: DevServer, node_id: str
 ) -> None:
-    node = make_node(server, tmp_path / "node", node_id, mode="observe-only")
     identity = NodeIdentity(node.config.identity_dir)
     old = identity.certificate()
     old_key = identity.key_path.read_bytes()
@@ -148,10 +153,7 @@ def test_agent_renews_in_a_normal_cycle_and_then_works_only_with_the_new_pair(
         _close(agent)
 
 
-def test_refused_renewal_keeps_the_old_pair_and_is_retried_after_a_backoff_not_every_cycle(
-    server: DevServer, tmp_path: Path, node_id: str
-) -> None:
-    node = make_node(server, tmp_path / "node", node_id, mode="observe-only")
+def test_refused_renewal_keeps_the_old_pair_and_is_retried_after_a_backoff_not_every_cycle(node: Node) -> None:
     identity = NodeIdentity(node.config.identity_dir)
     old = identity.certificate()
     old_files = {p.name: p.read_bytes() for p in (identity.key_path, identity.cert_path, identity.ca_path)}
@@ -195,10 +197,7 @@ def test_refused_renewal_keeps_the_old_pair_and_is_retried_after_a_backoff_not_e
         _close(agent)
 
 
-def test_unchanged_cycles_do_not_read_the_certificate_again(
-    server: DevServer, tmp_path: Path, node_id: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    node = make_node(server, tmp_path / "node", node_id, mode="observe-only")
+def test_unchanged_cycles_do_not_read_the_certificate_again(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     reads: list[Path] = []
     original = NodeIdentity.certificate
 
@@ -311,10 +310,7 @@ def test_renewal_response_for_another_key_is_not_installed(server: DevServer, tm
     assert _pair_matches(identity.directory) == before
 
 
-def test_status_shows_the_certificate_expiry_and_the_last_renewal(
-    server: DevServer, tmp_path: Path, node_id: str
-) -> None:
-    node = make_node(server, tmp_path / "node", node_id, mode="observe-only")
+def test_status_shows_the_certificate_expiry_and_the_last_renewal(node: Node) -> None:
     agent, _clock = _agent_past_renewal_point(node)
     try:
         agent.cycle()
@@ -334,8 +330,7 @@ def test_status_shows_the_certificate_expiry_and_the_last_renewal(
     assert table["cert renewal"].startswith(f"due from {due}; last renewed at ")
 
 
-def test_refused_renewal_does_not_stop_the_agent_loop(server: DevServer, tmp_path: Path, node_id: str) -> None:
-    node = make_node(server, tmp_path / "node", node_id, mode="observe-only")
+def test_refused_renewal_does_not_stop_the_agent_loop(node: Node) -> None:
     agent, _clock = _agent_past_renewal_point(node)
     real = agent.issuer
     assert isinstance(real, ControlClient)
@@ -352,10 +347,7 @@ def test_refused_renewal_does_not_stop_the_agent_loop(server: DevServer, tmp_pat
 def test_re_enrolling_a_renewed_node_and_renewing_again_keeps_a_matching_pair(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    identity = NodeIdentity(tmp_path / "node")
-    with enroll_node(server, identity.directory, node_id) as client:
-        pending = identity.new_key(node_id)
-        identity.install_renewal(client.renew_certificate(node_id, pending.csr_pem), pending)
+    identity = renewed_node(server, tmp_path / "node", node_id)
     renewed = _pair_matches(identity.directory)
 
     # An operator re-enrolls (after a revocation, say): the current key stays, node.pem is written anew.
@@ -363,8 +355,7 @@ def test_re_enrolling_a_renewed_node_and_renewing_again_keeps_a_matching_pair(
     with enroll_node(server, identity.directory, node_id, server.new_token(f"again-{node_id}")) as client:
         re_enrolled = _pair_matches(identity.directory)
         assert re_enrolled != renewed
-        pending = identity.new_key(node_id)
-        identity.install_renewal(client.renew_certificate(node_id, pending.csr_pem), pending)
-    with ControlClient(server.base_url, identity.ca_path, identity.cert_path, identity.key_path) as fresh:
+        renew_identity(client, identity, node_id)
+    with node_client(server.base_url, identity) as fresh:
         assert fresh.heartbeat(node_id).node_id == node_id
     assert _pair_matches(identity.directory) not in (renewed, re_enrolled)

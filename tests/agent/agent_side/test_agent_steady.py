@@ -9,17 +9,15 @@ connection, a re-enrolled certificate ignored by a running agent.
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
 from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
 from meridian_node_agent.agent_side.control_client import (
     ControlClient,
@@ -28,28 +26,16 @@ from meridian_node_agent.agent_side.control_client import (
     DesiredStateFetch,
 )
 from meridian_node_agent.agent_side.cycle import (
-    REPORT_REFRESH_SECONDS,
-    STATUS_REFRESH_SECONDS,
+    REPORT_REFRESH_S,
+    STATUS_REFRESH_S,
     Agent,
     CycleStatus,
 )
 from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.agent_side.observe import Observer
 
-_names = itertools.count(1)
 # uvicorn closes a kept-alive connection after 5 s without a request.
 _SERVER_KEEP_ALIVE_SECONDS = 5
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    with running(tmp_path_factory.mktemp("devserver") / "data") as started:
-        yield started
-
-
-@pytest.fixture
-def node_id() -> str:
-    return f"steady-node-{next(_names)}"
 
 
 class _Clock:
@@ -75,8 +61,8 @@ class _Counting:
         lease: Lease = self.real.heartbeat(node_id)
         return lease
 
-    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait: float = 0) -> DesiredStateFetch:
-        fetched: DesiredStateFetch = self.real.fetch_desired_state(node_id, etag=etag, wait=wait)
+    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait_s: float = 0) -> DesiredStateFetch:
+        fetched: DesiredStateFetch = self.real.fetch_desired_state(node_id, etag=etag, wait_s=wait_s)
         return fetched
 
     def post_observation(self, observation: Observation) -> None:
@@ -111,7 +97,7 @@ def test_unchanged_observation_is_resent_at_the_refresh_interval_not_every_cycle
         clock.now += 1
         assert agent.cycle().outcome == CycleStatus.UNCHANGED
     held_back = len(counting.posted)
-    clock.now += REPORT_REFRESH_SECONDS
+    clock.now += REPORT_REFRESH_S
     agent.cycle()
 
     assert held_back == 1
@@ -157,7 +143,7 @@ def test_lease_is_renewed_once_per_interval_and_before_it_can_lapse(
     for _ in range(3):  # long-polls that returned early, within one heartbeat interval
         agent.cycle()
     early = counting.heartbeats - renewals
-    clock.now += agent.pause
+    clock.now += agent.pause_s
     agent.cycle()
 
     assert early == 0
@@ -241,6 +227,6 @@ def test_status_file_is_rewritten_on_a_change_or_at_its_refresh_interval(
     assert changed != first
     assert json.loads(status.read_text())["counters"]["unavailable"] == 1
 
-    clock.now += STATUS_REFRESH_SECONDS
+    clock.now += STATUS_REFRESH_S
     agent.write_status()  # nothing changed, but 'updated_at' must keep showing a live agent
     assert status.stat().st_ino != changed

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ansible_collections.meridian.node.tests.support.airgap_env import AirGapNode, make_airgap_node, state_bundle
-from meridian_node_agent.agent_side.airgap_agent import OBSERVATION_REFRESH_SECONDS, AirGapAgent, node_signing_key
+from meridian_node_agent.agent_side.airgap_agent import OBSERVATION_REFRESH_S, AirGapAgent, node_signing_key
 from meridian_node_agent.agent_side.observe import Observer
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.boundary.outbox import Outbox, verify_outbox_record
@@ -118,7 +118,7 @@ def test_an_unchanged_observation_is_written_again_only_after_the_refresh_interv
     agent = _agent(node, monotonic=lambda: clock[0])
 
     assert len(agent.run_pass().written) == 1
-    clock[0] += OBSERVATION_REFRESH_SECONDS - 1
+    clock[0] += OBSERVATION_REFRESH_S - 1
     assert agent.run_pass().written == []
     clock[0] += 1
     [again] = agent.run_pass().written

@@ -15,14 +15,15 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
+from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
 from ansible_collections.meridian.node.tests.support.node_env import make_node
 from meridian_node_agent.agent_side.control_client import (
     CertificateExpired,
@@ -35,20 +36,12 @@ from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.devserver.tls import server_ssl_context
 from meridian_node_agent.logs import EventLogger
 
-_names = itertools.count(1)
 LIFETIME_SECONDS = 4
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    root = tmp_path_factory.mktemp("devserver-expiry")
-    with running(root / "data", extra=["--certificate-seconds", str(LIFETIME_SECONDS)]) as started:
-        yield started
-
-
-@pytest.fixture
-def node_id() -> str:
-    return f"expiring-node-{next(_names)}"
+def devserver_options() -> DevServerOptions:
+    return DevServerOptions(extra=["--certificate-seconds", str(LIFETIME_SECONDS)])
 
 
 class _Events(logging.Handler):
@@ -83,7 +76,7 @@ def _wait_until_expired(identity: NodeIdentity) -> datetime:
 
 def _client(server: DevServer, identity: NodeIdentity, clock: Callable[[], datetime] | None = None) -> ControlClient:
     return ControlClient(
-        server.base_url, identity.ca_path, identity.cert_path, identity.key_path, timeout=10, clock=clock
+        server.base_url, identity.ca_path, identity.cert_path, identity.key_path, timeout_s=10, clock=clock
     )
 
 
@@ -213,7 +206,7 @@ def test_tls_alert_certificate_expired_from_a_server_whose_clock_runs_ahead_is_r
                 identity.ca_path,
                 identity.cert_path,
                 identity.key_path,
-                timeout=10,
+                timeout_s=10,
                 clock=behind,
             ) as client,
             pytest.raises(CertificateExpired) as refused,

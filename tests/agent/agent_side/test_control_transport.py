@@ -181,7 +181,7 @@ def scripted(servers: list[ScriptedServer], node: Node, *scripts: list[Step]) ->
 
 
 def client_for(
-    server: ScriptedServer, node: Node, *, timeout: float = 10, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    server: ScriptedServer, node: Node, *, timeout_s: float = 10, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 ) -> ControlClient:
     identity = node.identity
     return ControlClient(
@@ -189,7 +189,7 @@ def client_for(
         identity.ca_path,
         identity.cert_path,
         identity.key_path,
-        timeout=timeout,
+        timeout_s=timeout_s,
         max_response_bytes=max_response_bytes,
     )
 
@@ -290,7 +290,7 @@ def test_announced_body_over_the_cap_is_refused_naming_the_cap_before_any_of_it_
     # The head announces 10 MB and no body follows: a client that read on would wait out its timeout.
     head_only = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10000000\r\n\r\n"
     server = scripted(serve, node, [head_only], [answer(node.lease_json)])
-    with client_for(server, node, max_response_bytes=4096, timeout=30) as client:
+    with client_for(server, node, max_response_bytes=4096, timeout_s=30) as client:
         with pytest.raises(ControlPlaneUnavailable) as refused:
             client.heartbeat(NODE_ID)
         assert "4096-byte limit" in str(refused.value)
@@ -390,8 +390,8 @@ def test_long_poll_may_take_its_wait_beyond_the_read_timeout_and_a_plain_call_ma
     node: Node, serve: list[ScriptedServer]
 ) -> None:
     server = scripted(serve, node, [Delayed(1.5, NOT_MODIFIED), Delayed(1.5, answer(node.lease_json))])
-    with client_for(server, node, timeout=0.5) as client:
-        fetched = client.fetch_desired_state(NODE_ID, etag='"g7"', wait=5)
+    with client_for(server, node, timeout_s=0.5) as client:
+        fetched = client.fetch_desired_state(NODE_ID, etag='"g7"', wait_s=5)
         assert fetched.status is FetchStatus.NOT_MODIFIED
         with pytest.raises(ControlPlaneUnavailable, match="no answer in time"):
             client.heartbeat(NODE_ID)

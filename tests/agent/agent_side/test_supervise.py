@@ -30,9 +30,17 @@ def clock() -> Clock:
 
 @pytest.fixture
 def supervisor(clock: Clock) -> Supervisor:
-    watch = Supervisor(settle_seconds=10, startup_grace_seconds=300, clock=clock)
+    watch = Supervisor(settle_s=10, startup_grace_s=300, clock=clock)
     watch.expect(4, ["chat"])
     return watch
+
+
+def _crashed_since_10s(supervisor: Supervisor, clock: Clock) -> list[dict[str, Any]]:
+    """The engine list of a host whose engine ``supervisor`` saw exited 10 s ago (so its first repair is due)."""
+    crashed = [_engine(state="exited", ready=False)]
+    supervisor.assess(crashed)
+    clock.now += 10
+    return crashed
 
 
 @pytest.mark.parametrize(
@@ -77,7 +85,7 @@ def test_losing_readiness_is_drift_after_settling_but_a_slow_first_start_gets_th
     drift = supervisor.assess(loading)
     assert drift is not None and drift.engines == (("chat", "not ready since it was applied"),)
 
-    other = Supervisor(settle_seconds=10, clock=clock)
+    other = Supervisor(settle_s=10, clock=clock)
     other.expect(4, ["chat"])
     assert other.assess([_engine()]) is None
     assert other.assess(loading) is None
@@ -97,9 +105,7 @@ def test_a_draining_engine_is_left_stopped(supervisor: Supervisor, clock: Clock)
 def test_repairs_of_a_crash_looping_engine_back_off_10s_doubling_to_5_minutes(
     supervisor: Supervisor, clock: Clock
 ) -> None:
-    crashed = [_engine(state="exited", ready=False)]
-    supervisor.assess(crashed)
-    clock.now += 10
+    crashed = _crashed_since_10s(supervisor, clock)
     waits = []
     for _ in range(8):
         drift = supervisor.assess(crashed)
@@ -149,7 +155,7 @@ def test_ten_minutes_healthy_forget_the_backoff_but_a_short_recovery_does_not(
 
 
 def test_only_engines_not_backing_off_trigger_a_repair_and_are_named(clock: Clock) -> None:
-    supervisor = Supervisor(settle_seconds=0, clock=clock)
+    supervisor = Supervisor(settle_s=0, clock=clock)
     supervisor.expect(7, ["a", "b"])
     first = supervisor.assess([_engine("b")])
     assert first is not None and first.engines == (("a", "missing"),)
@@ -205,9 +211,7 @@ def test_an_engine_with_no_drifted_settings_or_none_to_compare_is_healthy(
 def test_status_says_backing_off_and_how_long_the_backoff_is_until_it_is_due(
     supervisor: Supervisor, clock: Clock
 ) -> None:
-    crashed = [_engine(state="exited", ready=False)]
-    supervisor.assess(crashed)
-    clock.now += 10
+    crashed = _crashed_since_10s(supervisor, clock)
     for expected_backoff in (10.0, 20.0):
         drift = supervisor.assess(crashed)
         assert drift is not None

@@ -160,10 +160,10 @@ def test_a_second_process_does_not_take_the_inbox_while_one_holds_it(tmp_path: P
     node = make_airgap_node(tmp_path)
     _drop(node, state_bundle(node, "g1.tar", generation=1), "g1.tar")
     node.state_dir.mkdir()
-    with hold_lock(node.state_dir / LOCK_FILE, wait_seconds=0):  # another run's pass in progress
+    with hold_lock(node.state_dir / LOCK_FILE, wait_s=0):  # another run's pass in progress
         # Busy is said as such (never an empty pass, which reads as "no bundle"), within the bounded wait.
         with pytest.raises(LockTimeout, match=r"air-gap inbox lock .*airgap-inbox.lock\) is busy"):
-            _processor(node).process_once(lock_wait=0.2)
+            _processor(node).process_once(lock_wait_s=0.2)
         assert os.listdir(node.inbox) == ["g1.tar"]
 
     [outcome] = _processor(node).process_once()

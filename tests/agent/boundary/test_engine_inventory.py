@@ -173,10 +173,10 @@ def test_a_hand_change_root_saw_reaches_the_agents_supervisor_as_drift(tmp_path:
     observer = Observer(
         store_path=None,
         gpu_facts=lambda: {"nvml_available": False},
-        engines=InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0),
+        engines=InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=0),
     )
     clock = [0.0]
-    supervisor = Supervisor(settle_seconds=10, clock=lambda: clock[0])
+    supervisor = Supervisor(settle_s=10, clock=lambda: clock[0])
     supervisor.expect(3, ["chat"])
 
     def assess() -> Drift | None:
@@ -230,7 +230,7 @@ def test_oversized_not_json_missing_and_symlinked_inventories_are_refused(tmp_pa
 
 def test_source_reports_no_engines_and_logs_once_for_a_missing_or_broken_inventory(tmp_path: Path) -> None:
     events = _Events()
-    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=0, log=events)
 
     assert source() == [] and source() == []
     (tmp_path / PUBLIC_DIR).mkdir()
@@ -247,7 +247,7 @@ def test_source_reports_no_engines_and_logs_once_for_a_missing_or_broken_invento
 def test_root_rewriting_the_same_engines_every_interval_is_read_quietly(tmp_path: Path) -> None:
     # Root's observe timer replaces the file every 30 s: the agent re-reads it (a new inode) and logs only a change.
     events = _Events()
-    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=0, log=events)
     for engine in (_engine(), _engine(), _engine(drifted=("cpus",)), _engine(drifted=("cpus",))):
         _write(tmp_path / PUBLIC_DIR, engine)
         source()
@@ -284,7 +284,7 @@ def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_chang
 ) -> None:
     path = _write(tmp_path / PUBLIC_DIR, _engine("chat", port=standin), _engine("idle", port=free_port()))
     clock = [100.0]
-    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=5.0, monotonic=lambda: clock[0])
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=5.0, monotonic=lambda: clock[0])
 
     first = {e["name"]: e for e in source()}
 
@@ -306,7 +306,7 @@ def test_source_probes_each_engine_reads_draining_marks_and_rereads_only_a_chang
     assert (first["idle"]["ready"], first["idle"]["state"]) == (False, "running")  # nothing answers there
 
     mark_draining(str(tmp_path), "chat", reason="test")
-    assert source()[0]["draining"] is False  # within refresh_seconds: the cached list
+    assert source()[0]["draining"] is False  # within refresh_s: the cached list
     clock[0] += 5
     assert source()[0]["draining"] is True
 
@@ -343,7 +343,7 @@ def test_unreadable_draining_marks_make_no_engine_ready(tmp_path: Path, standin:
     (tmp_path / "draining").mkdir()
     (tmp_path / "draining" / "chat.json").write_text("not json")
     events = _Events()
-    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0, log=events)
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=0, log=events)
 
     assert [(e["name"], e["ready"]) for e in source()] == [("chat", False)]
     assert ("draining-marks-unreadable" in [event for event, _ in events.seen]) is True
@@ -407,7 +407,7 @@ def test_a_split_agents_capacity_counts_what_the_engines_root_listed_reserve_and
     # Under the split the agent has no Docker: the reservations and ports come from root's engines.json.
     port = free_port()
     _write(tmp_path / PUBLIC_DIR, _engine("chat", port=port, gpus=("GPU-a",), min_vram_mib=3000))
-    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_seconds=0)
+    source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=0)
     gpus = {
         "nvml_available": True,
         "gpus": [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +22,7 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.support.airgap_env import make_airgap_node
 from meridian_node_agent.agent_side.observe import Observer
 from meridian_node_agent.boundary.outbox import (
+    MAX_RECORD_BYTES,
     JournalSummary,
     Outbox,
     OutboxRefused,
@@ -208,6 +210,36 @@ def test_import_outbox_says_an_epoch_0_observation_predates_the_first_bundle(tmp
     assert (result["result"], result["reason"]) == ("refused", "stale-epoch")
     assert "lease epoch 0, before the node applied any bundle" in result["message"]
     assert "heartbeat" not in result["message"]
+
+
+def test_import_outbox_refuses_what_is_not_a_readable_record_before_verifying_it(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    # What a careless copy or a hostile USB stick leaves: an oversized record (and one not even named like a
+    # record), a FIFO that would hang a plain read, a symlink to a file of the importer's host.
+    outbox = _outbox(tmp_path)
+    key = _public_pem(outbox, tmp_path)
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    for name in (f"{NODE}-000000000009-observation.json", "huge.json"):
+        with (carried / name).open("wb") as handle:
+            handle.truncate(MAX_RECORD_BYTES + 1)
+    os.mkfifo(carried / f"{NODE}-000000000010-journal.json")
+    (carried / f"{NODE}-000000000011-journal.json").symlink_to(key)
+
+    status, results = _import(data_dir, carried, key, check=False)
+
+    assert status == 1
+    assert {r["file"]: (r["result"], r["reason"]) for r in results} == {
+        f"{NODE}-000000000009-observation.json": ("refused", "too-large"),
+        "huge.json": ("refused", "bad-name"),  # the name is checked first, as for any record
+        f"{NODE}-000000000010-journal.json": ("refused", "not-a-file"),
+        f"{NODE}-000000000011-journal.json": ("refused", "unreadable"),
+    }
+    messages = {r["file"]: r["message"] for r in results}
+    assert f"larger than {MAX_RECORD_BYTES} bytes" in messages[f"{NODE}-000000000009-observation.json"]
+    assert "it is a FIFO, not a regular file" in messages[f"{NODE}-000000000010-journal.json"]
+    assert "it is a symlink" in messages[f"{NODE}-000000000011-journal.json"]
 
 
 def test_outbox_key_prints_the_node_key_creating_it_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

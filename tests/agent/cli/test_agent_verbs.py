@@ -9,21 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    with running(tmp_path_factory.mktemp("devserver") / "data") as started:
-        yield started
 
 
 def agent_cli(node: Node, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ansible_collections.meridian.node.tests.support.http_fixture import ArtifactServer
+from ansible_collections.meridian.node.tests.support.http_fixture import ArtifactServer, running_artifact_server
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     SigningKey,
     artifact_manifest,
@@ -25,9 +25,8 @@ FILES = {"config.json": b'{"layers": 2}', "weights/model.safetensors": os.urando
 
 @pytest.fixture
 def server() -> Iterator[ArtifactServer]:
-    running = ArtifactServer({f"tiny/{path}": data for path, data in FILES.items()}).start()
-    yield running
-    running.stop()
+    with running_artifact_server({f"tiny/{path}": data for path, data in FILES.items()}) as running:
+        yield running
 
 
 class Site:

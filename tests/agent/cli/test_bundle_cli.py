@@ -6,14 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
-from ansible_collections.meridian.node.tests.support.trust_fixtures import NODE_ID, artifact_manifest, desired_state
+from ansible_collections.meridian.node.tests.support.trust_fixtures import NODE_ID, artifact_manifest, current_state
 from meridian_node_agent import cli
 
 
@@ -36,7 +34,6 @@ def site(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
         "  air_gap_authority: {public_keys: [authority.pub.pem]}\n"
         f"air_gap: {{scratch_dir: {tmp_path / 'scratch'}}}\n"
     )
-    now = datetime.now(UTC)
     model = tmp_path / "model"
     model.mkdir()
     weights = b"weights" * 1000
@@ -57,12 +54,7 @@ def site(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     assert signing[0] == 0, signing[2]
     # The state pins the manifest the bundle carries: the host refuses an artifact the state does not name.
     pinned = {"name": "m", "version": "1", "manifest": json.loads((tmp_path / "manifest.json").read_text())}
-    state = desired_state(
-        generation=5,
-        issued_at=format_rfc3339(now - timedelta(minutes=1)),
-        expires_at=format_rfc3339(now + timedelta(hours=1)),
-        artifacts=[pinned],
-    )
+    state = current_state(5, artifacts=[pinned])
     (tmp_path / "state.json").write_text(json.dumps(state))
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "apply.yml").write_text("- hosts: localhost\n  tasks: []\n")

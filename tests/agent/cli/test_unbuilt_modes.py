@@ -6,18 +6,15 @@ never mutate. Each entry point that could act says so instead: check-config, run
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.tests.support.path_unit import apply_spooled
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     NODE_ID,
-    desired_state,
+    current_state,
     make_key,
     signed,
     write_policy,
@@ -27,15 +24,6 @@ from meridian_node_agent.boundary.spool import PUBLIC_DIR, SPOOL_DIR, read_answe
 from meridian_node_agent.cli import main as cli_main
 
 CONTROL = make_key()
-
-
-def _state(generation: int) -> dict[str, Any]:
-    now = datetime.now(UTC).replace(microsecond=0)
-    return desired_state(
-        generation=generation,
-        issued_at=format_rfc3339(now - timedelta(minutes=1)),
-        expires_at=format_rfc3339(now + timedelta(hours=1)),
-    )
 
 
 def _config(root: Path, mode: str, *, via: str = "in-process") -> Path:
@@ -74,7 +62,7 @@ def test_check_config_and_run_refuse_a_mode_that_is_not_built(
 
 def test_the_root_apply_unit_refuses_requests_under_kubernetes_integrated(tmp_path: Path) -> None:
     config = _config(tmp_path, "kubernetes-integrated", via="systemd")
-    envelope = signed("desired-state", _state(1), [CONTROL])
+    envelope = signed("desired-state", current_state(1), [CONTROL])
     write_request(tmp_path / "agent" / SPOOL_DIR, "gen-1-20261201T120000.000000Z", envelope)
 
     run = apply_spooled(config)

@@ -28,10 +28,10 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state 
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.tests.devserver.devserver_process import running
 from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
-from ansible_collections.meridian.node.tests.support.path_unit import PathUnit, apply_spooled
+from ansible_collections.meridian.node.tests.support.path_unit import PathUnit, apply_spooled, write_split_config
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     NODE_ID,
-    desired_state,
+    current_state,
     encode,
     local_artifact,
     make_key,
@@ -53,12 +53,28 @@ from meridian_node_agent.root_side.root_dir import RootDir, prepare_root_dir
 CONTROL = make_key()
 
 
-def _state(generation: int) -> dict[str, Any]:
-    now = datetime.now(UTC).replace(microsecond=0)
-    return desired_state(
+def _spool(config: AgentConfig, ident: str, payload: dict[str, Any]) -> None:
+    """Spool ``payload``, signed by CONTROL, under the request ``ident`` in the agent's spool, as the agent would."""
+    write_request(Path(config.state_dir) / SPOOL_DIR, ident, signed("desired-state", payload, [CONTROL]))
+
+
+def _successful_answer(
+    config: AgentConfig, ident: str, generation: int, payload_sha256: str, started_at: datetime
+) -> ApplyAnswer:
+    """Root's answer that request ``ident`` ran ``generation`` successfully, from ``started_at`` for a second."""
+    return ApplyAnswer(
+        request=ident,
+        payload_sha256=payload_sha256,
         generation=generation,
-        issued_at=format_rfc3339(now - timedelta(minutes=1)),
-        expires_at=format_rfc3339(now + timedelta(hours=1)),
+        status="successful",
+        rc=0,
+        changed=1,
+        failed=0,
+        failures=[],
+        journal=str(Path(config.state_dir) / "journal" / ident),
+        started_at=format_rfc3339(started_at),
+        finished_at=format_rfc3339(started_at + timedelta(seconds=1)),
+        wall_seconds=1.0,
     )
 
 
@@ -70,16 +86,10 @@ def _node(root: Path, *, via: str = "systemd", timeout: float = 300.0) -> tuple[
     """A root-owned config (as the apply unit reads it) and the policy it names, under ``root``."""
     store = {"path": str(root / "store"), "max_bytes": "1G"}
     policy = write_policy(root / "etc", control=[CONTROL], extra={"store": store})
-    config = {
-        "node_id": NODE_ID,
-        "mode": "managed-host",
-        "policy": str(policy),
-        "state_dir": str(root / "state"),
-        "control_plane": {"url": "https://127.0.0.1:9"},  # never called: these tests apply, not fetch
-        "apply": {"via": via, "timeout_seconds": timeout, "state_dir": str(root / "apply")},
-    }
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    apply = {"via": via, "timeout_seconds": timeout, "state_dir": str(root / "apply")}
+    path = write_split_config(
+        root / "config.yaml", node_id=NODE_ID, policy=policy, state_dir=root / "state", apply=apply
+    )
     return path, load_config(path)
 
 
@@ -108,7 +118,7 @@ def split(tmp_path: Path) -> Iterator[tuple[Path, AgentConfig, PathUnit]]:
 
 def test_state_applied_through_the_split_leaves_the_same_records_as_in_process(tmp_path: Path) -> None:
     config_path, config = _node(tmp_path / "split")
-    payload = _state(1)
+    payload = current_state(1)
     envelope = signed("desired-state", payload, [CONTROL])
     local_config = _node(tmp_path / "local", via="in-process")[1]
     local_applier = build_applier(local_config)
@@ -152,10 +162,7 @@ def test_agent_loop_applies_a_published_state_through_the_split(tmp_path: Path) 
     # The whole cycle against the real devserver, with the agent wired by build_agent from its config.
     with running(tmp_path / "data") as server:
         node = make_node(server, tmp_path / "node", "split-node-1")
-        document = yaml.safe_load(node.config_path.read_text())
-        document["apply"] = {"via": "systemd", "timeout_seconds": 300, "state_dir": str(tmp_path / "node-apply")}
-        node.config_path.write_text(yaml.safe_dump(document))
-        node.config = load_config(node.config_path)
+        node.configure(apply={"via": "systemd", "timeout_seconds": 300, "state_dir": str(tmp_path / "node-apply")})
         generation = publish(server, node.node_id)
         agent = node.agent()
         assert isinstance(agent.applier, SystemdApplier)
@@ -182,7 +189,7 @@ def test_a_request_swapped_after_the_agent_wrote_it_is_not_reported_as_the_agent
     # of the same generation. Root verifies and runs what it read; the agent must not record its own
     # state as applied.
     config_path, config = _node(tmp_path / "node")
-    ours, theirs = _state(8), {**_state(8), "engines": [], "artifacts": [], "lease_epoch": 2}
+    ours, theirs = current_state(8), {**current_state(8), "engines": [], "artifacts": [], "lease_epoch": 2}
 
     def swap(spool: Path) -> None:
         request = json.loads((spool / REQUEST_FILE).read_text())
@@ -203,7 +210,7 @@ def test_a_request_swapped_after_the_agent_wrote_it_is_not_reported_as_the_agent
 
 def test_root_side_refuses_a_tampered_spooled_envelope_and_applies_nothing(tmp_path: Path) -> None:
     config_path, config = _node(tmp_path / "node")
-    document = json.loads(signed("desired-state", _state(2), [CONTROL]))
+    document = json.loads(signed("desired-state", current_state(2), [CONTROL]))
     body = bytearray(base64.b64decode(document["payload"]))
     body[body.index(b'"generation": 2') + len('"generation": ')] = ord("7")  # one byte: generation 2 -> 7
     document["payload"] = base64.b64encode(bytes(body)).decode()
@@ -226,8 +233,7 @@ def test_root_side_refuses_a_request_whose_ident_claims_another_generation(tmp_p
     # A validly signed generation 3, spooled under an ident for generation 9: the journal and the agent's
     # oplog would disagree about what ran, so root does not run it.
     config_path, config = _node(tmp_path / "node")
-    state_dir = Path(config.state_dir)
-    write_request(state_dir / SPOOL_DIR, "gen-9-20261129T120000.000000Z", signed("desired-state", _state(3), [CONTROL]))
+    _spool(config, "gen-9-20261129T120000.000000Z", current_state(3))
 
     run = apply_spooled(config_path)
 
@@ -249,10 +255,8 @@ def test_root_side_runs_the_artifact_step_for_a_state_with_an_artifact_from_its_
     write_policy(tmp_path / "node" / "etc", control=[CONTROL], artifact=[artifact_key], extra={"store": store})
     weights = b"root-side weights\n" * 32
     artifact = local_artifact(models / "tiny-model", weights, artifact_key)
-    payload = {**_state(4), "artifacts": [artifact]}
-    write_request(
-        Path(config.state_dir) / SPOOL_DIR, "gen-4-20261129T120000.000000Z", signed("desired-state", payload, [CONTROL])
-    )
+    payload = {**current_state(4), "artifacts": [artifact]}
+    _spool(config, "gen-4-20261129T120000.000000Z", payload)
 
     run = apply_spooled(config_path)
 
@@ -266,20 +270,9 @@ def test_root_side_runs_the_artifact_step_for_a_state_with_an_artifact_from_its_
 def test_an_answer_to_another_request_is_not_taken_as_ours_and_a_silent_root_side_times_out(tmp_path: Path) -> None:
     config = _node(tmp_path / "node", timeout=1.5)[1]
     state_dir = Path(config.state_dir)
-    payload = _state(4)
-    stale = ApplyAnswer(
-        request="gen-4-20200101T000000.000000Z",
-        payload_sha256=_sha(payload),
-        generation=4,
-        status="successful",
-        rc=0,
-        changed=1,
-        failed=0,
-        failures=[],
-        journal=str(state_dir / "journal" / "gen-4-20200101T000000.000000Z"),
-        started_at="2020-01-01T00:00:00Z",
-        finished_at="2020-01-01T00:00:01Z",
-        wall_seconds=1.0,
+    payload = current_state(4)
+    stale = _successful_answer(
+        config, "gen-4-20200101T000000.000000Z", 4, _sha(payload), datetime(2020, 1, 1, tzinfo=UTC)
     )
     write_answer(_root(config), stale)
     applier = build_applier(config)  # no root side is listening
@@ -301,7 +294,7 @@ def test_an_apply_the_root_side_never_answered_is_applied_again_at_start_up(
 ) -> None:
     _config_path, config, unit = split
     state_dir = Path(config.state_dir)
-    payload = _state(5)
+    payload = current_state(5)
     envelope = signed("desired-state", payload, [CONTROL])
     # What a timed-out apply leaves: the spooled envelope and a 'started' line without a result.
     (state_dir / SPOOL_FILE).write_bytes(envelope)
@@ -344,7 +337,7 @@ def test_an_apply_killed_mid_run_leaves_its_generation_accepted_the_older_one_re
 ) -> None:
     config_path, config = _node(tmp_path / "node")
     state_dir, root_dir = Path(config.state_dir), Path(config.apply.state_dir)
-    first, second = _state(1), _state(2)
+    first, second = current_state(1), current_state(2)
     old, new = signed("desired-state", first, [CONTROL]), signed("desired-state", second, [CONTROL])
 
     def spool(generation: int, envelope: bytes) -> None:
@@ -405,20 +398,7 @@ def test_a_late_answer_to_a_timed_out_request_finishes_its_oplog_entry(tmp_path:
     )
     applier = build_applier(config)
     assert applier.record_late_answer() is None  # nothing answered yet: still unfinished
-    late = ApplyAnswer(
-        request=ident,
-        payload_sha256="b" * 64,
-        generation=6,
-        status="successful",
-        rc=0,
-        changed=1,
-        failed=0,
-        failures=[],
-        journal=str(state_dir / "journal" / ident),
-        started_at="2026-11-29T12:00:00Z",
-        finished_at="2026-11-29T12:00:02Z",
-        wall_seconds=2.0,
-    )
+    late = _successful_answer(config, ident, 6, "b" * 64, datetime(2026, 11, 29, 12, tzinfo=UTC))
     write_answer(_root(config), late)
 
     recorded = applier.record_late_answer()
@@ -433,8 +413,7 @@ def test_root_side_refuses_when_its_own_config_says_observe_only(tmp_path: Path)
     document = yaml.safe_load(config_path.read_text())
     document["mode"] = "observe-only"
     config_path.write_text(yaml.safe_dump(document))
-    state_dir = Path(config.state_dir)
-    write_request(state_dir / SPOOL_DIR, "gen-1-20261129T120000.000000Z", signed("desired-state", _state(1), [CONTROL]))
+    _spool(config, "gen-1-20261129T120000.000000Z", current_state(1))
 
     run = apply_spooled(config_path)
 
@@ -447,8 +426,7 @@ def test_root_side_refuses_when_its_own_config_says_observe_only(tmp_path: Path)
 
 def test_root_side_does_nothing_at_all_when_its_config_says_the_agent_applies_in_process(tmp_path: Path) -> None:
     config_path, config = _node(tmp_path / "node", via="in-process")
-    state_dir = Path(config.state_dir)
-    write_request(state_dir / SPOOL_DIR, "gen-1-20261129T120000.000000Z", signed("desired-state", _state(1), [CONTROL]))
+    _spool(config, "gen-1-20261129T120000.000000Z", current_state(1))
 
     run = apply_spooled(config_path)
 

@@ -15,20 +15,18 @@ import json
 import os
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import STATE_FILE, StateStore
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
-from ansible_collections.meridian.node.tests.support.path_unit import apply_spooled
+from ansible_collections.meridian.node.tests.support.path_unit import apply_spooled, write_split_config
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     NODE_ID,
-    desired_state,
+    current_state,
     encode,
     make_key,
     signed,
@@ -56,34 +54,14 @@ CONTROL = make_key()
 IDENT = "gen-{}-20261201T120000.000000Z"
 
 
-def _state(generation: int, *, epoch: int = 1, **overrides: Any) -> dict[str, Any]:
-    now = datetime.now(UTC).replace(microsecond=0)
-    return desired_state(
-        generation=generation,
-        lease_epoch=epoch,
-        issued_at=format_rfc3339(now - timedelta(minutes=1)),
-        expires_at=format_rfc3339(now + timedelta(hours=1)),
-        **overrides,
-    )
-
-
 class Node:
     """A split node under ``root``: the root-owned config and policy, the agent's dir, root's dir."""
 
     def __init__(self, root: Path) -> None:
         policy = write_policy(root / "etc", control=[CONTROL], extra={"store": {"path": str(root / "store")}})
-        self.config_path = root / "config.yaml"
-        self.config_path.write_text(
-            yaml.safe_dump(
-                {
-                    "node_id": NODE_ID,
-                    "mode": "managed-host",
-                    "policy": str(policy),
-                    "state_dir": str(root / "agent"),
-                    "control_plane": {"url": "https://127.0.0.1:9"},
-                    "apply": {"via": "systemd", "timeout_seconds": 60, "state_dir": str(root / "apply")},
-                }
-            )
+        apply = {"via": "systemd", "timeout_seconds": 60, "state_dir": str(root / "apply")}
+        self.config_path = write_split_config(
+            root / "config.yaml", node_id=NODE_ID, policy=policy, state_dir=root / "agent", apply=apply
         )
         self.config = load_config(self.config_path)
         self.agent_dir = Path(self.config.state_dir)
@@ -120,7 +98,7 @@ def _sha(payload: dict[str, Any]) -> str:
 
 
 def test_deleting_the_agents_applied_record_does_not_let_root_replay_an_older_generation(node: Node) -> None:
-    newer, older = _state(5), _state(3)
+    newer, older = current_state(5), current_state(3)
     node.spool_state(newer)
     assert node.run_root()[0] == 0
     assert node.root_record() == (5, 1, _sha(newer))
@@ -141,12 +119,12 @@ def test_deleting_the_agents_applied_record_does_not_let_root_replay_an_older_ge
 
 
 def test_a_state_from_a_fenced_leader_is_refused_by_root_whatever_the_agent_recorded(node: Node) -> None:
-    node.spool_state(_state(5, epoch=4))
+    node.spool_state(current_state(5, lease_epoch=4))
     assert node.run_root()[0] == 0
     (node.agent_dir / STATE_FILE).write_text(
         json.dumps({"format": 1, "generation": 0, "epoch": 0, "payload_sha256": None})
     )
-    node.spool_state(_state(6, epoch=3))  # newer generation, signed under a deposed leader's epoch
+    node.spool_state(current_state(6, lease_epoch=3))  # newer generation, signed under a deposed leader's epoch
 
     status, _output, answer = node.run_root()
 
@@ -155,9 +133,9 @@ def test_a_state_from_a_fenced_leader_is_refused_by_root_whatever_the_agent_reco
 
 
 def test_the_applied_generation_with_other_bytes_is_refused_by_root(node: Node) -> None:
-    node.spool_state(_state(5))
+    node.spool_state(current_state(5))
     assert node.run_root()[0] == 0
-    other = _state(5, epoch=2, engines=[], artifacts=[])
+    other = current_state(5, lease_epoch=2, engines=[], artifacts=[])
     write_request(node.spool, "gen-5-20261201T130000.000000Z", signed("desired-state", other, [CONTROL]))
 
     status, _output, answer = node.run_root()
@@ -166,7 +144,7 @@ def test_the_applied_generation_with_other_bytes_is_refused_by_root(node: Node) 
 
 
 def test_the_applied_generation_with_the_same_bytes_is_applied_again_to_repair_drift(node: Node) -> None:
-    payload = _state(5)
+    payload = current_state(5)
     envelope = signed("desired-state", payload, [CONTROL])
     write_request(node.spool, IDENT.format(5), envelope)
     assert node.run_root()[0] == 0
@@ -180,7 +158,7 @@ def test_the_applied_generation_with_the_same_bytes_is_applied_again_to_repair_d
 
 
 def test_a_request_naming_an_interrupted_runs_ident_is_not_run_twice_under_it(node: Node) -> None:
-    node.spool_state(_state(2))
+    node.spool_state(current_state(2))
     assert node.run_root()[0] == 0
     (node.root_dir / PUBLIC_DIR / "apply-result.json").unlink()  # root lost its answer; the journal remains
 
@@ -203,7 +181,7 @@ def _refused(node: Node, reason: str) -> None:
 
 def test_a_spool_that_is_a_symlink_to_another_directory_is_refused(node: Node, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
-    write_request(elsewhere, IDENT.format(1), signed("desired-state", _state(1), [CONTROL]))
+    write_request(elsewhere, IDENT.format(1), signed("desired-state", current_state(1), [CONTROL]))
     node.spool.symlink_to(elsewhere)
 
     _refused(node, f"refusing {node.spool}: it is a symlink")
@@ -236,7 +214,7 @@ def test_a_request_that_is_a_fifo_is_refused_without_blocking_root(node: Node) -
 
 
 def test_a_request_owned_by_someone_else_than_the_spools_owner_is_refused(node: Node) -> None:
-    node.spool_state(_state(1))
+    node.spool_state(current_state(1))
     os.chown(node.spool, 4242, -1)  # the spool is the agent's (uid 4242); the file is not
 
     _refused(node, f"owned by uid {os.geteuid()}, not by uid 4242")
@@ -253,7 +231,7 @@ def test_an_oversized_request_is_refused_before_it_is_read(node: Node) -> None:
 def test_a_request_swapped_back_and_forth_while_root_reads_is_read_once_whole(node: Node) -> None:
     # The agent flips the request between a signed state and garbage as fast as it can. Whatever root
     # read, it is one read of one file: a whole request, or a refusal naming the file; never a mix.
-    write_request(node.spool, IDENT.format(1), signed("desired-state", _state(1), [CONTROL]))
+    write_request(node.spool, IDENT.format(1), signed("desired-state", current_state(1), [CONTROL]))
     good = (node.spool / REQUEST_FILE).read_bytes()
     bad = good.replace(b'"request"', b'"requesT"')
     stop = threading.Event()
@@ -295,7 +273,7 @@ def signed_envelope_of(raw_request: bytes) -> bytes:
 
 
 def test_a_root_directory_another_user_owns_is_refused_and_nothing_is_applied(node: Node) -> None:
-    node.spool_state(_state(1))
+    node.spool_state(current_state(1))
     node.root_dir.mkdir(mode=0o711)
     os.chown(node.root_dir, 4242, -1)
 
@@ -332,18 +310,9 @@ def test_a_root_directory_under_a_directory_others_may_write_is_refused(tmp_path
 
 def test_a_config_putting_roots_directory_inside_the_agents_is_refused(tmp_path: Path) -> None:
     policy = write_policy(tmp_path / "etc", control=[CONTROL])
-    path = tmp_path / "config.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "node_id": NODE_ID,
-                "mode": "managed-host",
-                "policy": str(policy),
-                "state_dir": str(tmp_path / "agent"),
-                "control_plane": {"url": "https://127.0.0.1:9"},
-                "apply": {"via": "systemd", "state_dir": str(tmp_path / "agent" / "apply")},
-            }
-        )
+    apply = {"via": "systemd", "state_dir": str(tmp_path / "agent" / "apply")}
+    path = write_split_config(
+        tmp_path / "config.yaml", node_id=NODE_ID, policy=policy, state_dir=tmp_path / "agent", apply=apply
     )
 
     with pytest.raises(ConfigError, match="must be separate directories, neither inside the other"):
@@ -351,7 +320,7 @@ def test_a_config_putting_roots_directory_inside_the_agents_is_refused(tmp_path:
 
 
 def test_roots_directory_is_private_except_the_answer_and_what_the_agent_observes(node: Node) -> None:
-    node.spool_state(_state(1))
+    node.spool_state(current_state(1))
     assert node.run_root()[0] == 0
 
     modes = {
@@ -386,7 +355,7 @@ def test_an_apply_that_cannot_even_be_requested_is_a_failed_apply_not_a_crash(no
     agent = _agent(node)
     from ansible_collections.meridian.node.plugins.module_utils.trust.verify import verify_desired_state
 
-    envelope = signed("desired-state", _state(1), [CONTROL])
+    envelope = signed("desired-state", current_state(1), [CONTROL])
     verified = verify_desired_state(
         envelope, agent.policy, node_id=NODE_ID, now=datetime.now(UTC), applied=agent.store.load()
     )
@@ -418,10 +387,10 @@ def test_an_interrupted_apply_that_cannot_be_resumed_is_abandoned_once_with_its_
 def test_verify_reads_the_record_root_decides_by_and_says_a_damaged_one_is_damaged(
     node: Node, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    node.spool_state(_state(5))
+    node.spool_state(current_state(5))
     assert node.run_root()[0] == 0
     older = tmp_path / "older.json"
-    older.write_bytes(signed("desired-state", _state(4), [CONTROL]))
+    older.write_bytes(signed("desired-state", current_state(4), [CONTROL]))
     argv = [
         "--config",
         str(node.config_path),
@@ -448,7 +417,7 @@ def test_verify_reads_the_record_root_decides_by_and_says_a_damaged_one_is_damag
 def test_the_agent_waits_for_roots_first_answer_before_roots_directory_exists(node: Node) -> None:
     from meridian_node_agent.cli.agent import build_applier
 
-    payload = _state(1)
+    payload = current_state(1)
     applier = build_applier(node.config)
     results: list[Any] = []
     envelope = signed("desired-state", payload, [CONTROL])

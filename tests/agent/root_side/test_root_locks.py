@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import stat
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from ansible_collections.meridian.node.tests.support.airgap_env import (
     make_airgap_node,
     state_bundle,
 )
+from ansible_collections.meridian.node.tests.support.shared_tmp import reachable_tmp_dir
 from meridian_node_agent.apply.inbox import LOCK_FILE
 from meridian_node_agent.boundary.outcomes import read_outcomes
 from meridian_node_agent.cli import main as cli_main
@@ -44,12 +44,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plays root and drops 
 @pytest.fixture
 def site() -> Iterator[Path]:
     """A directory the agent's user can reach (pytest's own tmp_path lies under a 0700 directory)."""
-    path = Path(tempfile.mkdtemp(prefix="mn-root-locks-"))
-    path.chmod(0o755)
-    try:
+    with reachable_tmp_dir("mn-root-locks-") as path:
         yield path
-    finally:
-        shutil.rmtree(path)
 
 
 def _drop(node: AirGapNode, bundle: Path, name: str) -> None:
@@ -186,9 +182,9 @@ def test_an_inbox_held_past_the_bounded_wait_is_reported_busy_never_as_no_bundle
     prepare_root_dir(root_dir, agent_dir=node.state_dir)
     _drop(node, state_bundle(node, "g1.tar", generation=1), "g1.tar")
     # raising=False: on a release without the bounded wait this test must fail on what root says, not here.
-    monkeypatch.setattr(airgap_root, "LOCK_WAIT_SECONDS", 0.5, raising=False)
+    monkeypatch.setattr(airgap_root, "LOCK_WAIT_S", 0.5, raising=False)
 
-    with hold_lock(root_dir / LOCK_FILE, wait_seconds=0):  # a stuck holder (only root could be one now)
+    with hold_lock(root_dir / LOCK_FILE, wait_s=0):  # a stuck holder (only root could be one now)
         assert _root(node) == 1  # within the test's timeout: busy is said, never waited out
 
     captured = capsys.readouterr()

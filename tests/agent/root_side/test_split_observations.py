@@ -12,33 +12,29 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, DockerEngineError
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import mark_draining
 from ansible_collections.meridian.node.tests.devserver.devserver_process import running
 from ansible_collections.meridian.node.tests.support.e2e_env import (
     BIND,
-    E2E_REPOSITORY,
-    PORT_RANGE,
     engine_spec,
     free_engine_port,
     make_e2e_node,
-    remove_containers,
+    observed_engine,
+    served_endpoint,
     serving,
-    standin_vllm,
+    standin_policy,
 )
 from ansible_collections.meridian.node.tests.support.node_env import publish
-from ansible_collections.meridian.node.tests.support.path_unit import PathUnit, apply_spooled
+from ansible_collections.meridian.node.tests.support.path_unit import PathUnit, apply_spooled, write_split_config
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from ansible_collections.meridian.node.tests.support.trust_fixtures import desired_state, make_key, signed, write_policy
+from ansible_collections.meridian.node.tests.support.trust_fixtures import current_state, make_key, signed, write_policy
 from meridian_node_agent.agent_side.cycle import CycleStatus
 from meridian_node_agent.agent_side.observe import InventoryEngines
 from meridian_node_agent.agent_side.systemd_applier import write_request
@@ -54,19 +50,6 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 CONTROL = make_key()
 
 
-@pytest.fixture(scope="module")
-def image(docker_client: Any, standin_base_image: LocalImage) -> Iterator[LocalImage]:
-    with standin_vllm(docker_client, standin_base_image) as tagged:
-        yield tagged
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-split-{secrets.token_hex(3)}"
-    yield name
-    remove_containers(docker_client, [name])
-
-
 def _root_config(root: Path, node_id: str) -> tuple[Path, AgentConfig]:
     """The root-owned config (apply.via: systemd) and a policy that lets this node run the stand-in."""
     policy = write_policy(
@@ -74,20 +57,13 @@ def _root_config(root: Path, node_id: str) -> tuple[Path, AgentConfig]:
         control=[CONTROL],
         extra={
             "store": {"path": str(root / "store"), "max_bytes": "1G"},
-            "images": {"allowed_repositories": [E2E_REPOSITORY], "require_digest": True},
-            "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORT_RANGE)},
+            **standin_policy(),
         },
     )
-    config = {
-        "node_id": node_id,
-        "mode": "managed-host",
-        "policy": str(policy),
-        "state_dir": str(root / "state"),
-        "control_plane": {"url": "https://127.0.0.1:9"},  # never called: the root side only applies
-        "apply": {"via": "systemd", "timeout_seconds": 300, "state_dir": str(root / "apply")},
-    }
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    apply = {"via": "systemd", "timeout_seconds": 300, "state_dir": str(root / "apply")}
+    path = write_split_config(
+        root / "config.yaml", node_id=node_id, policy=policy, state_dir=root / "state", apply=apply
+    )
     return path, load_config(path)
 
 
@@ -99,13 +75,8 @@ def test_agent_without_docker_access_reports_the_engine_root_started_then_draini
     config_path, config = _root_config(tmp_path, node_id)
     state_dir = Path(config.state_dir)
     name, port = f"{prefix}-chat", free_engine_port()
+    payload = current_state(1, node_id=node_id, engines=[engine_spec(name, image, port)])
     now = datetime.now(UTC).replace(microsecond=0)
-    payload = desired_state(
-        node_id=node_id,
-        issued_at=format_rfc3339(now - timedelta(minutes=1)),
-        expires_at=format_rfc3339(now + timedelta(hours=1)),
-        engines=[engine_spec(name, image, port)],
-    )
     write_request(state_dir / SPOOL_DIR, run_ident(1, now), signed("desired-state", payload, [CONTROL]))
 
     applied = apply_spooled(config_path, root_env)
@@ -125,25 +96,11 @@ def test_agent_without_docker_access_reports_the_engine_root_started_then_draini
     # The agent's side: no way to reach Docker in this process.
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-docker.sock'}")
     with pytest.raises(DockerEngineError):
-        DockerEngine.from_env(timeout=2)
+        DockerEngine.from_env(timeout_s=2)
     source = _engine_source(config, EventLogger())
     assert isinstance(source, InventoryEngines)
-    expected = {
-        "name": name,
-        "managed": True,
-        "driver": "vllm",
-        "image": image.pinned,
-        "state": "running",
-        "ready": True,
-        "draining": False,
-        "port": port,
-        "served_model_name": "tiny-chat",
-        # As root inspected it: never restarted, never exited, nothing changed by hand.
-        "restarts": 0,
-        "exit_code": None,
-        "exit_reason": None,
-        "drifted": [],
-    }
+    # As root inspected it: never restarted, never exited, nothing changed by hand.
+    expected = observed_engine(name, image, port, drifted=[])
 
     assert source() == [expected]
 
@@ -180,10 +137,7 @@ def test_engines_of_a_split_node_reach_the_serving_projection_and_leave_it_when_
     root_env = dict(os.environ)
     with running(tmp_path / "data") as server:
         node = make_e2e_node(server, tmp_path / "node", f"split-node-{secrets.token_hex(2)}")
-        document = yaml.safe_load(node.node.config_path.read_text())
-        document["apply"] = {"via": "systemd", "timeout_seconds": 300, "state_dir": str(tmp_path / "node-apply")}
-        node.node.config_path.write_text(yaml.safe_dump(document))
-        node.node.config = load_config(node.node.config_path)
+        node.node.configure(apply={"via": "systemd", "timeout_seconds": 300, "state_dir": str(tmp_path / "node-apply")})
         name, port = f"{prefix}-chat", free_engine_port()
         publish(server, node.node_id, document={"engines": [engine_spec(name, image, port)]})
         monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-docker.sock'}")
@@ -193,15 +147,7 @@ def test_engines_of_a_split_node_reach_the_serving_projection_and_leave_it_when_
         with PathUnit(node.node.config_path, node.state_dir, env=root_env) as unit:
             outcome = agent.cycle()
         assert outcome.outcome == CycleStatus.APPLIED, (outcome, [r.stdout + r.stderr for r in unit.runs])
-        assert serving(node, prefix) == [
-            {
-                "node_id": node.node_id,
-                "engine": name,
-                "driver": "vllm",
-                "served_model_name": "tiny-chat",
-                "address": f"{BIND}:{port}",
-            }
-        ]
+        assert serving(node, prefix) == [served_endpoint(node.node_id, name, port)]
 
         mark_draining(str(tmp_path / "node-apply"), name, reason="test")
         agent.observer.forget()  # the engine list is otherwise re-read within 5 s

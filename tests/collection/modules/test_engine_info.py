@@ -23,7 +23,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     LABEL_OWNED,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import mark_draining
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import LABEL_OWNER
+from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
     PORTS,

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import LABEL_CONFIG_HASH
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import LABEL_MIN_VRAM, LABEL_SPEC
+from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_MIN_VRAM, LABEL_SPEC
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
     PORTS,

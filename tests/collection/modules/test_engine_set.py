@@ -19,7 +19,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store, ensure_artifact
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import LABEL_OWNER
+from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import verify_artifact_manifest

@@ -13,29 +13,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import secrets
 import shutil
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import cli as devserver
 from ansible_collections.meridian.node.tests.support.airgap_env import galaxy_collection, make_airgap_node, state_bundle
 from ansible_collections.meridian.node.tests.support.bundle_fixtures import ARTIFACT
-from ansible_collections.meridian.node.tests.support.e2e_env import (
-    BIND,
-    E2E_REPOSITORY,
-    PORT_RANGE,
-    engine_spec,
-    free_engine_port,
-    remove_containers,
-    standin_vllm,
-)
+from ansible_collections.meridian.node.tests.support.e2e_env import BIND, engine_spec, free_engine_port, standin_policy
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import artifact_manifest, envelope
 from meridian_node_agent.apply.applier import collection_paths
@@ -44,12 +31,6 @@ from meridian_node_agent.devserver.control import open_control_plane
 
 NODE = "airgap-e2e-node"
 WEIGHTS = b"tiny weights\n" * 512
-
-
-@pytest.fixture
-def image(docker_client: Any, standin_base_image: LocalImage) -> Iterator[LocalImage]:
-    with standin_vllm(docker_client, standin_base_image) as tagged:
-        yield tagged
 
 
 def _agent(*args: str) -> subprocess.CompletedProcess[str]:
@@ -83,7 +64,7 @@ def _site_playbooks(root: Path) -> Path:
 
 
 def test_a_bundle_in_the_inbox_ends_with_the_engine_serving_on_the_control_plane(
-    tmp_path: Path, docker_client: Any, image: LocalImage
+    tmp_path: Path, image: LocalImage, prefix: str
 ) -> None:
     data = tmp_path / "control-plane"
     devserver(data, "info")  # creates the data dir, its CA and control key
@@ -94,10 +75,7 @@ def test_a_bundle_in_the_inbox_ends_with_the_engine_serving_on_the_control_plane
         tmp_path / "node",
         node_id=NODE,
         control_public_key=control_key,
-        policy_extra={
-            "images": {"allowed_repositories": [E2E_REPOSITORY], "require_digest": True},
-            "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORT_RANGE)},
-        },
+        policy_extra=standin_policy(),
     )
     model = tmp_path / "model"
     model.mkdir()
@@ -110,7 +88,6 @@ def test_a_bundle_in_the_inbox_ends_with_the_engine_serving_on_the_control_plane
     manifest_envelope = envelope("artifact-manifest", manifest, [ARTIFACT])
     (tmp_path / "manifest.json").write_text(json.dumps(manifest_envelope))
     port = free_engine_port()
-    prefix = f"mn-airgap-{secrets.token_hex(3)}"
     name = f"{prefix}-chat"
     # The site's code runs because control pins it in the state it signs (issue 22): runbook-pin's digests.
     playbooks, collection = _site_playbooks(tmp_path), _site_collection(tmp_path)
@@ -141,38 +118,35 @@ def test_a_bundle_in_the_inbox_ends_with_the_engine_serving_on_the_control_plane
     shutil.copyfile(bundle, node.inbox / ".site-g1.tar.part")
     (node.inbox / ".site-g1.tar.part").rename(node.inbox / "site-g1.tar")
 
+    check = _agent("--config", str(node.config_path), "check-config")
+    assert check.returncode == 0, check.stderr
+    run = _agent("--config", str(node.config_path), "run", "--once")
+    assert run.returncode == 0, (run.stdout, run.stderr)
+
+    reason = json.loads((node.inbox / "processed" / "site-g1.tar.reason.json").read_text())
+    assert reason["result"] == "applied", reason
+    assert (node.state_dir / "site-marker").read_text().strip().endswith("/tree")  # the bundle's own role ran
+    store = tmp_path / "node" / "store" / "artifacts" / "tiny-model" / "1.0.0" / "weights.bin"
+    assert store.read_bytes() == WEIGHTS
+    with urllib.request.urlopen(f"http://{BIND}:{port}/v1/models", timeout=10) as response:
+        assert response.status == 200
+    records = sorted(p.name for p in node.outbox.iterdir())
+    assert records == [f"{NODE}-000000000001-journal.json", f"{NODE}-000000000002-observation.json"], run.stderr
+
+    key = tmp_path / "node.pub.pem"
+    printed = _agent("--config", str(node.config_path), "outbox-key")
+    key.write_text(printed.stdout)
+    copied = tmp_path / "carried-off-site"
+    shutil.copytree(node.outbox, copied)
+    imported = devserver(data, "import-outbox", str(copied), "--node-key", f"{NODE}={key}")
+    results = [json.loads(line) for line in imported.stdout.splitlines()]
+    assert [r["result"] for r in results] == ["imported", "imported"], results
+
+    control = open_control_plane(data)
     try:
-        check = _agent("--config", str(node.config_path), "check-config")
-        assert check.returncode == 0, check.stderr
-        run = _agent("--config", str(node.config_path), "run", "--once")
-        assert run.returncode == 0, (run.stdout, run.stderr)
-
-        reason = json.loads((node.inbox / "processed" / "site-g1.tar.reason.json").read_text())
-        assert reason["result"] == "applied", reason
-        assert (node.state_dir / "site-marker").read_text().strip().endswith("/tree")  # the bundle's own role ran
-        store = tmp_path / "node" / "store" / "artifacts" / "tiny-model" / "1.0.0" / "weights.bin"
-        assert store.read_bytes() == WEIGHTS
-        with urllib.request.urlopen(f"http://{BIND}:{port}/v1/models", timeout=10) as response:
-            assert response.status == 200
-        records = sorted(p.name for p in node.outbox.iterdir())
-        assert records == [f"{NODE}-000000000001-journal.json", f"{NODE}-000000000002-observation.json"], run.stderr
-
-        key = tmp_path / "node.pub.pem"
-        printed = _agent("--config", str(node.config_path), "outbox-key")
-        key.write_text(printed.stdout)
-        copied = tmp_path / "carried-off-site"
-        shutil.copytree(node.outbox, copied)
-        imported = devserver(data, "import-outbox", str(copied), "--node-key", f"{NODE}={key}")
-        results = [json.loads(line) for line in imported.stdout.splitlines()]
-        assert [r["result"] for r in results] == ["imported", "imported"], results
-
-        control = open_control_plane(data)
-        try:
-            # The Docker Engine is shared: the node also observes (and so serves) other suites' engines.
-            endpoints = [e for e in control.serving().endpoints if e.node_id == NODE and e.engine.startswith(prefix)]
-        finally:
-            control.close()
-        observed = json.loads(base64.b64decode(json.loads((copied / records[1]).read_text())["payload"]))
-        assert [(e.engine, e.address) for e in endpoints] == [(name, f"{NODE}:{port}")], observed["observation"]
+        # The Docker Engine is shared: the node also observes (and so serves) other suites' engines.
+        endpoints = [e for e in control.serving().endpoints if e.node_id == NODE and e.engine.startswith(prefix)]
     finally:
-        remove_containers(docker_client, [prefix])
+        control.close()
+    observed = json.loads(base64.b64decode(json.loads((copied / records[1]).read_text())["payload"]))
+    assert [(e.engine, e.address) for e in endpoints] == [(name, f"{NODE}:{port}")], observed["observation"]

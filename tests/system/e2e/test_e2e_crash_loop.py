@@ -14,22 +14,20 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import parse_rfc3339
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import (
+    E2ENode,
     container_named,
     engine_spec,
     free_engine_port,
-    make_e2e_node,
 )
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from meridian_node_agent.agent_side.cycle import CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.cli import main as cli_main
-from meridian_node_agent.config import load_config
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -50,19 +48,15 @@ def _allowed_attempts(window: float) -> int:
 
 def test_an_engine_whose_command_exits_at_once_is_retried_on_a_growing_backoff_shown_in_status(
     server: DevServer,
-    tmp_path: Any,
     node_id: str,
+    node: E2ENode,
     image: LocalImage,
     prefix: str,
     docker_client: Any,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
+    node.node.configure(supervision=BACKOFF)
     config_path = node.node.config_path
-    config = yaml.safe_load(config_path.read_text())
-    config["supervision"] = BACKOFF
-    config_path.write_text(yaml.safe_dump(config))
-    node.node.config = load_config(config_path)
     name = f"{prefix}-crash"
     # The stand-in refuses to play an engine it does not know and exits 1 before it listens: a bad image or
     # a bad argument does the same to a real engine.

@@ -14,24 +14,22 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import parse_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import LABEL_INSTANCE
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import (
+    E2ENode,
     applied,
     engine_spec,
     free_engine_port,
     last_observation,
-    make_e2e_node,
 )
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.own_dockerd import OwnDockerd, unavailable
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
-from meridian_node_agent.config import load_config
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -63,13 +61,9 @@ def _ours(daemon: OwnDockerd, name: str) -> list[Any]:
 
 
 def test_engines_come_back_ready_after_their_docker_daemon_restarts_and_the_agent_notices(
-    server: DevServer, tmp_path: Any, node_id: str, image: LocalImage, prefix: str, own_dockerd: OwnDockerd
+    server: DevServer, node_id: str, node: E2ENode, image: LocalImage, prefix: str, own_dockerd: OwnDockerd
 ) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
-    config = yaml.safe_load(node.node.config_path.read_text())
-    config["supervision"] = SUPERVISION
-    node.node.config_path.write_text(yaml.safe_dump(config))
-    node.node.config = load_config(node.node.config_path)
+    node.node.configure(supervision=SUPERVISION)
     name = f"{prefix}-chat"
     generation = publish(server, node_id, document={"engines": [engine_spec(name, image, free_engine_port())]})
     agent = node.agent()

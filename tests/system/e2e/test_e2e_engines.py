@@ -36,9 +36,11 @@ from ansible_collections.meridian.node.tests.support.e2e_env import (
     free_engine_port,
     last_observation,
     make_e2e_node,
+    observed_engine,
+    served_endpoint,
     serving,
 )
-from ansible_collections.meridian.node.tests.support.engine_harness import hold_requests
+from ansible_collections.meridian.node.tests.support.engine_harness import hold_requests, run_foreign_engine
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from meridian_node_agent.agent_side.control_client import ControlPlaneRejected, ControlPlaneUnavailable
@@ -53,16 +55,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 @pytest.fixture
 def foreign(docker_client: Any, standin_base_image: LocalImage, prefix: str) -> Any:
     """Someone else's container: no labels of ours, but its published port is Ollama's, so it is listed."""
-    container = docker_client.containers.run(
-        standin_base_image.id,
-        ["sleep", "600"],
-        name=f"{prefix}-foreign",
-        detach=True,
-        init=True,
-        ports={"11434/tcp": (BIND, None)},
-    )
-    container.reload()
-    return container
+    return run_foreign_engine(docker_client, standin_base_image.id, f"{prefix}-foreign", seconds=600)
 
 
 def _assert_untouched(client: Any, before: Any) -> None:
@@ -120,15 +113,8 @@ def _apply_while_held(
 
 
 def test_published_engine_is_started_ready_observed_and_served(
-    server: DevServer,
-    tmp_path: Path,
-    node_id: str,
-    docker_client: Any,
-    image: LocalImage,
-    prefix: str,
-    foreign: Any,
+    server: DevServer, node_id: str, node: E2ENode, docker_client: Any, image: LocalImage, prefix: str, foreign: Any
 ) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
     name, port = f"{prefix}-chat", free_engine_port()
     generation = publish(server, node_id, document={"engines": [engine_spec(name, image, port)]})
     agent = node.agent()
@@ -144,30 +130,9 @@ def test_published_engine_is_started_ready_observed_and_served(
     engines = {e["name"]: e for e in observed["engines"]}
     ready_since = engines[name].pop("ready_since")
     assert isinstance(ready_since, str) and ready_since <= observed["observed_at"]
-    assert engines[name] == {
-        "name": name,
-        "managed": True,
-        "driver": "vllm",
-        "image": image.pinned,
-        "state": "running",
-        "ready": True,
-        "draining": False,
-        "port": port,
-        "served_model_name": "tiny-chat",
-        "restarts": 0,
-        "exit_code": None,
-        "exit_reason": None,
-    }
+    assert engines[name] == observed_engine(name, image, port)
     assert engines[foreign.name]["managed"] is False
-    assert serving(node, prefix) == [
-        {
-            "node_id": node_id,
-            "engine": name,
-            "driver": "vllm",
-            "served_model_name": "tiny-chat",
-            "address": f"{BIND}:{port}",
-        }
-    ]
+    assert serving(node, prefix) == [served_endpoint(node_id, name, port)]
     # The same generation again: the agent runs nothing, and the playbook itself changes nothing.
     assert agent.cycle().outcome == CycleStatus.UNCHANGED
     again = _apply_again(node, agent)
@@ -177,15 +142,8 @@ def test_published_engine_is_started_ready_observed_and_served(
 
 
 def test_changed_spec_drains_the_old_engine_under_load_then_replaces_it(
-    server: DevServer,
-    tmp_path: Path,
-    node_id: str,
-    docker_client: Any,
-    image: LocalImage,
-    prefix: str,
-    foreign: Any,
+    server: DevServer, node_id: str, node: E2ENode, docker_client: Any, image: LocalImage, prefix: str, foreign: Any
 ) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
     name, port = f"{prefix}-chat", free_engine_port()
     first = engine_spec(name, image, port, args=["--max-model-len", "4096"])
     publish(server, node_id, document={"engines": [first]})
@@ -212,8 +170,8 @@ def test_changed_spec_drains_the_old_engine_under_load_then_replaces_it(
 
 def test_state_that_drops_the_engine_drains_and_removes_it_and_leaves_the_others_alone(
     server: DevServer,
-    tmp_path: Path,
     node_id: str,
+    node: E2ENode,
     docker_client: Any,
     image: LocalImage,
     standin_base_image: LocalImage,
@@ -231,7 +189,6 @@ def test_state_that_drops_the_engine_drains_and_removes_it_and_leaves_the_others
         labels={LABEL_OWNED: "true", LABEL_INSTANCE: f"{prefix}-operators", LABEL_DRIVER: "vllm"},
     )
     operators.reload()
-    node = make_e2e_node(server, tmp_path / "node", node_id)
     name, port = f"{prefix}-chat", free_engine_port()
     publish(server, node_id, document={"engines": [engine_spec(name, image, port)]})
     agent = node.agent()
@@ -282,8 +239,7 @@ def test_observe_only_creates_nothing_and_still_reports(
     assert serving(node, prefix) == []
 
 
-def test_revoked_node_is_refused_not_treated_as_unreachable(server: DevServer, tmp_path: Path, node_id: str) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
+def test_revoked_node_is_refused_not_treated_as_unreachable(server: DevServer, node_id: str, node: E2ENode) -> None:
     publish(server, node_id)
     agent = node.agent()
     assert agent.cycle().outcome == CycleStatus.APPLIED

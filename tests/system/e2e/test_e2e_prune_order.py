@@ -33,7 +33,6 @@ from ansible_collections.meridian.node.tests.support.e2e_env import (
     engine_spec,
     free_engine_port,
     last_observation,
-    make_e2e_node,
     serving,
 )
 from ansible_collections.meridian.node.tests.support.engine_harness import hold_requests
@@ -80,7 +79,7 @@ def _watch_drain(node: E2ENode, client: Any, old: Any, new: str, new_port: int, 
         time.sleep(0.02)
     seen.marked = True
     seen.new_container = container_named(client, new) is not None
-    seen.new_health = http_get(BIND, new_port, "/health", timeout=2.0).status
+    seen.new_health = http_get(BIND, new_port, "/health", timeout_s=2.0).status
     old.kill(signal="SIGUSR1")
 
 
@@ -124,9 +123,8 @@ def _assert_generationapplied(node: E2ENode, run: ApplyResult, generation: int) 
 
 
 def test_new_engine_on_a_dropped_engines_port_converges_after_the_old_one_is_pruned_first(
-    server: DevServer, tmp_path: Path, node_id: str, docker_client: Any, image: LocalImage, prefix: str
+    server: DevServer, node_id: str, node: E2ENode, docker_client: Any, image: LocalImage, prefix: str
 ) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
     old, new, port = f"{prefix}-a", f"{prefix}-b", free_engine_port()
     publish(server, node_id, document={"engines": [engine_spec(old, image, port)]})
     agent = node.agent()
@@ -159,9 +157,8 @@ def test_new_engine_on_a_dropped_engines_port_converges_after_the_old_one_is_pru
 
 
 def test_dropped_engine_in_nobodys_way_serves_until_the_new_engine_is_ready(
-    server: DevServer, tmp_path: Path, node_id: str, docker_client: Any, image: LocalImage, prefix: str
+    server: DevServer, node_id: str, node: E2ENode, docker_client: Any, image: LocalImage, prefix: str
 ) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
     old, new = f"{prefix}-a", f"{prefix}-b"
     old_port = free_engine_port()
     publish(server, node_id, document={"engines": [engine_spec(old, image, old_port)]})

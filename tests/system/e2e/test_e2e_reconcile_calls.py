@@ -24,11 +24,11 @@ import yaml
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import (
+    E2ENode,
     container_named,
     engine_spec,
     free_engine_port,
     last_observation,
-    make_e2e_node,
 )
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
@@ -91,8 +91,8 @@ def _files_holding(root: Path, needle: bytes) -> list[str]:
 
 def test_engine_secret_reaches_the_container_and_never_the_journal_oplog_status_or_observation(
     server: DevServer,
-    tmp_path: Path,
     node_id: str,
+    node: E2ENode,
     docker_client: Any,
     image: LocalImage,
     prefix: str,
@@ -101,7 +101,6 @@ def test_engine_secret_reaches_the_container_and_never_the_journal_oplog_status_
 ) -> None:
     caplog.set_level(logging.DEBUG)
     token = f"hf_{secrets.token_urlsafe(24)}"
-    node = make_e2e_node(server, tmp_path / "node", node_id)
     name = f"{prefix}-chat"
     spec = engine_spec(name, image, free_engine_port(), env={"HF_TOKEN": token, "LOG_LEVEL": "info"})
     generation = publish(server, node_id, document={"engines": [spec]})
@@ -139,9 +138,8 @@ def test_engine_secret_reaches_the_container_and_never_the_journal_oplog_status_
 
 
 def test_engine_only_changes_run_one_module_call_and_an_unchanged_cycle_runs_no_playbook(
-    server: DevServer, tmp_path: Path, node_id: str, docker_client: Any, image: LocalImage, prefix: str
+    server: DevServer, node_id: str, node: E2ENode, docker_client: Any, image: LocalImage, prefix: str
 ) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
     a, b, c = f"{prefix}-a", f"{prefix}-b", f"{prefix}-c"
     port_a = free_engine_port()
     publish(server, node_id, document={"engines": [engine_spec(a, image, port_a)]})
@@ -179,9 +177,8 @@ def test_engine_only_changes_run_one_module_call_and_an_unchanged_cycle_runs_no_
 
 
 def test_a_state_with_an_artifact_runs_verify_artifact_then_engine_set(
-    server: DevServer, tmp_path: Path, node_id: str, docker_client: Any, image: LocalImage, prefix: str
+    server: DevServer, tmp_path: Path, node_id: str, node: E2ENode, docker_client: Any, image: LocalImage, prefix: str
 ) -> None:
-    node = make_e2e_node(server, tmp_path / "node", node_id)
     artifact_key = make_key()
     models = tmp_path / "models"
     policy_path = node.node.root / "policy.yaml"

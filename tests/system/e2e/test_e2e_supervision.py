@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import mark_draining
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
@@ -32,7 +31,6 @@ from ansible_collections.meridian.node.tests.support.standin_image import LocalI
 from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.cli import main as cli_main
-from meridian_node_agent.config import load_config
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -41,10 +39,7 @@ SUPERVISION = {"settle_seconds": 1, "startup_grace_seconds": 60, "backoff_initia
 
 def _supervised(server: DevServer, root: Any, node_id: str) -> E2ENode:
     node = make_e2e_node(server, root, node_id)
-    document = yaml.safe_load(node.node.config_path.read_text())
-    document["supervision"] = SUPERVISION
-    node.node.config_path.write_text(yaml.safe_dump(document))
-    node.node.config = load_config(node.node.config_path)
+    node.node.configure(supervision=SUPERVISION)
     return node
 
 

@@ -4,9 +4,7 @@ The image is that engine's stand-in (tests/support/standin_server.py as ENTRYPOI
 in), so the command line the driver builds is what the process receives, as with the real engine.
 """
 
-import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +36,6 @@ def free_port() -> int:
 @pytest.fixture
 def engine(docker_client: Any) -> DockerEngine:
     return DockerEngine.from_env()
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    """A random container name prefix; whatever carries it is removed afterwards, pass or fail."""
-    name = f"mn-test-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
-        container.remove(force=True)
 
 
 @pytest.fixture
@@ -115,7 +104,7 @@ def test_driver_container_starts_and_becomes_ready(
     else:
         assert gauges is None
 
-    engine.stop(container, timeout=launch.stop_timeout_s)
+    engine.stop(container, timeout_s=launch.stop_timeout_s)
     assert engine.container(container.id).state == "exited"
     engine.remove(container)
     assert engine.find(spec.name) is None

@@ -34,26 +34,31 @@ def write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def test_mirror_comes_from_the_deb822_stanza_of_the_main_suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("source", "text"),
+    [
+        pytest.param(
+            "sources.list.d/debian.sources",
+            "Types: deb\nURIs: http://security.example/debian-security\nSuites: bookworm-security\n"
+            "Components: main\n\n"
+            "# a comment\nTypes: deb\nURIs: http://mirror.example/debian\nSuites: bookworm bookworm-updates\n"
+            "Components: main\n",
+            id="deb822-stanza-of-the-main-suite",
+        ),
+        pytest.param(
+            "sources.list",
+            "deb http://security.example/ bookworm-security main\n"
+            "# deb http://commented.example/ bookworm main\n"
+            "deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main\n",
+            id="one-line-source-with-options",
+        ),
+    ],
+)
+def test_mirror_comes_from_the_main_suites_apt_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, text: str
+) -> None:
     monkeypatch.delenv("MERIDIAN_STANDIN_MIRROR", raising=False)
-    write(
-        tmp_path / "sources.list.d/debian.sources",
-        "Types: deb\nURIs: http://security.example/debian-security\nSuites: bookworm-security\n"
-        "Components: main\n\n"
-        "# a comment\nTypes: deb\nURIs: http://mirror.example/debian\nSuites: bookworm bookworm-updates\n"
-        "Components: main\n",
-    )
-    assert apt_mirror(tmp_path) == "http://mirror.example/debian"
-
-
-def test_mirror_comes_from_a_one_line_source_with_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MERIDIAN_STANDIN_MIRROR", raising=False)
-    write(
-        tmp_path / "sources.list",
-        "deb http://security.example/ bookworm-security main\n"
-        "# deb http://commented.example/ bookworm main\n"
-        "deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main\n",
-    )
+    write(tmp_path / source, text)
     assert apt_mirror(tmp_path) == "http://mirror.example/debian"
 
 

@@ -13,7 +13,7 @@ import fcntl
 import json
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,19 +127,6 @@ def test_signed_commit_is_applied_at_exactly_that_commit(world: World) -> None:
     assert world.last_run()["commit"] == sha and world.last_run()["result"] == "ok"
 
 
-def test_unsigned_commit_is_refused_and_nothing_changes(world: World) -> None:
-    applied = world.repo.commit("r1", key=world.trusted)
-    assert world.run().returncode == 0
-    unsigned = world.repo.commit("r2-unsigned", key=None)
-
-    done = world.run()
-
-    assert_refused(world, done, unsigned, "it is not signed")
-    assert world.marker_text() == f"{applied} r1\n"
-    assert world.current() == applied
-    assert world.last_run()["commit"] == applied
-
-
 def test_commit_signed_by_untrusted_key_is_refused(world: World) -> None:
     stranger = world.repo.commit("r1-stranger", key=world.untrusted)
 
@@ -151,89 +138,102 @@ def test_commit_signed_by_untrusted_key_is_refused(world: World) -> None:
     assert world.current() is None
 
 
-def test_forged_commit_reusing_a_good_signature_is_refused(world: World) -> None:
-    applied = world.repo.commit("r1", key=world.trusted)
-    assert world.run().returncode == 0
-    forged = world.repo.tamper(applied, "r1-forged")
-    world.repo.push(forged)
-
-    done = world.run()
-
-    assert_refused(world, done, forged, "bad signature")
-    assert world.marker_text() == f"{applied} r1\n"
-    assert world.current() == applied
-
-
-def test_commit_with_altered_signature_bytes_is_refused(world: World) -> None:
-    applied = world.repo.commit("r1", key=world.trusted)
-    assert world.run().returncode == 0
-    altered = world.repo.tamper_signature(world.repo.commit("r2", key=world.trusted))
-    world.repo.push(altered)
-
-    done = world.run()
-
-    assert_refused(world, done, altered, "bad signature")
-    assert world.marker_text() == f"{applied} r1\n"
-    assert world.current() == applied
-
-
-def test_force_push_to_an_unsigned_commit_is_refused(world: World) -> None:
+def _apply_r1_then_r2(world: World) -> tuple[str, str]:
+    """Commit signed r1, then r2, and let the host apply them: (r1's id, r2's id)."""
     base = world.repo.commit("r1", key=world.trusted)
     applied = world.repo.commit("r2", key=world.trusted)
     assert world.run().returncode == 0
+    return base, applied
+
+
+def _rolled_back_to(world: World, base: str, names: str) -> str:
+    """Rewrite main to ``base`` plus a signed commit r2-rolled-back whose rollback trailer names ``names``: its id."""
     git(world.repo.work, "reset", "--quiet", "--hard", base)
-    rewritten = world.repo.commit("r2-rewritten-unsigned", key=None)
+    trailers = world.repo.trailers(f"{ROLLBACK_TRAILER}: {names}")
+    return world.repo.commit("r2-rolled-back", key=world.trusted, trailers=trailers)
+
+
+# What someone with push access but no key pushes over an applied r2 (on r1): the new tip's id.
+Push = Callable[[World, str, str], str]  # (world, r1, r2) -> the pushed tip
+
+
+def _unsigned_on_top(world: World, base: str, applied: str) -> str:
+    return world.repo.commit("r3-unsigned", key=None)
+
+
+def _forged_reusing_a_good_signature(world: World, base: str, applied: str) -> str:
+    forged = world.repo.tamper(applied, "r2-forged")
+    world.repo.push(forged)
+    return forged
+
+
+def _altered_signature_bytes(world: World, base: str, applied: str) -> str:
+    altered = world.repo.tamper_signature(world.repo.commit("r3", key=world.trusted))
+    world.repo.push(altered)
+    return altered
+
+
+def _force_pushed_unsigned_rewrite(world: World, base: str, applied: str) -> str:
+    git(world.repo.work, "reset", "--quiet", "--hard", base)
+    return world.repo.commit("r2-rewritten-unsigned", key=None)
+
+
+def _pushed_back_older(world: World, base: str, applied: str) -> str:
+    world.repo.push(base)
+    return base
+
+
+def _rewritten_signed_history(world: World, base: str, applied: str) -> str:
+    git(world.repo.work, "reset", "--quiet", "--hard", base)
+    return world.repo.commit("r2-rewritten", key=world.trusted)
+
+
+def _unrelated_signed_history(world: World, base: str, applied: str) -> str:
+    git(world.repo.work, "checkout", "--quiet", "--orphan", "unrelated")
+    return world.repo.commit("u1-unrelated-root", key=world.trusted)
+
+
+def _push_over_applied(world: World, push: Push) -> tuple[str, str, bytes]:
+    """Apply signed r1 then r2, then let ``push`` push over them: (r2's id, the pushed tip's id, the record)."""
+    base, applied = _apply_r1_then_r2(world)
+    pushed = push(world, base, applied)
+    return applied, pushed, world.record_bytes()
+
+
+@pytest.mark.parametrize(
+    ("push", "reason"),
+    [
+        pytest.param(_unsigned_on_top, "it is not signed", id="unsigned-commit"),
+        pytest.param(_forged_reusing_a_good_signature, "bad signature", id="forged-commit-reusing-a-good-signature"),
+        pytest.param(_altered_signature_bytes, "bad signature", id="altered-signature-bytes"),
+        pytest.param(_force_pushed_unsigned_rewrite, "it is not signed", id="force-push-to-an-unsigned-commit"),
+    ],
+)
+def test_commit_without_a_good_signature_is_refused_and_nothing_changes(world: World, push: Push, reason: str) -> None:
+    applied, pushed, before = _push_over_applied(world, push)
 
     done = world.run()
 
-    assert_refused(world, done, rewritten, "it is not signed")
-    assert world.marker_text() == f"{applied} r2\n"
-    assert world.current() == applied
+    assert_refused(world, done, pushed, reason)
+    assert_unchanged(world, applied, "r2", before)
 
 
-def test_force_push_back_to_an_older_signed_commit_is_refused(world: World) -> None:
-    older = world.repo.commit("r1", key=world.trusted)
-    applied = world.repo.commit("r2", key=world.trusted)
-    assert world.run().returncode == 0
-    world.repo.push(older)
-    before = world.record_bytes()
+@pytest.mark.parametrize(
+    "push",
+    [
+        pytest.param(_pushed_back_older, id="force-push-back-to-an-older-signed-commit"),
+        pytest.param(_rewritten_signed_history, id="force-push-to-a-rewritten-signed-history"),
+        pytest.param(_unrelated_signed_history, id="signed-history-that-descends-from-nothing"),
+    ],
+)
+def test_signed_commit_that_does_not_descend_from_the_applied_one_is_refused(world: World, push: Push) -> None:
+    applied, pushed, before = _push_over_applied(world, push)
 
     done = world.run()
 
-    assert_refused(world, done, older, f"it does not descend from the last applied commit {applied}", rule="rollback")
+    assert_refused(world, done, pushed, f"it does not descend from the last applied commit {applied}", rule="rollback")
     assert f"{ROLLBACK_TRAILER}: {applied}" in done.stdout, "the refusal should say how to roll back on purpose"
     assert_unchanged(world, applied, "r2", before)
-
-
-def test_force_push_to_a_rewritten_signed_history_is_refused(world: World) -> None:
-    base = world.repo.commit("r1", key=world.trusted)
-    applied = world.repo.commit("r2", key=world.trusted)
-    assert world.run().returncode == 0
-    git(world.repo.work, "reset", "--quiet", "--hard", base)
-    rewritten = world.repo.commit("r2-rewritten", key=world.trusted)
-    before = world.record_bytes()
-
-    done = world.run()
-
-    assert_refused(
-        world, done, rewritten, f"it does not descend from the last applied commit {applied}", rule="rollback"
-    )
-    assert_unchanged(world, applied, "r2", before)
-
-
-def test_signed_history_that_descends_from_nothing_is_refused(world: World) -> None:
-    applied = world.repo.commit("r1", key=world.trusted)
-    assert world.run().returncode == 0
-    git(world.repo.work, "checkout", "--quiet", "--orphan", "unrelated")
-    unrelated = world.repo.commit("u1-unrelated-root", key=world.trusted)
-    before = world.record_bytes()
-
-    done = world.run()
-
-    assert_refused(
-        world, done, unrelated, f"it does not descend from the last applied commit {applied}", rule="rollback"
-    )
-    assert_unchanged(world, applied, "r1", before)
 
 
 def test_commit_signed_for_another_repository_is_refused(world: World, tmp_path: Path) -> None:
@@ -280,13 +280,8 @@ def test_signed_commit_that_names_no_target_is_refused_even_on_a_first_run(world
 
 
 def test_rollback_marker_naming_the_last_applied_commit_is_applied_and_noted(world: World) -> None:
-    base = world.repo.commit("r1", key=world.trusted)
-    applied = world.repo.commit("r2", key=world.trusted)
-    assert world.run().returncode == 0
-    git(world.repo.work, "reset", "--quiet", "--hard", base)
-    rolled_back = world.repo.commit(
-        "r2-rolled-back", key=world.trusted, trailers=world.repo.trailers(f"{ROLLBACK_TRAILER}: {applied}")
-    )
+    base, applied = _apply_r1_then_r2(world)
+    rolled_back = _rolled_back_to(world, base, applied)
 
     done = world.run()
 
@@ -316,13 +311,8 @@ def test_rollback_marker_also_moves_a_host_still_behind_the_replaced_tip(world: 
 
 
 def test_rollback_commit_pushed_again_after_history_moved_on_is_refused(world: World) -> None:
-    base = world.repo.commit("r1", key=world.trusted)
-    replaced = world.repo.commit("r2", key=world.trusted)
-    assert world.run().returncode == 0
-    git(world.repo.work, "reset", "--quiet", "--hard", base)
-    marked = world.repo.commit(
-        "r2-rolled-back", key=world.trusted, trailers=world.repo.trailers(f"{ROLLBACK_TRAILER}: {replaced}")
-    )
+    base, replaced = _apply_r1_then_r2(world)
+    marked = _rolled_back_to(world, base, replaced)
     assert world.run().returncode == 0
     applied = world.repo.commit("r3", key=world.trusted)
     assert world.run().returncode == 0
@@ -339,14 +329,9 @@ def test_rollback_commit_pushed_again_after_history_moved_on_is_refused(world: W
 
 @pytest.mark.parametrize("named", ["another-commit", "abbreviated-id"])
 def test_rollback_marker_that_does_not_name_this_hosts_commit_is_refused(world: World, named: str) -> None:
-    base = world.repo.commit("r1", key=world.trusted)
-    applied = world.repo.commit("r2", key=world.trusted)
-    assert world.run().returncode == 0
+    base, applied = _apply_r1_then_r2(world)
     marker = {"another-commit": base, "abbreviated-id": applied[:12]}[named]
-    git(world.repo.work, "reset", "--quiet", "--hard", base)
-    rolled_back = world.repo.commit(
-        "r2-rolled-back", key=world.trusted, trailers=world.repo.trailers(f"{ROLLBACK_TRAILER}: {marker}")
-    )
+    rolled_back = _rolled_back_to(world, base, marker)
     before = world.record_bytes()
 
     done = world.run()
@@ -369,9 +354,7 @@ def test_rollback_marker_that_does_not_name_this_hosts_commit_is_refused(world: 
 )
 def test_damaged_record_stops_the_run_instead_of_starting_over(world: World, damage: str, named: str) -> None:
     # Read as a first run, a damaged record would let an old signed commit back in.
-    older = world.repo.commit("r1", key=world.trusted)
-    applied = world.repo.commit("r2", key=world.trusted)
-    assert world.run().returncode == 0
+    older, applied = _apply_r1_then_r2(world)
     record = world.installed.state_dir / "last-run.json"
     record.write_text(damage)
     world.repo.push(older)
@@ -388,9 +371,7 @@ def test_damaged_record_stops_the_run_instead_of_starting_over(world: World, dam
 
 def test_removed_record_is_a_first_run(world: World) -> None:
     # An operator's deliberate reset (the README): root removes the record, the next run accepts any signed tip.
-    older = world.repo.commit("r1", key=world.trusted)
-    world.repo.commit("r2", key=world.trusted)
-    assert world.run().returncode == 0
+    older, _applied = _apply_r1_then_r2(world)
     (world.installed.state_dir / "last-run.json").unlink()
     world.repo.push(older)
 

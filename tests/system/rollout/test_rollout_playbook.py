@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +49,6 @@ ARTIFACT_KEY = make_key()
 RECAP = re.compile(r"^(h\d)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.MULTILINE)
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-ro-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
-        container.remove(force=True)
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,6 @@ import hashlib
 import json
 import secrets
 import tarfile
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -31,33 +29,29 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.tests.support.bundle_fixtures import ARTIFACT, AUTHORITY, CONTROL
-from ansible_collections.meridian.node.tests.support.e2e_env import (
-    BIND,
-    E2E_REPOSITORY,
-    PORT_RANGE,
-    engine_spec,
-    free_engine_port,
-    remove_containers,
-    standin_vllm,
-)
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.systemd_host import SystemdHost
 from ansible_collections.meridian.node.tests.support.systemd_site import (
     AGENT_DIR,
+    AGENT_UNIT,
     BIN,
     ROOT_DIR,
+    SplitSite,
     as_meridian,
     install_site,
+    site_engine,
+    site_policy,
+    split_config,
+    wait_until,
 )
-from ansible_collections.meridian.node.tests.support.trust_fixtures import artifact_manifest, desired_state, envelope
+from ansible_collections.meridian.node.tests.support.trust_fixtures import artifact_manifest, current_state, envelope
 from meridian_node_agent.boundary.outbox import verify_outbox_record
 from meridian_node_agent.cli.bundle import BundleInputs, build_bundle
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-AGENT_UNIT, PATH_UNIT, INBOX_UNIT = "meridian-node.service", "meridian-node-airgap.path", "meridian-node-airgap.service"
+PATH_UNIT, INBOX_UNIT = "meridian-node-airgap.path", "meridian-node-airgap.service"
 INBOX = "/var/lib/meridian-node-inbox"
 OUTBOX = f"{AGENT_DIR}/outbox"
 OUTCOMES = f"{ROOT_DIR}/public/airgap-outcomes.json"
@@ -68,14 +62,8 @@ WEIGHTS = b"air-gapped weights\n" * 256
 
 
 @dataclass
-class Site:
-    host: SystemdHost
-    node_id: str
-    engine: str
-    port: int
-    image: LocalImage
+class Site(SplitSite):
     made: Path  # bundles are made here, on this machine, then copied in as an operator would
-    docker: Any
 
     def bundle(self, name: str, generation: int, **state: Any) -> Path:
         """A bundle with the engine and a small artifact, valid now, signed by the site's authority."""
@@ -86,13 +74,11 @@ class Site:
         entry = {"path": "weights.bin", "size": len(WEIGHTS), "sha256": hashlib.sha256(WEIGHTS).hexdigest()}
         manifest = envelope("artifact-manifest", artifact_manifest(files=[entry]), [ARTIFACT])
         (self.made / "manifest.json").write_text(json.dumps(manifest))
-        document = desired_state(
+        document = current_state(
+            generation,
             node_id=self.node_id,
-            generation=generation,
-            issued_at=format_rfc3339(now - timedelta(minutes=1)),
-            expires_at=format_rfc3339(now + timedelta(hours=1)),
             artifacts=[{"name": "tiny-model", "version": "1.0.0", "manifest": manifest}],
-            engines=[engine_spec(self.engine, self.image, self.port)],
+            engines=[self.stand_in.spec()],
             **state,
         )
         out = self.made / name
@@ -118,29 +104,12 @@ class Site:
         result = self.host.exec(["cat", f"{INBOX}/{folder}/{name}.reason.json"], check=False)
         return json.loads(result.stdout) if result.returncode == 0 else None
 
-    def root_record(self) -> dict[str, Any]:
-        document: dict[str, Any] = json.loads(self.host.read_file(f"{ROOT_DIR}/applied.json"))
-        return document
-
     def outbox(self) -> list[str]:
         return sorted(self.host.exec(["ls", OUTBOX], check=False).stdout.split())
 
-    def serving(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{BIND}:{self.port}/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
     def wait(self, what: str, check: Callable[[], object], timeout: float = 240) -> Any:
-        deadline = time.monotonic() + timeout  # a liveness bound, not a timing assertion
-        while True:
-            found = check()
-            if found:
-                return found
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} within {timeout:g} s:\n{self.host.diagnostics(INBOX_UNIT, AGENT_UNIT)}")
-            time.sleep(0.5)
+        """What ``check`` returned once it returned something true (a liveness bound: see ``wait_until``)."""
+        return wait_until(what, check, self.host, (INBOX_UNIT, AGENT_UNIT), timeout=timeout)
 
     def untouched(self) -> tuple[Any, ...]:
         """What a refused bundle must leave as it was: root's record, the engine container, the store."""
@@ -158,50 +127,31 @@ def site(
 ) -> Iterator[Site]:
     host = installed_host
     node_id = f"sd-airgap-{secrets.token_hex(3)}"
-    engine, port = f"mn-sd-airgap-{secrets.token_hex(3)}", free_engine_port()
-    with standin_vllm(docker_client, standin_base_image) as image:
-        try:
-            policy = {
-                "trust": {
-                    "control": {"threshold": 1, "public_keys": ["keys/control.pem"]},
-                    "artifact": {"threshold": 1, "public_keys": ["keys/artifact.pem"]},
-                    "air_gap_authority": {"threshold": 1, "public_keys": ["keys/authority.pem"]},
-                },
-                "images": {"allowed_repositories": [E2E_REPOSITORY], "require_digest": True},
-                "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORT_RANGE)},
-                "agent": {"allowed_modes": ["air-gapped"]},
-            }
-            config = {
-                "node_id": node_id,
-                "mode": "air-gapped",
-                "apply": {"via": "systemd", "timeout_seconds": 300},
-                "air_gap": {"inbox": INBOX, "outbox": OUTBOX, "poll_seconds": 1},
-                "log": {"format": "json", "level": "info"},
-            }
-            # The operator's inbox, root's: made before the config is checked (check-config checks it).
-            host.exec(["install", "-d", "-o", "root", "-g", "root", "-m", "0700", INBOX])
-            install_site(
-                host,
-                policy=policy,
-                config=config,
-                keys={
-                    "control.pem": CONTROL.public_pem,
-                    "artifact.pem": ARTIFACT.public_pem,
-                    "authority.pem": AUTHORITY.public_pem,
-                },
-            )
-            host.exec(["systemctl", "enable", "--now", PATH_UNIT, AGENT_UNIT])
-            made = tmp_path_factory.mktemp("sd-airgap-bundles")
-            site = Site(host, node_id, engine, port, image, made, docker_client)
-            with host.logs_on_failure(INBOX_UNIT, AGENT_UNIT):
-                site.drop(site.bundle("g1.tar", 1).read_bytes(), "g1.tar")
-                site.wait("g1.tar filed in processed/", lambda: site.filed("processed", "g1.tar"))
-                site.wait(f"engine {engine} serving", site.serving)
-                site.wait("a journal record in the outbox", lambda: any("-journal" in n for n in site.outbox()))
-            yield site
-        finally:
-            host.exec(["systemctl", "stop", AGENT_UNIT, PATH_UNIT], check=False)
-            remove_containers(docker_client, [engine])
+    stop_units = (AGENT_UNIT, PATH_UNIT)
+    with site_engine(host, docker_client, standin_base_image, "airgap", stop_units=stop_units) as engine:
+        trust = {"control": "control.pem", "artifact": "artifact.pem", "air_gap_authority": "authority.pem"}
+        air_gap = {"inbox": INBOX, "outbox": OUTBOX, "poll_seconds": 1}
+        # The operator's inbox, root's: made before the config is checked (check-config checks it).
+        host.exec(["install", "-d", "-o", "root", "-g", "root", "-m", "0700", INBOX])
+        install_site(
+            host,
+            policy=site_policy(trust=trust, modes=["air-gapped"]),
+            config=split_config(node_id, "air-gapped", air_gap=air_gap),
+            keys={
+                "control.pem": CONTROL.public_pem,
+                "artifact.pem": ARTIFACT.public_pem,
+                "authority.pem": AUTHORITY.public_pem,
+            },
+        )
+        host.exec(["systemctl", "enable", "--now", PATH_UNIT, AGENT_UNIT])
+        made = tmp_path_factory.mktemp("sd-airgap-bundles")
+        site = Site(host, node_id, engine, docker_client, made=made)
+        with host.logs_on_failure(INBOX_UNIT, AGENT_UNIT):
+            site.drop(site.bundle("g1.tar", 1).read_bytes(), "g1.tar")
+            site.wait("g1.tar filed in processed/", lambda: site.filed("processed", "g1.tar"))
+            site.wait(f"engine {engine.name} serving", site.serving)
+            site.wait("a journal record in the outbox", lambda: any("-journal" in n for n in site.outbox()))
+        yield site
 
 
 def test_a_bundle_in_roots_inbox_is_applied_by_root_and_the_agent_writes_signed_records(site: Site) -> None:

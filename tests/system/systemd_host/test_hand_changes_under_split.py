@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import secrets
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,26 +25,29 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import running
-from ansible_collections.meridian.node.tests.support.e2e_env import (
-    BIND,
-    E2E_REPOSITORY,
-    PORT_RANGE,
-    engine_spec,
-    free_engine_port,
-    remove_containers,
-    standin_vllm,
-)
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.systemd_host import CHECKOUT, SystemdHost
-from ansible_collections.meridian.node.tests.support.systemd_site import enroll, install_site
+from ansible_collections.meridian.node.tests.support.systemd_site import (
+    AGENT_DIR,
+    AGENT_UNIT,
+    APPLY_PATH_UNIT,
+    APPLY_UNIT,
+    BIN,
+    CONFIG,
+    ROOT_DIR,
+    SplitSite,
+    enroll,
+    install_site,
+    site_engine,
+    site_policy,
+    split_config,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-AGENT_UNIT, PATH_UNIT, APPLY_UNIT = "meridian-node.service", "meridian-node-apply.path", "meridian-node-apply.service"
 TIMER, OBSERVE_UNIT = "meridian-node-apply-observe.timer", "meridian-node-apply-observe.service"
-BIN = "/opt/meridian-node/bin/meridian-node"
-AGENT_DIR, ROOT_DIR = "/var/lib/meridian-node", "/var/lib/meridian-node-apply"
 ENGINES = f"{ROOT_DIR}/public/engines.json"
 # The observe unit is read-only and needs less than the apply unit (2.5 when written): no network, no devices,
 # CHOWN only. Its own bound, so that a loosened unit fails here.
@@ -55,13 +57,8 @@ FAST_TIMER = b"[Timer]\nOnActiveSec=\nOnActiveSec=1s\nOnUnitActiveSec=3s\nAccura
 
 
 @dataclass
-class Site:
-    host: SystemdHost
-    node_id: str
-    engine: str
-    port: int
+class Site(SplitSite):
     generation: int
-    docker: Any  # this machine's Docker Engine, which root inside drives
 
     def engines_file(self) -> dict[str, Any] | None:
         result = self.host.exec(["cat", ENGINES], check=False)
@@ -76,20 +73,6 @@ class Site:
     def container(self) -> Any:
         return self.docker.containers.get(self.engine)
 
-    def serving(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{BIND}:{self.port}/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
-    def oplog(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.host.read_file(f"{AGENT_DIR}/oplog.jsonl").splitlines()]
-
-    def root_generation(self) -> int:
-        result = self.host.exec(["cat", f"{ROOT_DIR}/applied.json"], check=False)
-        return int(json.loads(result.stdout)["generation"]) if result.returncode == 0 else 0
-
     def observe_runs(self) -> int:
         """How many times the observe unit has finished in this boot (a counter, not a clock)."""
         return self.host.journal(OBSERVE_UNIT).count("Finished meridian-node-apply-observe.service")
@@ -101,13 +84,7 @@ class Site:
 
 
 def _wait(what: str, check: Callable[[], object], host: SystemdHost, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout  # a liveness bound, not a timing assertion
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"{what} within {timeout:g} s:\n{host.diagnostics(AGENT_UNIT, APPLY_UNIT, OBSERVE_UNIT)}"
-            )
-        time.sleep(0.3)
+    wait_until(what, check, host, (AGENT_UNIT, APPLY_UNIT, OBSERVE_UNIT), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -119,49 +96,32 @@ def site(
 ) -> Iterator[Site]:
     host = installed_host
     node_id = f"sd-drift-{secrets.token_hex(3)}"
-    engine, port = f"mn-sd-drift-{secrets.token_hex(3)}", free_engine_port()
+    stop_units = (TIMER, AGENT_UNIT, APPLY_PATH_UNIT)
     with (
         running(tmp_path_factory.mktemp("sd-drift-devserver") / "data") as server,
-        standin_vllm(docker_client, standin_base_image) as image,
+        site_engine(host, docker_client, standin_base_image, "drift", stop_units=stop_units) as engine,
     ):
-        try:
-            policy = {
-                "trust": {"control": {"threshold": 1, "public_keys": ["keys/control.pem"]}},
-                "images": {"allowed_repositories": [E2E_REPOSITORY], "require_digest": True},
-                "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORT_RANGE)},
-                "agent": {"allowed_modes": ["managed-host"]},
-            }
-            config = {
-                "node_id": node_id,
-                "mode": "managed-host",
-                "control_plane": {"url": server.base_url, "long_poll_seconds": 0, "heartbeat_seconds": 1},
-                "apply": {"via": "systemd", "timeout_seconds": 300},
-                "supervision": {"settle_seconds": 1, "backoff_initial_seconds": 2, "backoff_max_seconds": 8},
-                "log": {"format": "json", "level": "info"},
-            }
-            install_site(
-                host,
-                policy=policy,
-                config=config,
-                keys={"control.pem": server.control_public_key.read_bytes()},
-                ca_bundle=server.ca_bundle.read_bytes(),
-            )
-            # install_meridian_node copies the .service and .path units; the timer is installed here the same way.
-            host.put_file(f"/etc/systemd/system/{TIMER}", (CHECKOUT / "systemd" / TIMER).read_bytes(), mode=0o644)
-            host.put_file(f"/etc/systemd/system/{TIMER}.d/fast.conf", FAST_TIMER, mode=0o644)
-            host.exec(["systemctl", "daemon-reload"])
-            enroll(host, server.new_token_for(f"t-{node_id}", node_id))
-            generation = publish(server, node_id, document={"engines": [engine_spec(engine, image, port)]})
-            host.exec(["systemctl", "enable", "--now", PATH_UNIT, AGENT_UNIT, TIMER])
-            site = Site(host, node_id, engine, port, generation, docker_client)
-            with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT, OBSERVE_UNIT):
-                _wait(f"generation {generation} applied", lambda: site.root_generation() == generation, host)
-                _wait(f"engine {engine} serving", site.serving, host)
-                _wait("root's engines file listing it running", lambda: _running_undrifted(site), host)
-            yield site
-        finally:
-            host.exec(["systemctl", "stop", TIMER, AGENT_UNIT, PATH_UNIT], check=False)
-            remove_containers(docker_client, [engine])
+        supervision = {"settle_seconds": 1, "backoff_initial_seconds": 2, "backoff_max_seconds": 8}
+        install_site(
+            host,
+            policy=site_policy(trust={"control": "control.pem"}, modes=["managed-host"]),
+            config=split_config(node_id, "managed-host", control_plane=server.base_url, supervision=supervision),
+            keys={"control.pem": server.control_public_key.read_bytes()},
+            ca_bundle=server.ca_bundle.read_bytes(),
+        )
+        # install_meridian_node copies the .service and .path units; the timer is installed here the same way.
+        host.put_file(f"/etc/systemd/system/{TIMER}", (CHECKOUT / "systemd" / TIMER).read_bytes(), mode=0o644)
+        host.put_file(f"/etc/systemd/system/{TIMER}.d/fast.conf", FAST_TIMER, mode=0o644)
+        host.exec(["systemctl", "daemon-reload"])
+        enroll(host, server.new_token_for(f"t-{node_id}", node_id))
+        generation = publish(server, node_id, document={"engines": [engine.spec()]})
+        host.exec(["systemctl", "enable", "--now", APPLY_PATH_UNIT, AGENT_UNIT, TIMER])
+        site = Site(host, node_id, engine, docker_client, generation=generation)
+        with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT, OBSERVE_UNIT):
+            _wait(f"generation {generation} applied", lambda: site.root_generation() == generation, host)
+            _wait(f"engine {engine.name} serving", site.serving, host)
+            _wait("root's engines file listing it running", lambda: _running_undrifted(site), host)
+        yield site
 
 
 def _running_undrifted(site: Site) -> bool:
@@ -188,7 +148,7 @@ def test_the_observe_unit_is_hardened_and_rewrites_the_file_on_roots_schedule(si
     cost = host.exec(
         ["python3", "-c", "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
          "capture_output=True); r = resource.getrusage(resource.RUSAGE_CHILDREN); print(r.ru_utime + r.ru_stime)",
-         BIN, "--config", "/etc/meridian-node/config.yaml", "observe-engines"]
+         BIN, "--config", CONFIG, "observe-engines"]
     ).stdout.strip()  # fmt: skip
     print(f"systemd-analyze security: {OBSERVE_UNIT} {scores[OBSERVE_UNIT]}, {APPLY_UNIT} {scores[APPLY_UNIT]}")
     print(f"{OBSERVE_UNIT}: one run with one engine costs {float(cost):.2f} s of CPU")

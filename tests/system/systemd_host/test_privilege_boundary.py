@@ -19,37 +19,38 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-import time
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
-from ansible_collections.meridian.node.tests.support.e2e_env import (
-    BIND,
-    E2E_REPOSITORY,
-    PORT_RANGE,
-    engine_spec,
-    free_engine_port,
-    remove_containers,
-    standin_vllm,
-)
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.systemd_host import SystemdHost
-from ansible_collections.meridian.node.tests.support.systemd_site import enroll, install_site
+from ansible_collections.meridian.node.tests.support.systemd_site import (
+    AGENT_DIR,
+    AGENT_UNIT,
+    APPLY_PATH_UNIT,
+    APPLY_UNIT,
+    ROOT_DIR,
+    SplitSite,
+    as_meridian,
+    enroll,
+    install_site,
+    root_generation,
+    site_engine,
+    site_policy,
+    split_config,
+    wait_until,
+)
+from ansible_collections.meridian.node.tests.support.trust_fixtures import current_state
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-AGENT_UNIT, PATH_UNIT, APPLY_UNIT = "meridian-node.service", "meridian-node-apply.path", "meridian-node-apply.service"
-BIN = "/opt/meridian-node/bin/meridian-node"
-AGENT_DIR, ROOT_DIR = "/var/lib/meridian-node", "/var/lib/meridian-node-apply"
 SPOOL = f"{AGENT_DIR}/spool"
 REQUEST = f"{SPOOL}/apply-request.json"
 ANSWER = f"{ROOT_DIR}/public/apply-result.json"
@@ -58,53 +59,27 @@ APPLY_UNIT_MAX_EXPOSURE = 4.5
 
 
 @dataclass
-class Site:
-    host: SystemdHost
+class Site(SplitSite):
     server: DevServer
-    node_id: str
-    engine: str
-    port: int
-    image: LocalImage
     first_envelope: bytes  # generation 1 (no engines), as the agent spooled it
     generation: int  # the one with the engine
-    docker: Any  # this machine's Docker Engine, which the root unit inside drives
 
     def as_meridian(self, script: str, *, check: bool = True) -> Any:
-        return self.host.exec(["runuser", "-u", "meridian", "--", "sh", "-euc", script], check=check)
+        return as_meridian(self.host, script, check=check)
 
     def answer(self) -> dict[str, Any] | None:
         result = self.host.exec(["cat", ANSWER], check=False)
         return json.loads(result.stdout) if result.returncode == 0 else None
-
-    def root_record(self) -> dict[str, Any]:
-        document: dict[str, Any] = json.loads(self.host.read_file(f"{ROOT_DIR}/applied.json"))
-        return document
 
     def container(self) -> tuple[str, str]:
         """(id, state) of the engine container on the outer Docker Engine."""
         container = self.docker.containers.get(self.engine)
         return str(container.id), str(container.status)
 
-    def serving(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{BIND}:{self.port}/health", timeout=2) as answer:
-                return bool(answer.status == 200)
-        except OSError:
-            return False
-
-    def sign(self, **fields: Any) -> bytes:
-        """A desired state signed with the devserver's real control key (what a leader could have signed)."""
-        now = datetime.now(UTC).replace(microsecond=0)
-        body = {
-            "apiVersion": "meridian.node/v1",
-            "kind": "DesiredState",
-            "node_id": self.node_id,
-            "issued_at": format_rfc3339(now - timedelta(minutes=1)),
-            "expires_at": format_rfc3339(now + timedelta(hours=1)),
-            "artifacts": [],
-            "engines": [engine_spec(self.engine, self.image, self.port)],
-            **fields,
-        }
+    def sign(self, generation: int, lease_epoch: int) -> bytes:
+        """The site's state as ``generation`` under ``lease_epoch``, signed with the devserver's real control key
+        (what a leader could have signed)."""
+        body = current_state(generation, lease_epoch=lease_epoch, node_id=self.node_id, engines=[self.stand_in.spec()])
         key = dsse.load_private_key_pem((self.server.data_dir / "control" / "control.key.pem").read_bytes())
         envelope = dsse.sign(dsse.PAYLOAD_TYPES["desired-state"], json.dumps(body).encode(), [key])
         return json.dumps(envelope).encode()
@@ -113,38 +88,19 @@ class Site:
         """Write a request as the agent's user would (temporary file, rename): the path unit fires."""
         ident = f"gen-{generation}-{stamp or datetime.now(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}"
         request = json.dumps({"format": 1, "request": ident, "envelope": base64.b64encode(envelope).decode()})
-        self.host.exec(
-            ["runuser", "-u", "meridian", "--", "sh", "-euc", f"cat > {SPOOL}/.req && mv -f {SPOOL}/.req {REQUEST}"],
-            input=request.encode(),
-        )
+        as_meridian(self.host, f"cat > {SPOOL}/.req && mv -f {SPOOL}/.req {REQUEST}", input=request.encode())
         return ident
 
     def await_answer(self, ident: str, timeout: float = 120) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout  # a liveness bound, not a timing assertion
-        while True:
+        def answered() -> dict[str, Any] | None:
             answer = self.answer()
-            if answer is not None and answer["request"] == ident:
-                return answer
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no answer to {ident} in {timeout:g} s:\n{self.host.diagnostics(APPLY_UNIT)}")
-            time.sleep(0.2)
+            return answer if answer is not None and answer["request"] == ident else None
+
+        return wait_until(f"the answer to {ident}", answered, self.host, [APPLY_UNIT], timeout=timeout)
 
 
-def _policy(port_range: tuple[int, int]) -> dict[str, Any]:
-    return {
-        "trust": {"control": {"threshold": 1, "public_keys": ["keys/control.pem"]}},
-        "images": {"allowed_repositories": [E2E_REPOSITORY], "require_digest": True},
-        "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(port_range)},
-        "agent": {"allowed_modes": ["managed-host"]},
-    }
-
-
-def _wait(what: str, check: Any, host: SystemdHost, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout  # a liveness bound, not a timing assertion
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout:g} s:\n{host.diagnostics(AGENT_UNIT, APPLY_UNIT)}")
-        time.sleep(0.5)
+def _wait(what: str, check: Callable[[], object], host: SystemdHost, timeout: float = 180) -> None:
+    wait_until(what, check, host, (AGENT_UNIT, APPLY_UNIT), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -156,43 +112,32 @@ def site(
 ) -> Iterator[Site]:
     host = installed_host
     node_id = f"sd-node-{secrets.token_hex(3)}"
-    engine, port = f"mn-sd-{secrets.token_hex(3)}", free_engine_port()
+    stop_units = (AGENT_UNIT, APPLY_PATH_UNIT)
     with (
         running(tmp_path_factory.mktemp("sd-devserver") / "data") as server,
-        standin_vllm(docker_client, standin_base_image) as image,
+        site_engine(host, docker_client, standin_base_image, "boundary", stop_units=stop_units) as engine,
     ):
-        try:
-            config = {
-                "node_id": node_id,
-                "mode": "managed-host",
-                "control_plane": {"url": server.base_url, "long_poll_seconds": 0, "heartbeat_seconds": 1},
-                "apply": {"via": "systemd", "timeout_seconds": 300},
-                "log": {"format": "json", "level": "info"},
-            }
-            install_site(
-                host,
-                policy=_policy(PORT_RANGE),
-                config=config,
-                keys={"control.pem": server.control_public_key.read_bytes()},
-                ca_bundle=server.ca_bundle.read_bytes(),
-            )
-            enroll(host, server.new_token_for(f"t-{node_id}", node_id))
-            publish(server, node_id)  # generation 1: nothing to run
-            host.exec(["systemctl", "enable", "--now", PATH_UNIT, AGENT_UNIT])
-            with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT):
-                _wait("generation 1 applied", lambda: _root_generation(host) == 1, host)
-            first = host.read_file(f"{SPOOL}/desired-state.json")
-            generation = publish(server, node_id, document={"engines": [engine_spec(engine, image, port)]})
-            site = Site(host, server, node_id, engine, port, image, first, generation, docker_client)
-            with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT):
-                _wait(f"generation {generation} applied", lambda: _root_generation(host) == generation, host)
-                # The playbook records before root answers: wait for the answer too, or a test reads the last one.
-                _wait(f"the answer to generation {generation}", lambda: _answered(site, generation), host)
-                _wait(f"engine {engine} serving", site.serving, host)
-            yield site
-        finally:
-            host.exec(["systemctl", "stop", AGENT_UNIT, PATH_UNIT], check=False)
-            remove_containers(docker_client, [engine])
+        install_site(
+            host,
+            policy=site_policy(trust={"control": "control.pem"}, modes=["managed-host"]),
+            config=split_config(node_id, "managed-host", control_plane=server.base_url),
+            keys={"control.pem": server.control_public_key.read_bytes()},
+            ca_bundle=server.ca_bundle.read_bytes(),
+        )
+        enroll(host, server.new_token_for(f"t-{node_id}", node_id))
+        publish(server, node_id)  # generation 1: nothing to run
+        host.exec(["systemctl", "enable", "--now", APPLY_PATH_UNIT, AGENT_UNIT])
+        with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT):
+            _wait("generation 1 applied", lambda: root_generation(host) == 1, host)
+        first = host.read_file(f"{SPOOL}/desired-state.json")
+        generation = publish(server, node_id, document={"engines": [engine.spec()]})
+        site = Site(host, node_id, engine, docker_client, server=server, first_envelope=first, generation=generation)
+        with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT):
+            _wait(f"generation {generation} applied", lambda: site.root_generation() == generation, host)
+            # The playbook records before root answers: wait for the answer too, or a test reads the last one.
+            _wait(f"the answer to generation {generation}", lambda: _answered(site, generation), host)
+            _wait(f"engine {engine.name} serving", site.serving, host)
+        yield site
 
 
 def _answered(site: Site, generation: int) -> bool:
@@ -205,13 +150,8 @@ def _settled(site: Site) -> bool:
     record = site.host.exec(["cat", f"{AGENT_DIR}/applied.json"], check=False)
     if record.returncode != 0 or json.loads(record.stdout)["generation"] != site.generation:
         return False
-    lines = site.host.read_file(f"{AGENT_DIR}/oplog.jsonl").splitlines()
-    return bool(lines) and json.loads(lines[-1])["result"] != "started"
-
-
-def _root_generation(host: SystemdHost) -> int:
-    result = host.exec(["cat", f"{ROOT_DIR}/applied.json"], check=False)
-    return int(json.loads(result.stdout)["generation"]) if result.returncode == 0 else 0
+    oplog = site.oplog()
+    return bool(oplog) and oplog[-1]["result"] != "started"
 
 
 def test_the_whole_loop_runs_under_systemd_with_root_keeping_its_own_record(site: Site) -> None:
@@ -249,8 +189,8 @@ def agent_stopped(site: Site) -> Iterator[Site]:
     assert site.root_record()["generation"] >= site.generation
     # Each test stops and starts the agent: reset its start counter too, or systemd's StartLimitBurst refuses
     # the start once several tests ran within its interval.
-    site.host.exec(["systemctl", "reset-failed", APPLY_UNIT, PATH_UNIT, AGENT_UNIT], check=False)
-    site.host.exec(["systemctl", "start", PATH_UNIT, AGENT_UNIT])
+    site.host.exec(["systemctl", "reset-failed", APPLY_UNIT, APPLY_PATH_UNIT, AGENT_UNIT], check=False)
+    site.host.exec(["systemctl", "start", APPLY_PATH_UNIT, AGENT_UNIT])
 
 
 def test_rewriting_the_agents_record_does_not_replay_an_older_generation(agent_stopped: Site) -> None:
@@ -386,7 +326,6 @@ def test_an_engine_stopped_behind_the_agents_back_is_repaired_through_the_root_u
 
     assert site.container() == (before[0], "running")  # the same container, started again
     assert site.root_record()["generation"] == site.generation
-    oplog = [json.loads(line) for line in host.read_file(f"{AGENT_DIR}/oplog.jsonl").splitlines()]
-    drift = [e for e in oplog if e.get("reason", "").startswith("drift:")]
+    drift = [e for e in site.oplog() if e.get("reason", "").startswith("drift:")]
     assert drift and drift[-1]["generation"] == site.generation
     assert f"{site.engine}: lost readiness" in drift[-1]["reason"]

@@ -9,16 +9,13 @@ import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store
 from ansible_collections.meridian.node.tests.collection.module_utils.artifacts.test_artifact_store import Clock
-from ansible_collections.meridian.node.tests.support.http_fixture import ArtifactServer
+from ansible_collections.meridian.node.tests.support.http_fixture import ArtifactServer, running_artifact_server
 
 
 @pytest.fixture
 def server() -> Iterator[ArtifactServer]:
-    instance = ArtifactServer().start()
-    try:
+    with running_artifact_server() as instance:
         yield instance
-    finally:
-        instance.stop()
 
 
 @pytest.fixture

@@ -20,7 +20,11 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch impo
     hash_file,
     resolve_location,
 )
-from ansible_collections.meridian.node.tests.support.http_fixture import ArtifactServer, small_tmpfs
+from ansible_collections.meridian.node.tests.support.http_fixture import (
+    ArtifactServer,
+    running_artifact_server,
+    small_tmpfs,
+)
 
 MIB = 1024 * 1024
 DATA = os.urandom(4 * MIB + 12345)
@@ -29,11 +33,8 @@ DIGEST = hashlib.sha256(DATA).hexdigest()
 
 @pytest.fixture
 def server() -> Iterator[ArtifactServer]:
-    instance = ArtifactServer({"model/weights.bin": DATA}).start()
-    try:
+    with running_artifact_server({"model/weights.bin": DATA}) as instance:
         yield instance
-    finally:
-        instance.stop()
 
 
 class Sleeps:
@@ -47,7 +48,7 @@ class Sleeps:
 
 
 def config(**overrides: object) -> FetchConfig:
-    options: dict[str, object] = {"timeout": 10.0, "attempts": 3, "sleep": Sleeps(), "jitter": lambda: 1.0}
+    options: dict[str, object] = {"timeout_s": 10.0, "attempts": 3, "sleep": Sleeps(), "jitter": lambda: 1.0}
     options.update(overrides)
     return FetchConfig(**options)  # type: ignore[arg-type]
 
@@ -61,6 +62,21 @@ def fetch(server: ArtifactServer, staging: Path, **overrides: object) -> artifac
         staging_path=str(staging),
         config=config(**overrides),
     )
+
+
+def transfer_error(url: str, staging: Path, sleeps: Sleeps) -> ArtifactTransferError:
+    """Fetch a 3-byte file from ``url``, which must fail with a transfer error (``sleeps`` records the
+    backoff); that error."""
+    with pytest.raises(ArtifactTransferError) as caught:
+        fetch_file(
+            url,
+            path=url.rsplit("/", 1)[1],
+            size=3,
+            sha256=DIGEST,
+            staging_path=str(staging),
+            config=config(sleep=sleeps),
+        )
+    return caught.value
 
 
 def test_streamed_download_is_hashed_and_capped_at_the_manifest_size(server: ArtifactServer, tmp_path: Path) -> None:
@@ -86,23 +102,24 @@ def test_partial_file_resumes_with_range_and_rehashes_the_prefix(
     assert staging.read_bytes() == DATA
 
 
-def test_server_without_range_support_restarts_cleanly_from_byte_zero(server: ArtifactServer, tmp_path: Path) -> None:
-    server.mode = "no-range"
+@pytest.mark.parametrize(
+    ("mode", "ranges"),
+    [
+        pytest.param("no-range", [f"bytes={MIB}-"], id="server-without-range-support"),
+        pytest.param("wrong-range", [f"bytes={MIB}-", None], id="206-starting-elsewhere-than-asked"),
+    ],
+)
+def test_a_resume_the_server_does_not_honour_restarts_cleanly_from_byte_zero(
+    server: ArtifactServer, tmp_path: Path, mode: str, ranges: list[str | None]
+) -> None:
+    server.mode = mode
     staging = tmp_path / "x.partial"
     staging.write_bytes(DATA[:MIB])
     result = fetch(server, staging)
-    assert server.requests[0].range == f"bytes={MIB}-" and server.requests[0].status == 200
+    assert server.ranges() == ranges
+    assert server.requests[-1].status == 200
     assert result.resumed_from == 0
     assert result.bytes_received == len(DATA)
-    assert staging.read_bytes() == DATA
-
-
-def test_206_starting_elsewhere_than_asked_restarts_without_range(server: ArtifactServer, tmp_path: Path) -> None:
-    server.mode = "wrong-range"
-    staging = tmp_path / "x.partial"
-    staging.write_bytes(DATA[:MIB])
-    result = fetch(server, staging)
-    assert server.ranges() == [f"bytes={MIB}-", None]
     assert result.sha256 == DIGEST and staging.read_bytes() == DATA
 
 
@@ -143,15 +160,15 @@ def test_500_twice_then_ok_retries_with_growing_backoff(server: ArtifactServer, 
     server.mode = "fail"
     server.failures_left = 2
     sleeps = Sleeps()
-    result = fetch(server, tmp_path / "x.partial", sleep=sleeps, backoff_base=0.5, attempts=3)
+    result = fetch(server, tmp_path / "x.partial", sleep=sleeps, backoff_base_s=0.5, attempts=3)
     assert result.attempts == 3
     assert [r.status for r in server.requests] == [500, 500, 200]
     assert sleeps.delays == [0.5, 1.0]
 
 
 def test_backoff_jitter_spreads_delays_and_respects_the_cap() -> None:
-    low = FetchConfig(backoff_base=2.0, backoff_max=5.0, jitter=lambda: 0.0)
-    high = FetchConfig(backoff_base=2.0, backoff_max=5.0, jitter=lambda: 1.0)
+    low = FetchConfig(backoff_base_s=2.0, backoff_max_s=5.0, jitter=lambda: 0.0)
+    high = FetchConfig(backoff_base_s=2.0, backoff_max_s=5.0, jitter=lambda: 1.0)
     assert [low.delay(n) for n in (1, 2, 3)] == [1.0, 2.0, 2.5]
     assert [high.delay(n) for n in (1, 2, 3)] == [2.0, 4.0, 5.0]
 
@@ -187,7 +204,7 @@ def test_silent_server_times_out_on_every_attempt(server: ArtifactServer, tmp_pa
     server.slow_chunk = 1024
     server.slow_delay = 2.0
     with pytest.raises(ArtifactTransferError) as caught:
-        fetch(server, tmp_path / "x.partial", timeout=0.3, attempts=2)
+        fetch(server, tmp_path / "x.partial", timeout_s=0.3, attempts=2)
     assert "timed out" in str(caught.value)
     assert caught.value.attempts == 2
 
@@ -197,31 +214,15 @@ def test_connection_refused_is_a_transfer_error(tmp_path: Path) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     sleeps = Sleeps()
-    with pytest.raises(ArtifactTransferError) as caught:
-        fetch_file(
-            f"http://127.0.0.1:{port}/w.bin",
-            path="w.bin",
-            size=3,
-            sha256=DIGEST,
-            staging_path=str(tmp_path / "x.partial"),
-            config=config(sleep=sleeps),
-        )
-    assert "connection failed" in str(caught.value)
+    error = transfer_error(f"http://127.0.0.1:{port}/w.bin", tmp_path / "x.partial", sleeps)
+    assert "connection failed" in str(error)
     assert len(sleeps.delays) == 2
 
 
 def test_404_is_not_retried(server: ArtifactServer, tmp_path: Path) -> None:
     sleeps = Sleeps()
-    with pytest.raises(ArtifactTransferError) as caught:
-        fetch_file(
-            f"{server.url}/missing.bin",
-            path="missing.bin",
-            size=3,
-            sha256=DIGEST,
-            staging_path=str(tmp_path / "x.partial"),
-            config=config(sleep=sleeps),
-        )
-    assert "HTTP 404" in str(caught.value)
+    error = transfer_error(f"{server.url}/missing.bin", tmp_path / "x.partial", sleeps)
+    assert "HTTP 404" in str(error)
     assert sleeps.delays == [] and len(server.requests) == 1
 
 

@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import ArtifactStoreError
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import (
     PARTIAL_MAX_AGE,
-    ArtifactStoreError,
     BlobRecord,
     PartialFile,
     StoreState,

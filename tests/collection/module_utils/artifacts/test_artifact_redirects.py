@@ -20,7 +20,12 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch impo
 )
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store, ensure_artifact
 from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest
-from ansible_collections.meridian.node.tests.support.http_fixture import ArtifactServer, TlsMaterial, tls_material
+from ansible_collections.meridian.node.tests.support.http_fixture import (
+    ArtifactServer,
+    TlsMaterial,
+    running_artifact_server,
+    tls_material,
+)
 from ansible_collections.meridian.node.tests.support.trust_fixtures import artifact_manifest
 
 MIB = 1024 * 1024
@@ -36,36 +41,27 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsMaterial:
 @pytest.fixture
 def mirror(tls: TlsMaterial) -> Iterator[ArtifactServer]:
     """The https URL the manifest or source names; it only redirects."""
-    instance = ArtifactServer(tls=tls).start()
-    try:
+    with running_artifact_server(tls=tls) as instance:
         yield instance
-    finally:
-        instance.stop()
 
 
 @pytest.fixture
 def bucket(tls: TlsMaterial) -> Iterator[ArtifactServer]:
     """The https object store the redirects end at."""
-    instance = ArtifactServer({"signed/weights.bin": DATA}, tls=tls).start()
-    try:
+    with running_artifact_server({"signed/weights.bin": DATA}, tls=tls) as instance:
         yield instance
-    finally:
-        instance.stop()
 
 
 @pytest.fixture
 def plain() -> Iterator[ArtifactServer]:
     """A plain-http server with the same file: somewhere a misconfigured mirror might send us."""
-    instance = ArtifactServer({"signed/weights.bin": DATA}).start()
-    try:
+    with running_artifact_server({"signed/weights.bin": DATA}) as instance:
         yield instance
-    finally:
-        instance.stop()
 
 
 def config(tls: TlsMaterial, **overrides: object) -> FetchConfig:
     options: dict[str, object] = {
-        "timeout": 10.0,
+        "timeout_s": 10.0,
         "attempts": 3,
         "sleep": lambda seconds: None,
         "jitter": lambda: 1.0,

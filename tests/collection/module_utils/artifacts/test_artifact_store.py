@@ -93,7 +93,7 @@ class Release:
 
 def install(store: Store, release: Release, tmp_path: Path, **options: Any) -> artifact_store.StoreOutcome:
     manifest, digest = release.verified(tmp_path)
-    options.setdefault("config", FetchConfig(timeout=10, attempts=2, sleep=lambda s: None))
+    options.setdefault("config", FetchConfig(timeout_s=10, attempts=2, sleep=lambda s: None))
     return ensure_artifact(store, manifest, manifest_sha256=digest, source=release.source, **options)
 
 
@@ -153,11 +153,9 @@ def test_present_fetches_links_records_and_promotes(server: ArtifactServer, stor
     assert staged(store) == []
 
 
-def test_rerun_with_the_same_manifest_is_unchanged_and_hashes_nothing(
-    server: ArtifactServer, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    release = Release(server, "1.0", {"w.bin": os.urandom(2 * MIB)})
-    install(store, release, tmp_path)
+def count_hashers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on (until the test ends), one entry in the list returned per SHA-256 hasher the fetch code
+    starts: how many files it hashed."""
     hashers: list[int] = []
     real = artifact_fetch.new_sha256
 
@@ -166,6 +164,15 @@ def test_rerun_with_the_same_manifest_is_unchanged_and_hashes_nothing(
         return real()
 
     monkeypatch.setattr(artifact_fetch, "new_sha256", counting)
+    return hashers
+
+
+def test_rerun_with_the_same_manifest_is_unchanged_and_hashes_nothing(
+    server: ArtifactServer, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = Release(server, "1.0", {"w.bin": os.urandom(2 * MIB)})
+    install(store, release, tmp_path)
+    hashers = count_hashers(monkeypatch)
     requests_before = len(server.requests)
     again = install(store, release, tmp_path)
     assert not again.changed and not again.plan.changed
@@ -343,7 +350,7 @@ def test_sigkill_mid_download_then_rerun_resumes_from_the_partial_file(
     assert 0 < partial < len(data)
 
     server.mode = "normal"
-    outcome = ensure_artifact(store, manifest, manifest_sha256=digest, source=release.source, lock_timeout=5)
+    outcome = ensure_artifact(store, manifest, manifest_sha256=digest, source=release.source, lock_timeout_s=5)
     assert outcome.result is not None
     assert outcome.result.fetched[0].resumed_from == partial
     assert server.ranges()[-1] == f"bytes={partial}-"
@@ -395,11 +402,11 @@ def test_lock_held_too_long_is_a_clear_error_and_a_killed_holder_leaves_no_lock(
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        with pytest.raises(StoreLockedError, match=f"pid {holder.pid}"), store.lock(timeout=0.2):
+        with pytest.raises(StoreLockedError, match=f"pid {holder.pid}"), store.lock(timeout_s=0.2):
             pass
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
-        with store.lock(timeout=10):
+        with store.lock(timeout_s=10):
             pass
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -551,14 +558,7 @@ def test_one_gib_artifact_streams_verifies_and_reruns_without_rehash(
     assert outcome.result is not None and outcome.result.fetched[0].size == 1024 * MIB
     assert (Path(store.version_dir("big", "1")) / "model.bin").stat().st_size == 1024 * MIB
 
-    hashers: list[int] = []
-    real = artifact_fetch.new_sha256
-
-    def counting() -> Any:
-        hashers.append(1)
-        return real()
-
-    monkeypatch.setattr(artifact_fetch, "new_sha256", counting)
+    hashers = count_hashers(monkeypatch)
     assert not ensure_artifact(store, manifest, manifest_sha256="0" * 64, source=f"{server.url}/big/1").changed
     assert hashers == []
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch impo
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store, ensure_artifact
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy, load_policy
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import verify_artifact_manifest
+from ansible_collections.meridian.node.tests.support.engine_harness import run_playbook
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     artifact_manifest,
     make_key,
@@ -33,12 +33,10 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     write_policy,
 )
 
-REPO = Path(__file__).resolve().parents[4]
-VENV_BIN = REPO / ".venv" / "bin"
 ARTIFACT = make_key()
 CONTROL = make_key()
 DATA = b"weights that happen to match what the signer expects\n" * 100
-CONFIG = FetchConfig(timeout=5, attempts=1, sleep=lambda _seconds: None)
+CONFIG = FetchConfig(timeout_s=5, attempts=1, sleep=lambda _seconds: None)
 
 
 def _policy(tmp_path: Path, local_sources: list[str] | None = None) -> Policy:
@@ -265,22 +263,7 @@ def test_module_refuses_a_manifest_naming_a_host_file_and_installs_from_local_so
     ]
     playbook = tmp_path / "play.yml"
     playbook.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
-    inventory = tmp_path / "inventory.ini"
-    inventory.write_text(f"localhost ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}\n")
-    env = {
-        **os.environ,
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".build" / "collections"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_DEPRECATION_WARNINGS": "0",
-    }
-    proc = subprocess.run(
-        [str(VENV_BIN / "ansible-playbook"), "-i", str(inventory), str(playbook)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_playbook(playbook, temp_dir=tmp_path / "ansible-tmp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(report.read_text())
     assert results["stolen"]["failed"]

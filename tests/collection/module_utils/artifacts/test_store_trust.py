@@ -4,7 +4,8 @@ Tests run as root here, so "another user" is a made-up uid given with ``os.chown
 the same the store sees in production. Which check stops which attack:
 
 - ``current`` re-pointed (an absolute path, ``..``, a temporary, a version that is itself a symlink):
-  ``Store.current_version`` and the engine's ``artifact_dir``, both on the resolved path.
+  ``artifacts.layout.current_version``, the one rule the store lists by and an engine mounts by
+  (``engines.instance.mounted_artifact``), on the resolved path.
 - Writing into the store (a store directory or the index that it owns or can write): ``check_trust``
   refuses the whole store, naming the path, before anything is read or written.
 - Replacing the store from above (a directory on the way to it that it owns or can write, or a symlink
@@ -28,21 +29,22 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import current_version, promoted_dir
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import (
     ArtifactPathError,
     Store,
     StoreTrustError,
     ensure_artifact,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import EngineInstanceError, artifact_dir
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.verified_args import run as run_verified_artifact
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import mounted_artifact
+from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError
 from ansible_collections.meridian.node.plugins.module_utils.trust import policy as policy_module
-from ansible_collections.meridian.node.plugins.modules import verified_artifact
 from ansible_collections.meridian.node.tests.collection.module_utils.artifacts.test_artifact_store import (
     ARTIFACT,
     CONTROL,
@@ -51,6 +53,7 @@ from ansible_collections.meridian.node.tests.collection.module_utils.artifacts.t
     install,
 )
 from ansible_collections.meridian.node.tests.support.http_fixture import ArtifactServer
+from ansible_collections.meridian.node.tests.support.shared_tmp import reachable_tmp_dir
 from ansible_collections.meridian.node.tests.support.trust_fixtures import signed, write_policy
 from meridian_node_agent import cli
 
@@ -119,17 +122,33 @@ def test_a_current_link_pointing_outside_the_store_is_refused(
     assert f"{link} points at {target!r}" in str(caught.value)
     with pytest.raises(ArtifactPathError, match="points at"):
         store.list_versions()
+    with pytest.raises(ArtifactPathError, match="points at"):
+        promoted_dir(store.root, "llama")
     with pytest.raises(EngineInstanceError, match="refusing to mount it") as refused:
-        artifact_dir(store.root, "llama")
+        mounted_artifact(store.root, "llama")
     assert str(link) in str(refused.value) and repr(target) in str(refused.value)
     assert refused.value.check == "artifact"
     assert snapshot(store) == before
 
 
 def test_a_current_link_at_a_version_beside_it_is_followed(release: Release, store: Store) -> None:
-    resolved = artifact_dir(store.root, "llama")
+    resolved = mounted_artifact(store.root, "llama")
     assert resolved == os.path.realpath(store.version_dir("llama", "1.0"))
-    assert store.current_version("llama") == "1.0"
+    assert current_version(store.root, "llama") == "1.0"
+
+
+def test_a_name_directory_that_is_a_link_to_another_name_is_refused(release: Release, store: Store) -> None:
+    # artifacts/other -> llama: its `current` resolves beside a version, but of another artifact.
+    other = Path(store.artifacts_dir) / "other"
+    other.symlink_to("llama")
+    before = snapshot(store)
+
+    with pytest.raises(ArtifactPathError, match="not a version directory of 'other'"):
+        current_version(store.root, "other")
+    with pytest.raises(EngineInstanceError, match="refusing to mount it") as refused:
+        mounted_artifact(store.root, "other")
+    assert refused.value.check == "artifact"
+    assert snapshot(store) == before
 
 
 # --- the store's own directories and files ------------------------------------------------------------
@@ -209,12 +228,17 @@ def test_a_symlink_in_the_stores_own_layout_is_refused(release: Release, store: 
 # --- the directories above the store -------------------------------------------------------------------
 
 
+def _directory_of_another_user(path: Path) -> Path:
+    """``path``, made a directory owned by OTHER (uid and group)."""
+    path.mkdir()
+    os.chown(path, OTHER, OTHER)
+    return path
+
+
 def test_a_store_under_a_directory_another_user_owns_is_refused(
     server: ArtifactServer, tmp_path: Path, clock: Clock
 ) -> None:
-    home = tmp_path / "home"
-    home.mkdir()
-    os.chown(home, OTHER, OTHER)
+    home = _directory_of_another_user(tmp_path / "home")
     store = Store(str(home / "store"), clock=clock)
     with pytest.raises(StoreTrustError) as caught:
         install(store, Release(server, "1.0", {"w.bin": b"weights"}), tmp_path)
@@ -365,9 +389,7 @@ def test_a_version_directory_another_user_owns_is_assembled_again(
 def test_a_store_left_in_the_agents_directory_warns_how_to_move_it_instead_of_refusing(
     server: ArtifactServer, tmp_path: Path, clock: Clock
 ) -> None:
-    agent_dir = tmp_path / "meridian-node"
-    agent_dir.mkdir()
-    os.chown(agent_dir, OTHER, OTHER)
+    agent_dir = _directory_of_another_user(tmp_path / "meridian-node")
     new = tmp_path / "meridian-node-artifacts"
     legacy = Store(str(agent_dir / "artifacts"), clock=clock, relocate_to=str(new))
     release = Release(server, "1.0", {"w.bin": b"weights"})
@@ -387,16 +409,23 @@ def test_a_store_left_in_the_agents_directory_warns_how_to_move_it_instead_of_re
         legacy.check_trust()
 
 
-def test_the_module_passes_the_move_warning_on_and_still_installs(
-    server: ArtifactServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _store_left_at_the_old_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inside: str) -> tuple[Path, Path]:
+    """The default store paths moved under ``tmp_path`` (the new one not made), with a store (its ``inside``
+    directory) left at the old default, in the agent's directory, which OTHER owns: (old, new)."""
     agent_dir = tmp_path / "meridian-node"
     old, new = agent_dir / "artifacts", tmp_path / "meridian-node-artifacts"
-    (old / "artifacts").mkdir(parents=True)
-    new.mkdir()  # empty, as the apply unit's StateDirectory= leaves it
+    (old / inside).mkdir(parents=True)
     os.chown(agent_dir, OTHER, OTHER)
     monkeypatch.setattr(policy_module, "DEFAULT_STORE_PATH", str(new))
     monkeypatch.setattr(policy_module, "LEGACY_STORE_PATH", str(old))
+    return old, new
+
+
+def test_the_module_passes_the_move_warning_on_and_still_installs(
+    server: ArtifactServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old, new = _store_left_at_the_old_default(tmp_path, monkeypatch, "artifacts")
+    new.mkdir()  # empty, as the apply unit's StateDirectory= leaves it
     release = Release(server, "1.0", {"w.bin": b"weights"})
     manifest = tmp_path / "manifest.json"
     manifest.write_bytes(signed("artifact-manifest", release.payload, [ARTIFACT]))
@@ -415,7 +444,7 @@ def test_the_module_passes_the_move_warning_on_and_still_installs(
         "lock_timeout": None,
     }
     warnings: list[str] = []
-    result = verified_artifact.run(params, check_mode=False, diff=False, warn=warnings.append)
+    result = run_verified_artifact(params, check_mode=False, diff=False, warn=warnings.append)
     assert result["changed"] and result["path"] == str(old / "artifacts" / "llama" / "1.0")
     assert len(warnings) == 1 and f"mv -T {old} {new}" in warnings[0]
     assert os.listdir(new) == []  # nothing was written to the new place
@@ -424,12 +453,7 @@ def test_the_module_passes_the_move_warning_on_and_still_installs(
 def test_artifact_cli_prints_the_move_warning_on_stderr(
     server: ArtifactServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    agent_dir = tmp_path / "meridian-node"
-    old, new = agent_dir / "artifacts", tmp_path / "meridian-node-artifacts"
-    (old / "blobs").mkdir(parents=True)
-    os.chown(agent_dir, OTHER, OTHER)
-    monkeypatch.setattr(policy_module, "DEFAULT_STORE_PATH", str(new))
-    monkeypatch.setattr(policy_module, "LEGACY_STORE_PATH", str(old))
+    old, _new = _store_left_at_the_old_default(tmp_path, monkeypatch, "blobs")
     policy = write_policy(tmp_path / "etc", control=[CONTROL], artifact=[ARTIFACT])
     assert cli.main(["artifact", "list", "--policy", str(policy)]) == 0
     out, err = capsys.readouterr()
@@ -441,15 +465,11 @@ def test_artifact_list_run_unprivileged_says_the_index_is_roots(
     server: ArtifactServer, tmp_path: Path, clock: Clock
 ) -> None:
     # A directory others can reach (the test's own tmp_path is root's 0700), holding a root-owned store.
-    shared = Path(tempfile.mkdtemp(prefix="meridian-store-"))
-    try:
-        os.chmod(shared, 0o755)
+    with reachable_tmp_dir("meridian-store-") as shared:
         store = Store(str(shared / "store"), clock=clock)
         install(store, Release(server, "1.0", {"w.bin": b"weights"}), tmp_path)
         policy = write_policy(shared / "etc", control=[CONTROL])
         status, err = _as_other_user(["artifact", "list", "--policy", str(policy), "--store", store.root])
-    finally:
-        shutil.rmtree(shared)
     assert status == 1
     assert f"the store index {store.root}/index.json is readable by root only" in err
     assert "sudo meridian-node artifact list" in err

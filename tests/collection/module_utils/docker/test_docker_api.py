@@ -98,7 +98,7 @@ def engine_socket(tmp_path: Path) -> Iterator[tuple[str, _Engine]]:
 
 def test_version_is_the_engines_own_below_the_cap(engine_socket: tuple[str, _Engine]) -> None:
     host, server = engine_socket
-    api = DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": host})
+    api = DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": host})
     api.containers({"label": ["a=b"], "name": "^/x$"})
 
     path, _, query = server.paths[-1].partition("?")
@@ -110,7 +110,7 @@ def test_version_of_a_newer_engine_is_capped_at_what_this_code_knows(engine_sock
     host, server = engine_socket
     server.api_version = "1.99"
 
-    assert DockerApi(host, timeout=5).negotiate() == "{}.{}".format(*MAX_API_VERSION)
+    assert DockerApi(host, timeout_s=5).negotiate() == "{}.{}".format(*MAX_API_VERSION)
 
 
 def test_engine_that_reports_no_api_version_is_refused(engine_socket: tuple[str, _Engine]) -> None:
@@ -118,12 +118,12 @@ def test_engine_that_reports_no_api_version_is_refused(engine_socket: tuple[str,
     server.api_version = None
 
     with pytest.raises(DockerApiError, match="did not report an API version"):
-        DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": host})
+        DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": host})
 
 
 def test_missing_object_is_not_found_with_the_engines_message(engine_socket: tuple[str, _Engine]) -> None:
     host, _ = engine_socket
-    api = DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": host})
+    api = DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": host})
 
     with pytest.raises(DockerApiError) as caught:
         api.inspect_image("repo/x@sha256:" + "a" * 64)
@@ -135,7 +135,7 @@ def test_missing_object_is_not_found_with_the_engines_message(engine_socket: tup
 
 def test_engine_error_keeps_the_engines_explanation(engine_socket: tuple[str, _Engine]) -> None:
     host, _ = engine_socket
-    api = DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": host})
+    api = DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": host})
 
     with pytest.raises(DockerApiError) as caught:
         api.images({})
@@ -146,7 +146,7 @@ def test_engine_error_keeps_the_engines_explanation(engine_socket: tuple[str, _E
 
 def test_answer_that_is_not_json_is_an_error_not_a_crash(engine_socket: tuple[str, _Engine]) -> None:
     host, _ = engine_socket
-    api = DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": host})
+    api = DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": host})
 
     with pytest.raises(DockerApiError, match="Error reading docker info: the engine's answer is not JSON"):
         api.info()
@@ -154,14 +154,14 @@ def test_answer_that_is_not_json_is_an_error_not_a_crash(engine_socket: tuple[st
 
 def test_logs_of_a_container_without_tty_are_demultiplexed(engine_socket: tuple[str, _Engine]) -> None:
     host, _ = engine_socket
-    api = DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": host})
+    api = DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": host})
 
     assert api.logs("abc", tail=10) == b"out 1\nerr 2\n"
 
 
 def test_create_sends_the_settings_as_json_with_the_name_in_the_query(engine_socket: tuple[str, _Engine]) -> None:
     host, server = engine_socket
-    api = DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": host})
+    api = DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": host})
 
     assert api.create_container("mn-x", {"Image": "sha256:1"})["Id"] == "abc"
     assert server.paths[-1] == "/v1.43/containers/create?name=mn-x"
@@ -175,7 +175,7 @@ def test_demultiplex_ignores_a_truncated_last_frame() -> None:
 
 def test_no_socket_names_the_socket(tmp_path: Path) -> None:
     with pytest.raises(DockerApiError, match=r"Error pinging the Docker Engine: no socket at unix://.*/none\.sock"):
-        DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": f"unix://{tmp_path}/none.sock"})
+        DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": f"unix://{tmp_path}/none.sock"})
 
 
 @pytest.mark.parametrize(
@@ -189,19 +189,19 @@ def test_no_socket_names_the_socket(tmp_path: Path) -> None:
 )
 def test_docker_host_that_cannot_be_used_is_refused_by_name(host: str, reason: str) -> None:
     with pytest.raises(DockerApiError, match=reason) as caught:
-        DockerApi.from_env(timeout=5, environ={"DOCKER_HOST": host})
+        DockerApi.from_env(timeout_s=5, environ={"DOCKER_HOST": host})
     assert host in str(caught.value)
 
 
 def test_tls_without_its_files_names_the_directory(tmp_path: Path) -> None:
     environ = {"DOCKER_HOST": "tcp://127.0.0.1:2376", "DOCKER_TLS_VERIFY": "1", "DOCKER_CERT_PATH": str(tmp_path)}
     with pytest.raises(DockerApiError, match=f"TLS files in {tmp_path}"):
-        DockerApi.from_env(timeout=5, environ=environ)
+        DockerApi.from_env(timeout_s=5, environ=environ)
 
 
 @pytest.mark.docker
 def test_real_engine_answers_in_a_version_it_speaks(docker_client: Any) -> None:
-    api = DockerApi.from_env(timeout=30)
+    api = DockerApi.from_env(timeout_s=30)
     served = docker_client.version()
     major, minor = (int(part) for part in served["ApiVersion"].split("."))
 

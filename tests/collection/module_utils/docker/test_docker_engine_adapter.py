@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import io
-import secrets
 import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,15 +133,6 @@ def engine(docker_client: Any) -> DockerEngine:
     return DockerEngine.from_env()
 
 
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    """A random name prefix; every container whose name starts with it is removed afterwards."""
-    value = f"mn-test-{secrets.token_hex(4)}"
-    yield value
-    for container in docker_client.containers.list(all=True, sparse=True, filters={"name": value}):
-        container.remove(force=True)
-
-
 def settings_for(source: LocalImage, name: str, **overrides: Any) -> ContainerSettings:
     values: dict[str, Any] = {
         "name": name,
@@ -151,7 +140,7 @@ def settings_for(source: LocalImage, name: str, **overrides: Any) -> ContainerSe
         "driver": "openai",
         "image": source.pinned,
         "env": {"STANDIN_PORT": "8000"},
-        "stop_timeout": 10,
+        "stop_timeout_s": 10,
     }
     values.update(overrides)
     return ContainerSettings(**values)
@@ -187,7 +176,7 @@ def test_settings_hash_changes_with_every_field_that_matters() -> None:
         settings_for(image, "e1", gpus=("GPU-1",)),
         settings_for(image, "e1", port=PortBinding(8000, 9000)),
         settings_for(image, "e1", mounts=(BindMount("/srv/m", "/model"),)),
-        settings_for(image, "e1", stop_timeout=11),
+        settings_for(image, "e1", stop_timeout_s=11),
         settings_for(image, "e1", image="r/x@sha256:" + "2" * 64),
         settings_for(image, "e1", restart_policy="unless-stopped"),
         settings_for(image, "e1", shm_size_mib=1024),
@@ -254,7 +243,7 @@ def test_foreign_address_is_reported_not_crashed() -> None:
 def test_no_engine_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-such.sock")
     with pytest.raises(DockerUnavailableError, match="Error connecting to the Docker Engine"):
-        DockerEngine.from_env(timeout=5)
+        DockerEngine.from_env(timeout_s=5)
 
 
 @pytest.mark.docker
@@ -288,7 +277,7 @@ def test_owned_engine_lives_and_dies_cleanly(
     assert engine.container(created.id).running
     assert engine.find(settings.name) == engine.container(created.id)
 
-    engine.stop(created, timeout=10)
+    engine.stop(created, timeout_s=10)
     stopped = engine.container(created.id)
     assert stopped.state == "exited"
     assert "(0)" in stopped.status, f"SIGTERM did not end the server cleanly: {stopped.status}"
@@ -370,7 +359,7 @@ def test_foreign_container_with_our_name_is_reported_and_left_running(
     with pytest.raises(ForeignContainerError, match=r"not managed by meridian\.node") as raised:
         engine.find_owned(name)
     assert raised.value.container.id == stranger.id
-    for attempt in (engine.start, engine.remove, lambda c: engine.stop(c, timeout=1)):
+    for attempt in (engine.start, engine.remove, lambda c: engine.stop(c, timeout_s=1)):
         with pytest.raises(ForeignContainerError):
             attempt(found)
     with pytest.raises(DockerEngineError, match=f"Error creating container '{name}'"):

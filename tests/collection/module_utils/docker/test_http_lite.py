@@ -139,7 +139,7 @@ def test_probe_of_an_engine_bound_to_ipv6_sends_a_bracketed_host() -> None:
     raw = RawServer("::1")
     try:
         raw.answers.append(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        answer = http_get("::1", raw.port, "/health", timeout=5)
+        answer = http_get("::1", raw.port, "/health", timeout_s=5)
     finally:
         raw.close()
 

@@ -7,7 +7,6 @@ The Docker host is shared, so the Docker test only asserts about containers carr
 from __future__ import annotations
 
 import json
-import secrets
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,16 +32,14 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.discovery im
     vram_left,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import mark_draining
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
-    LABEL_OWNER,
-    LABEL_SPEC,
-    Reservation,
-)
+from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER, LABEL_SPEC
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import Reservation
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
     SERVER,
     Host,
     free_port,
+    run_foreign_engine,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 
@@ -115,14 +112,6 @@ def test_vram_left_never_goes_below_zero() -> None:
 
 
 # --- a real host -----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-dd-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
-        container.remove(force=True)
 
 
 @pytest.fixture
@@ -235,14 +224,7 @@ def test_engine_info_reports_what_our_engines_reserve_and_nothing_for_foreign_or
             LABEL_SPEC: spec_label,
         }
         docker_client.containers.create(standin_base_image.id, ["sleep", "60"], name=name, labels=labels)
-    docker_client.containers.run(
-        standin_base_image.id,
-        ["sleep", "60"],
-        name=f"{prefix}-theirs",
-        detach=True,
-        init=True,
-        ports={"11434/tcp": (BIND, None)},
-    )
+    run_foreign_engine(docker_client, standin_base_image.id, f"{prefix}-theirs", seconds=60)
     policy, state_dir = str(host.policy), str(host.state_dir)
 
     everything = engine_info(DockerEngine.from_env, policy_path=policy, state_dir=state_dir, probe=False)

@@ -26,22 +26,28 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks 
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
+    Options,
+    converge,
+    engine_settings,
+    mounted_artifact,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.labels import (
     LABEL_MIN_VRAM,
     LABEL_OWNER,
     LABEL_SPEC,
-    EngineInstanceError,
-    Options,
-    Reservation,
-    artifact_dir,
-    build_spec,
-    check_policy,
-    converge,
-    engine_settings,
-    placement_problem,
     public_spec,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
+    Reservation,
+    placement_problem,
     reservations_from,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedVolume
+from ansible_collections.meridian.node.plugins.module_utils.engines.spec import (
+    EngineInstanceError,
+    ParsedVolume,
+    build_spec,
+    check_policy,
+)
 from ansible_collections.meridian.node.plugins.module_utils.engines.volumes import VolumeRefusedError, resolve_volumes
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import EnginesPolicy, PolicyError, load_policy
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
@@ -308,7 +314,7 @@ def test_unpromoted_artifact_is_refused_with_the_path(tmp_path: Path) -> None:
     (tmp_path / "artifacts" / "tiny" / "v1").mkdir(parents=True)
 
     with pytest.raises(EngineInstanceError) as caught:
-        artifact_dir(str(tmp_path), "tiny")
+        mounted_artifact(str(tmp_path), "tiny")
 
     assert caught.value.check == "artifact"
     assert str(tmp_path / "artifacts" / "tiny" / "current") in str(caught.value)
@@ -318,7 +324,7 @@ def test_promoted_artifact_resolves_to_its_version_directory(tmp_path: Path) -> 
     (tmp_path / "artifacts" / "tiny" / "v2").mkdir(parents=True)
     (tmp_path / "artifacts" / "tiny" / "current").symlink_to("v2")
 
-    assert artifact_dir(str(tmp_path), "tiny") == os.path.realpath(tmp_path / "artifacts" / "tiny" / "v2")
+    assert mounted_artifact(str(tmp_path), "tiny") == os.path.realpath(tmp_path / "artifacts" / "tiny" / "v2")
 
 
 # --- draining marks ---------------------------------------------------------------------------------------

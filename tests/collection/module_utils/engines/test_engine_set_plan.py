@@ -11,9 +11,10 @@ from typing import Any, cast
 
 import pytest
 
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.held import held_problems
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import placement_problem
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import placement_problem
 from ansible_collections.meridian.node.plugins.module_utils.engines.set import (
     MASK,
     EngineSetError,
@@ -290,11 +291,11 @@ def test_options_that_need_each_other(options: SetOptions) -> None:
     engine = DockerEngine(cast(DockerApi, _ListOnly()))
     base = {"engines": [spec("a", 9001)], "policy": options.policy_path, "state_dir": options.state_dir, "parallel": 8}
     with pytest.raises(EngineSetError, match="prune: true needs owner"):
-        run_engine_set({**base, "prune": True}, check_mode=True, engine=engine)
+        run_engine_set({**base, "prune": True}, check_mode=True, engine=engine, held_artifacts=held_problems)
     with pytest.raises(EngineSetError, match="record: true needs envelope"):
-        run_engine_set({**base, "record": True}, check_mode=True, engine=engine)
+        run_engine_set({**base, "record": True}, check_mode=True, engine=engine, held_artifacts=held_problems)
     with pytest.raises(EngineSetError, match="parallel must be at least 1, got 0"):
-        run_engine_set({**base, "parallel": 0}, check_mode=True, engine=engine)
+        run_engine_set({**base, "parallel": 0}, check_mode=True, engine=engine, held_artifacts=held_problems)
 
 
 def test_env_values_are_masked_in_refusal_messages(options: SetOptions) -> None:
@@ -308,6 +309,6 @@ def test_env_values_are_masked_in_refusal_messages(options: SetOptions) -> None:
         "parallel": 8,
     }
     with pytest.raises(EngineSetError) as caught:
-        run_engine_set(params, check_mode=True, engine=engine)
+        run_engine_set(params, check_mode=True, engine=engine, held_artifacts=held_problems)
     assert secret not in str(caught.value) and secret not in repr(caught.value.result)
     assert MASK in str(caught.value)

@@ -257,7 +257,7 @@ def test_engine_modules_need_no_pydantic() -> None:
         import ansible_collections.meridian.node.plugins.modules.engine_instance
         import ansible_collections.meridian.node.plugins.modules.engine_info
         import ansible_collections.meridian.node.plugins.modules.drain
-        from ansible_collections.meridian.node.plugins.module_utils.engines.instance import build_spec
+        from ansible_collections.meridian.node.plugins.module_utils.engines.spec import build_spec
         from ansible_collections.meridian.node.plugins.module_utils.trust.policy import parse_policy
         policy = parse_policy("trust: {control: {public_keys: [k.pem]}}", pathlib.Path("/"), keys=False)
         spec = build_spec({"name": "e", "driver": "vllm", "image": "r/i", "model": {"name": "m"}, "port": 8000})

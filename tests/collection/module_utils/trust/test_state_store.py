@@ -3,10 +3,8 @@
 import fcntl
 import json
 import os
-import shutil
 import stat
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import AcceptedState, AppliedState
+from ansible_collections.meridian.node.tests.support.shared_tmp import reachable_tmp_dir, run_as_nobody
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
@@ -85,19 +84,18 @@ def test_a_change_rewrites_the_file_atomically(tmp_path: Path) -> None:
 # --- refusing to go backwards ---------------------------------------------------------------------------
 
 
-def test_lower_generation_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("generation", "message"),
+    [
+        pytest.param(4, "refusing to record generation 4: generation 5 is already applied", id="lower-generation"),
+        pytest.param(5, "a generation is never reused", id="same-generation-other-content"),
+    ],
+)
+def test_going_backwards_is_refused_and_nothing_changes(tmp_path: Path, generation: int, message: str) -> None:
     store = StateStore(tmp_path)
     store.record_applied(5, 1, SHA_A)
-    with pytest.raises(StateStoreError, match="refusing to record generation 4: generation 5 is already applied"):
-        store.record_applied(4, 1, SHA_B)
-    assert store.load() == AppliedState(5, 1, SHA_A)
-
-
-def test_same_generation_with_other_content_is_refused(tmp_path: Path) -> None:
-    store = StateStore(tmp_path)
-    store.record_applied(5, 1, SHA_A)
-    with pytest.raises(StateStoreError, match="a generation is never reused"):
-        store.record_applied(5, 1, SHA_B)
+    with pytest.raises(StateStoreError, match=message):
+        store.record_applied(generation, 1, SHA_B)
     assert store.load() == AppliedState(5, 1, SHA_A)
 
 
@@ -241,36 +239,8 @@ def test_failed_atomic_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> 
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A temporary directory other users can reach (pytest's own lives under a 0700 directory)."""
-    path = Path(tempfile.mkdtemp(prefix="mn-state-"))
-    path.chmod(0o755)
-    try:
+    with reachable_tmp_dir("mn-state-") as path:
         yield path
-    finally:
-        shutil.rmtree(path)
-
-
-def run_as_nobody(action: Callable[[], object]) -> str:
-    """Run ``action`` in a forked child that dropped to nobody; what it printed about itself ("ok" or the
-    error). A fresh interpreter could not even be started as nobody here (the Python install lives under
-    /root), so the child is a fork."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        os.close(read)
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            action()
-            report = "ok"
-        except BaseException as exc:
-            report = f"{type(exc).__name__}: {exc}"
-        os.write(write, report.encode()[:4000])
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        report = pipe.read().decode()
-    os.waitpid(pid, 0)
-    return report
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play the root apply unit and drop to another user")
@@ -313,7 +283,7 @@ def test_a_lock_left_open_to_others_by_an_older_release_is_replaced_not_waited_o
             os._exit(0)
     try:
         assert os.read(ready_r, 4) == b"held"
-        store = StateStore(state_dir, lock_wait_seconds=2)
+        store = StateStore(state_dir, lock_wait_s=2)
         assert store.record_accepted(4, 1, SHA_B) == AppliedState(3, 1, SHA_A, AcceptedState(4, 1, SHA_B))
     finally:
         os.write(release, b"x")
@@ -324,7 +294,7 @@ def test_a_lock_left_open_to_others_by_an_older_release_is_replaced_not_waited_o
 
 @pytest.mark.timeout(60)  # a block without end fails here instead of hanging the suite
 def test_a_lock_held_past_the_wait_is_an_error_naming_it_never_a_block(tmp_path: Path) -> None:
-    store = StateStore(tmp_path, lock_wait_seconds=0.3)
+    store = StateStore(tmp_path, lock_wait_s=0.3)
     store.record_applied(3, 1, SHA_A)
     fd = os.open(tmp_path / "applied.json.lock", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)

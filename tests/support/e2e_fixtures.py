@@ -38,10 +38,14 @@ def image(docker_client: Any, standin_base_image: LocalImage) -> Iterator[LocalI
 
 @pytest.fixture
 def prefix(docker_client: Any) -> Iterator[str]:
-    """A random container name prefix for the test; what carries it (name or label) is removed afterwards."""
+    """A random container name prefix for the test; what carries it is removed afterwards: a name or an
+    instance label that starts with it, and a name that holds it anywhere (a test's look-alike such as
+    ``x<prefix>-engine``: Docker's name filter matches substrings)."""
     name = f"mn-test-{secrets.token_hex(3)}"
     yield name
     remove_containers(docker_client, [name])
+    for container in docker_client.containers.list(all=True, sparse=True, filters={"name": name}):
+        container.remove(force=True)
 
 
 @pytest.fixture

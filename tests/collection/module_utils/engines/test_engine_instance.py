@@ -320,6 +320,19 @@ def test_unpromoted_artifact_is_refused_with_the_path(tmp_path: Path) -> None:
     assert str(tmp_path / "artifacts" / "tiny" / "current") in str(caught.value)
 
 
+def test_a_current_link_to_a_version_that_is_gone_is_not_promoted(tmp_path: Path) -> None:
+    # The store keeps such a link (the next promote replaces it); an engine must not mount through it.
+    (tmp_path / "artifacts" / "tiny").mkdir(parents=True)
+    (tmp_path / "artifacts" / "tiny" / "current").symlink_to("v3")
+
+    with pytest.raises(EngineInstanceError) as caught:
+        mounted_artifact(str(tmp_path), "tiny")
+
+    assert caught.value.check == "artifact"
+    assert "points at 'v3', which is missing" in str(caught.value)
+    assert "meridian.node.verified_artifact (promote: true)" in str(caught.value)
+
+
 def test_promoted_artifact_resolves_to_its_version_directory(tmp_path: Path) -> None:
     (tmp_path / "artifacts" / "tiny" / "v2").mkdir(parents=True)
     (tmp_path / "artifacts" / "tiny" / "current").symlink_to("v2")

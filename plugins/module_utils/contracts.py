@@ -34,6 +34,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_rules import 
     MAX_LABELS,
     MAX_VOLUMES,
     NAME_PATTERN,
+    READY_TIMEOUT_MAX_S,
     SHM_SIZE_MAX_MIB,
     ULIMIT_MAX,
     label_problem,
@@ -534,6 +535,11 @@ class EngineSpec(StrictModel):
     volumes: Annotated[list[EngineSpec.Volume], Field(max_length=MAX_VOLUMES)] = Field(default_factory=list)
     labels: Annotated[dict[str, str], Field(max_length=MAX_LABELS)] = Field(
         default_factory=dict, description="the engine container's own labels; meridian.node's prefix is refused"
+    )
+    ready_timeout_seconds: Optional[Annotated[int, Field(ge=1, le=READY_TIMEOUT_MAX_S)]] = Field(
+        default=None,
+        description="how long a new container may take to become ready before the replace rolls back; null is "
+        "the applying module's ready_timeout (600 s by default)",
     )
 
     @model_validator(mode="after")

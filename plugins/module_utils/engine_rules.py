@@ -23,6 +23,7 @@ __all__ = [
     "MAX_VOLUMES",
     "NAME_FORM",
     "NAME_PATTERN",
+    "READY_TIMEOUT_MAX_S",
     "REPLACE_STRATEGIES",
     "RESERVED_CONTAINER_PATHS",
     "RESERVED_HOST_PATHS",
@@ -50,6 +51,8 @@ ULIMIT_MAX = 2**63 - 1
 # /dev/shm is a tmpfs: the size is a cap, not an allocation. The bound only keeps the byte count (MiB * 2**20)
 # far inside int64; it is larger than any host's memory.
 SHM_SIZE_MAX_MIB = 16 * 1024 * 1024
+# A day: longer than any model load, short enough that a wrong value does not hold an apply for ever.
+READY_TIMEOUT_MAX_S = 86400
 MAX_VOLUMES = 16
 MAX_LABELS = 32
 MAX_LABEL_VALUE = 1024

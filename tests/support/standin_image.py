@@ -185,8 +185,13 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build_rootfs_tarball(recipe: BaseRecipe, destination: Path) -> None:
-    """debootstrap the recipe's rootfs, prune it and pack it into ``destination`` (written atomically)."""
+def build_rootfs_tarball(recipe: BaseRecipe, destination: Path, *, script: str | None = None) -> None:
+    """debootstrap the recipe's rootfs, prune it and pack it into ``destination`` (written atomically).
+
+    ``script`` names the debootstrap script to use when this debootstrap has none for ``recipe.suite`` (a
+    Debian release newer than it, such as bookworm's debootstrap and forky: its ``sid`` script works).
+    It does not enter the recipe's hash: the suite already decides the content.
+    """
     if os.geteuid() != 0:
         raise StandinImageError(
             f"building the stand-in base rootfs needs root (debootstrap); run the tests as root once to "
@@ -206,6 +211,7 @@ def build_rootfs_tarball(recipe: BaseRecipe, destination: Path) -> None:
             recipe.suite,
             str(rootfs),
             recipe.mirror,
+            *([script] if script is not None else []),
         ]
         with log.open("wb") as output:
             result = subprocess.run(

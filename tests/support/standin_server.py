@@ -18,9 +18,11 @@ Environment:
 
 While loading, readiness fails the way the engine's does: vllm, tgi, lmdeploy, ollama and openai do not
 listen yet; sglang listens half-way through and answers /health with 503 until loaded; llamacpp listens at
-once and answers 503 "Loading model". On SIGTERM, vllm, llamacpp, ollama and openai drop the requests in
-flight and exit; tgi and lmdeploy stop accepting connections, finish the requests in flight and exit;
-sglang answers /health and new requests with 503, finishes the requests in flight and exits.
+once and answers 503 "Loading model". On SIGTERM, vllm, ollama and openai drop the requests in flight and
+exit; tgi and lmdeploy stop accepting connections, finish the requests in flight and exit; sglang answers
+/health and new requests with 503, finishes the requests in flight and exits; llamacpp closes its listener
+and, with requests in flight, never answers them and never exits (only SIGKILL ends it), idle it exits at once
+(measured on Debian's llama-server 0.7.0: tests/system/e2e/test_real_engine.py).
 
 Test hooks (no engine has them): GET /standin/in-flight answers {"running": n, "waiting": m}; SIGUSR1 lets
 every request in flight finish now, so tests can hold requests for as long as they need, then release them.
@@ -55,7 +57,8 @@ GAUGES = {
     "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
     "lmdeploy": ("lmdeploy:num_requests_running", "lmdeploy:num_requests_waiting"),
 }
-ABORTS_ON_SIGTERM = frozenset({"vllm", "llamacpp", "ollama", "openai"})
+ABORTS_ON_SIGTERM = frozenset({"vllm", "ollama", "openai"})
+HANGS_ON_SIGTERM = frozenset({"llamacpp"})
 LISTENS_WHILE_LOADING = frozenset({"llamacpp"})
 PORT_FLAGS = ("--port", "--server-port", "-p")
 NAME_FLAGS = ("--served-model-name", "--alias", "-a", "--model-name", "--model-id")
@@ -124,6 +127,7 @@ class State:
         self.draining = False
         self.release_epoch = 0  # bumped by SIGUSR1: requests that arrived before it finish at once
         self.aborting = threading.Event()
+        self.hanging = threading.Event()  # llamacpp after SIGTERM: requests in flight are never answered
         self.stop = threading.Event()
 
     def loaded(self) -> bool:
@@ -335,6 +339,8 @@ class Handler(BaseHTTPRequestHandler):
         while time.monotonic() < deadline and state.release_epoch == epoch:
             if state.aborting.wait(timeout=0.02):
                 return False
+        while state.hanging.is_set():
+            time.sleep(1)  # never answered: the client's connection ends with the process, at SIGKILL
         return not state.aborting.is_set()
 
     def completion_body(
@@ -411,6 +417,14 @@ def serve(state: State) -> int:
     if config.engine in ABORTS_ON_SIGTERM:
         log(f"SIGTERM: aborting {state.in_flight()} request(s) in flight")
         state.aborting.set()
+    elif config.engine in HANGS_ON_SIGTERM:
+        state.hanging.set()
+        server.shutdown()
+        server.server_close()
+        if state.in_flight():
+            log(f"SIGTERM: listener closed, {state.in_flight()} request(s) in flight never answered; awaiting SIGKILL")
+            while True:
+                time.sleep(1)
     elif config.engine == "sglang":
         with state.lock:
             state.draining = True

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
 from ansible_collections.meridian.node.tests.support.e2e_env import (
     engine_serving,
     engine_spec,
@@ -135,8 +136,11 @@ class SiteEngine:
         return engine_spec(self.name, self.image, self.port)
 
     def serving(self) -> bool:
-        """Whether the engine answers its health check on this machine now."""
-        return engine_serving(self.port)
+        """Whether the engine answers its health check on this machine now, on the port its container publishes:
+        the agent's reconcile replaces beside the old container, and the engine then keeps the free port."""
+        container = DockerEngine.from_env().find(self.name)
+        ports = [] if container is None else [p.host_port for p in container.ports if p.protocol == "tcp"]
+        return bool(ports) and engine_serving(ports[0])
 
 
 @contextmanager

@@ -16,6 +16,13 @@ Rules the loop keeps:
 - No apply without a live lease: a lapsed lease stops new applies (the control plane may have handed
   this node's work to someone else), never running engines.
 - ``observe-only`` verifies and reports but never applies.
+- While an apply runs, what the engines look like is observed each ``APPLY_REPORT_S`` and posted when it
+  changed (``_reporting_while_applying``): a replace that starts the new engine beside the old one switches
+  the serving projection when the new one is ready and the old one is marked draining, mid-apply, which
+  ``reconcile.yml``'s ``meridian_drain_settle`` (5 s) waits for before the old one's gauges are trusted.
+- What supervision and a failing apply's retry know (first seen, graces, repair and retry counts, backoff) is
+  kept in the agent's own record (``supervision_record``), written when it changes and taken over at start-up:
+  ``run --once`` from cron, a restarted agent and a crash-looping one decide as one long-running agent would.
 - The client certificate is renewed once less than ``certificate_renewal.remaining_fraction`` of its
   lifetime is left, at the start of a cycle, so the rest of the cycle already uses the new pair. A failed
   renewal is logged and retried after a backoff of its own; it never fails the cycle, because the old
@@ -27,8 +34,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -52,6 +61,12 @@ from meridian_node_agent.agent_side.control_client import (
 )
 from meridian_node_agent.agent_side.identity import CertificateIssuer, CertificateRenewal, IdentityError, NodeIdentity
 from meridian_node_agent.agent_side.supervise import Supervisor
+from meridian_node_agent.agent_side.supervision_record import (
+    Remembered,
+    RememberedRetry,
+    RememberedState,
+    SupervisionRecord,
+)
 from meridian_node_agent.apply.applier import ApplyResult
 from meridian_node_agent.apply.oplog import ABANDONED, OpLog
 from meridian_node_agent.config import AgentConfig
@@ -73,6 +88,9 @@ STATUS_FILE = "status.json"
 # An unchanged observation is re-sent at least this often; a changed one at once. The heartbeat already
 # proves the node alive each cycle, and posting identical observations is most of an idle cycle's cost.
 REPORT_REFRESH_S = 60.0
+# How often an apply in progress is observed, so that a replace's switch reaches the serving projection while
+# it happens; well inside the reconcile playbook's drain settle (5 s).
+APPLY_REPORT_S = 1.0
 STATUS_REFRESH_S = 60.0
 _REFUSAL_HINTS = {
     "certificate-revoked": "this node's certificate was revoked: enroll again with a new token",
@@ -162,12 +180,17 @@ class Backoff:
 
 @dataclass
 class ApplyRetry:
-    """A verified state whose apply failed, retried from memory on supervision's crash-loop backoff.
+    """A verified state whose apply failed, retried on supervision's crash-loop backoff.
 
     An engine whose command exits at once fails every apply at its readiness wait; retrying on every cycle
     would run a playbook (and restart the engine) once per long-poll, for ever. The n-th failure waits
     ``supervisor.backoff(n)`` (10 s doubling to 5 min by default) before the next attempt; a newer state
     published meanwhile is applied at once (the long-poll still waits on it), and the count starts over.
+
+    The count and the next attempt are kept in the agent's record too (``supervision_record``: this less the
+    envelope, which the spool holds), with the ETag the agent holds meanwhile. A restarted agent or a ``run
+    --once`` from cron asks with that ETag, gets the 304 a long-running agent gets, and waits out the same
+    backoff instead of fetching the state afresh and applying it at once.
     """
 
     envelope: bytes
@@ -241,8 +264,12 @@ class Agent:
             backoff_initial_s=supervision.backoff_initial_seconds,
             backoff_max_s=supervision.backoff_max_seconds,
             healthy_reset_s=supervision.healthy_reset_seconds,
-            clock=monotonic,
+            # The agent's one monotonic clock, read through the attribute: the record's times are on it, and a
+            # test that stands in another clock moves supervision and the apply retry together.
+            clock=lambda: self.monotonic(),
         )
+        # What supervision and the apply retry know, kept in the agent's own directory across its restarts.
+        self.record = SupervisionRecord(self.state_dir, log=self.log)
         # The envelope of the state last applied successfully, verified: what supervision repairs towards.
         self._desired: tuple[bytes, VerifiedState] | None = None
         self._retry: ApplyRetry | None = None
@@ -261,8 +288,9 @@ class Agent:
 
     def run(self, *, once: bool = False, max_cycles: int | None = None) -> int:
         """Cycle until stopped (or once). Returns 0 when the last cycle succeeded, 1 otherwise."""
-        self.recover()
+        # What earlier runs knew first: an interrupted apply that fails again then counts on its backoff.
         self.resume_supervision()
+        self.recover()
         failures = 0
         attempts = 0
         while True:
@@ -312,6 +340,13 @@ class Agent:
                 self.sleep(self.pause_s)
 
     def cycle(self, *, wait_s: float = 0) -> CycleOutcome:
+        try:
+            return self._cycle(wait_s)
+        finally:
+            # However the cycle ended (a failed call after an apply included), keep what supervision learned.
+            self._remember()
+
+    def _cycle(self, wait_s: float) -> CycleOutcome:
         started = time.monotonic()
         self.counters.cycles += 1
         node = self.config.node_id
@@ -379,7 +414,14 @@ class Agent:
             return None
         close("interrupted")
         self.log.info("resuming-interrupted-apply", run_ident=pending.run_ident, generation=pending.generation)
-        return self._apply(envelope, verified)
+        result = self._apply(envelope, verified)
+        # As any apply of this state: a failure counts towards its retry's backoff, a success ends the retry.
+        if not result.ok and not verified.already_applied:
+            self._apply_failed(envelope, verified, result)
+        elif result.ok and self._retry is not None and self._retry.payload_sha256 == verified.payload_sha256:
+            self._retry = None
+        self._remember()
+        return result
 
     # Steps
 
@@ -484,15 +526,16 @@ class Agent:
             # still moves the floor of this record. In-process it is the applier's record; under the split root
             # records its own (the one that decides) and this copy keeps the agent from asking for older states.
             self.store.record_accepted(state.generation, state.lease_epoch, verified.payload_sha256)
-            result = self.applier.apply(
-                envelope,
-                generation=state.generation,
-                epoch=state.lease_epoch,
-                payload_sha256=verified.payload_sha256,
-                secrets=secrets,
-                reason=reason,
-                lists_artifacts=bool(state.artifacts),
-            )
+            with self._reporting_while_applying():
+                result = self.applier.apply(
+                    envelope,
+                    generation=state.generation,
+                    epoch=state.lease_epoch,
+                    payload_sha256=verified.payload_sha256,
+                    secrets=secrets,
+                    reason=reason,
+                    lists_artifacts=bool(state.artifacts),
+                )
         except Exception as exc:  # noqa: BLE001 - any failure to apply is reported as one, never a crash loop
             result = ApplyResult(
                 ident="",
@@ -534,13 +577,49 @@ class Agent:
         )
         return result
 
+    @contextmanager
+    def _reporting_while_applying(self) -> Iterator[None]:
+        """Observe each ``APPLY_REPORT_S`` while the apply runs, in a thread, and post what changed.
+
+        ``_report`` posts only a changed observation, so an apply that changes nothing visible posts nothing.
+        The cycle's own thread only waits on the apply meanwhile; a failed look is logged once and never
+        touches the apply.
+        """
+        if self.lease is None:
+            yield
+            return
+        stop = threading.Event()
+
+        def report() -> None:
+            failed = False
+            while not stop.wait(APPLY_REPORT_S):
+                try:
+                    self.observer.forget()
+                    self._report()
+                except Exception as exc:  # noqa: BLE001 - reporting mid-apply is a courtesy, the apply is the job
+                    if not failed:
+                        self.log.warning("apply-report-failed", reason=f"{type(exc).__name__}: {exc}")
+                    failed = True
+
+        thread = threading.Thread(target=report, name="report-while-applying", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
     def _supervise_state(self, envelope: bytes, verified: VerifiedState) -> None:
         self._desired = (envelope, verified)
         started = [engine.name for engine in verified.state.engines if engine.state == "started"]
         self.supervisor.expect(verified.state.generation, started)
 
     def resume_supervision(self) -> None:
-        """At start-up: supervise the spooled state when it is the one applied (a restart keeps watching)."""
+        """At start-up: supervise the spooled state when it is the one applied (a restart keeps watching), and
+        take over what earlier runs knew of it from the record: the engines' tracks when the record is for
+        this state (generation and payload digest), the failed apply's count and next attempt when the spool
+        holds the state that failed. A part written for another state is not used."""
+        remembered = self.record.load(self.monotonic())
         try:
             envelope = self.spool.read_bytes()
             verified = self._verify(envelope)
@@ -548,6 +627,76 @@ class Agent:
             return  # nothing applied yet, or not this: the next successful apply sets what to supervise
         if verified.already_applied:
             self._supervise_state(envelope, verified)
+        if remembered is not None:
+            self._resume_from(remembered, envelope, verified)
+
+    def _resume_from(self, remembered: Remembered, envelope: bytes, verified: VerifiedState) -> None:
+        generation, digest = verified.state.generation, verified.payload_sha256
+        state, retry = remembered.supervised, remembered.apply_retry
+        if state is not None and self.supervisor.generation is not None:
+            if (state.generation, state.payload_sha256) == (generation, digest):
+                self.supervisor.resume(generation, state.tracks, same_clock=remembered.same_clock)
+            else:
+                self.log.info(
+                    "supervision-record-not-used",
+                    part="supervised",
+                    recorded_generation=state.generation,
+                    supervising_generation=generation,
+                    reason="written for another state",
+                )
+        if retry is None or verified.already_applied:
+            return
+        if retry.payload_sha256 != digest:
+            self.log.info(
+                "supervision-record-not-used",
+                part="apply_retry",
+                recorded_generation=retry.generation,
+                spooled_generation=generation,
+                reason="written for another state than the spooled one",
+            )
+            return
+        now = self.monotonic()
+        # Same boot: the attempt is due when it was, never later than the backoff allows now. Another boot: at once.
+        retry_at = min(retry.retry_at, now + self.supervisor.backoff(retry.failures)) if remembered.same_clock else 0.0
+        # The fetch goes on from where the run that failed left it: a 304 for the same state keeps the retry on its
+        # backoff (``cycle``'s NOT_MODIFIED path), a newer state is fetched and applied at once, as it would be.
+        self.etag = retry.etag
+        self._retry = ApplyRetry(
+            envelope=envelope,
+            generation=retry.generation,
+            payload_sha256=retry.payload_sha256,
+            failures=retry.failures,
+            retry_at=retry_at,
+            backoff_s=retry.backoff_s,
+            failed_at=retry.failed_at,
+            error=retry.error,
+        )
+
+    def _remember(self) -> None:
+        """Keep what supervision and the apply retry know in the record; it writes only what changed."""
+        supervised = None
+        if self._desired is not None and self.supervisor.generation is not None:
+            supervised = RememberedState(
+                generation=self.supervisor.generation,
+                payload_sha256=self._desired[1].payload_sha256,
+                tracks=self.supervisor.tracks,
+            )
+        retry = self._retry
+        self.record.save(
+            supervised,
+            None
+            if retry is None
+            else RememberedRetry(
+                generation=retry.generation,
+                payload_sha256=retry.payload_sha256,
+                failures=retry.failures,
+                retry_at=retry.retry_at,
+                backoff_s=retry.backoff_s,
+                failed_at=retry.failed_at,
+                error=retry.error,
+                etag=self.etag,
+            ),
+        )
 
     def _supervise(self) -> CycleOutcome | None:
         """Repair drift from the applied state by reconciling the same generation again, at most as often as
@@ -562,6 +711,9 @@ class Agent:
             self.log.warning("drift-not-repaired-lease-lapsed", generation=drift.generation, engines=drift.describe())
             return None
         self.supervisor.repaired(drift)
+        # Record, then act: an agent killed during the repair's apply still finds the repair counted when it
+        # starts again, and backs off instead of repairing at once, start after start.
+        self._remember()
         self.counters.repairs += 1
         self.log.warning("engines-drifted", generation=drift.generation, engines=drift.describe())
         try:

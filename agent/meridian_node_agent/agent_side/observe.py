@@ -32,7 +32,11 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.discovery im
     free_ports,
     vram_left,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, list_draining
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import (
+    DrainMark,
+    DrainStateError,
+    list_draining,
+)
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import Driver, DriverError, get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import Reservation
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import probe_readiness
@@ -167,12 +171,12 @@ class InventoryEngines:
             return self._cache[1]
         self._reload()
         try:
-            draining = {mark.name for mark in list_draining(str(self.root_dir))}
+            draining = {mark.name: mark for mark in list_draining(str(self.root_dir))}
             marks_readable = True
         except DrainStateError as exc:
             # Which engine is draining is unknown: none is reported ready, so none gets new work.
             self._log.warning("draining-marks-unreadable", reason=str(exc))
-            draining, marks_readable = set(), False
+            draining, marks_readable = {}, False
         engines = [self._observe(engine, draining, marks_readable) for engine in self._engines]
         self._cache = (now, engines)
         return engines
@@ -207,7 +211,9 @@ class InventoryEngines:
             self._log.info("engine-inventory-read", path=str(self.path), engines=len(inventory.engines))
         self._engines, self._read_once = inventory.engines, True
 
-    def _observe(self, engine: InventoryEngine, draining: set[str], marks_readable: bool) -> dict[str, Any]:
+    def _observe(
+        self, engine: InventoryEngine, draining: Mapping[str, DrainMark], marks_readable: bool
+    ) -> dict[str, Any]:
         return {
             "name": engine.name,
             "managed": True,
@@ -215,7 +221,7 @@ class InventoryEngines:
             "image": engine.image,
             "state": engine.state,
             "ready": marks_readable and self._ready(engine),
-            "draining": engine.name in draining,
+            "draining": engine.name in draining and draining[engine.name].applies_to(engine.port),
             "port": engine.port,
             "served_model_name": engine.served_model_name,
             "restarts": engine.restarts,

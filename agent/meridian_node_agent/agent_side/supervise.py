@@ -23,13 +23,18 @@ Crash loops back off per engine, as kubelet's CrashLoopBackOff does: after the n
 that has not been healthy since, the next waits ``initial * 2^(n-1)`` seconds, at most ``maximum``;
 ``healthy_reset_s`` of continuous readiness forgets the count. A repair is due when at least one
 drifted engine is past its grace and not backing off.
+
+What it knows outlives the process: the cycle writes the tracks to the agent's record
+(``supervision_record``) when they change and hands them back through ``resume`` when the agent starts, so
+``run --once`` from cron, a restarted agent and one that crash-loops decide as one long-running process
+would. The clock is injected (the agent's monotonic clock, the one the record's times are on).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["Drift", "EngineTrack", "Supervisor"]
@@ -85,6 +90,35 @@ class Supervisor:
         now = self.clock()
         self.generation = generation
         self.tracks = {name: EngineTrack(name=name, expected_since=now) for name in names}
+
+    def resume(self, generation: int, remembered: Mapping[str, EngineTrack], *, same_clock: bool) -> list[str]:
+        """Take over what an earlier run of the agent knew of ``generation``'s engines; the names taken over.
+
+        Called at start-up, after ``expect``, with the tracks of the agent's record. ``same_clock``: the tracks'
+        times are on this clock (the same boot). Then each track is taken as it was, so a grace that began in
+        an earlier run ends when it would have, and a backoff too, cut to what the settings allow now (they
+        may have been shortened since). Otherwise (after a reboot) only the repair count is kept: every grace
+        starts over from now and an engine must be seen ready again, so one that loads its model after the
+        reboot gets the startup grace, not the settle time; but a crash-looping engine keeps its place in the
+        backoff, and a host that reboots in a loop climbs it instead of starting over at the first step. The
+        next repair is not held back further: a reboot outlasts the backoff it could still ask for. Another
+        generation, or an engine the state no longer lists, is not taken over.
+        """
+        if generation != self.generation:
+            return []
+        now = self.clock()
+        taken = []
+        for name, track in self.tracks.items():
+            old = remembered.get(name)
+            if old is None:
+                continue
+            if same_clock:
+                retry_at = min(old.retry_at, now + self.backoff(old.repairs)) if old.repairs else old.retry_at
+                self.tracks[name] = replace(old, name=name, retry_at=retry_at)
+            else:
+                self.tracks[name] = EngineTrack(name=name, expected_since=track.expected_since, repairs=old.repairs)
+            taken.append(name)
+        return taken
 
     def forget(self) -> None:
         self.generation = None

@@ -95,9 +95,24 @@ class _Counter:
         elif kind in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
             self.failed += 1
             if len(self.failures) < 5:
-                message = result.get("msg") or "no message"
+                message = _failure_message(result)
                 self.failures.append(f"{data.get('task', '?')}: {message}")
         return True  # keep every event in the journal
+
+
+def _failure_message(result: dict[str, Any]) -> str:
+    """A failed task's reason; for a loop task, its failed items' own (the task's is only "One or more items
+    failed"), each labelled with its item."""
+    items = result.get("results")
+    if isinstance(items, list):
+        reasons = [
+            f"{item.get('_ansible_item_label', item.get('item', '?'))}: {item.get('msg') or 'no message'}"
+            for item in items
+            if isinstance(item, dict) and item.get("failed")
+        ]
+        if reasons:
+            return "; ".join(reasons)
+    return str(result.get("msg") or "no message")
 
 
 class Applier:

@@ -185,7 +185,11 @@ def parse_inventory(raw: bytes, *, path: Path, node_id: str) -> Inventory:
     _require(len(engines) <= MAX_ENGINES, where, f"more than {MAX_ENGINES} engines ({len(engines)})")
     parsed = tuple(_engine(entry, f"{where}: engines[{index}]") for index, entry in enumerate(engines))
     names = [engine.name for engine in parsed]
-    _require(len(set(names)) == len(names), where, "an engine name is listed twice")
+    # Twice while it is replaced: the old container and the new one (engines.plan); never more.
+    crowded = sorted({name for name in names if names.count(name) > 2})
+    _require(not crowded, where, f"engine {crowded[0] if crowded else ''!r} is listed more than twice")
+    listed = [(engine.name, engine.port) for engine in parsed if engine.port is not None]
+    _require(len(set(listed)) == len(listed), where, "an engine is listed twice on one port")
     return Inventory(node_id=written, written_at=document["written_at"], engines=parsed)
 
 
@@ -297,27 +301,27 @@ def collect_inventory(
 
     owner = f"agent:{node_id}"
     listed = engine_info(connect, policy_path=policy_path, state_dir=state_dir, owner=owner, probe=False)["engines"]
-    probes: dict[str, tuple[str, str, tuple[str, int] | None]] = {}
-    exits: dict[str, EngineInspection] = {}  # how each last ended, and what was changed by hand
+    # By engine name and published port: while an engine is replaced, its old and new containers both show.
+    probes: dict[tuple[str, int | None], tuple[str, str, tuple[str, int] | None]] = {}
+    exits: dict[tuple[str, int | None], EngineInspection] = {}  # how each last ended, what was changed by hand
     if listed:
         engine = connect()
         try:
             for container in engine.list_owned():
                 if container.labels.get(LABEL_OWNER) == owner:
                     driver = driver_of(container)
-                    probes[container.instance or container.name] = (
-                        driver.name,
-                        driver.facts.health_path,
-                        probe_address(container, driver),
-                    )
+                    address = probe_address(container, driver)
+                    key = (container.instance or container.name, None if address is None else address[1])
+                    probes[key] = (driver.name, driver.facts.health_path, address)
                     with contextlib.suppress(DockerEngineError):  # gone since the listing: nothing to say
-                        exits[container.instance or container.name] = engine.inspect_engine(container.id)
+                        exits[key] = engine.inspect_engine(container.id)
         finally:
             engine.close()
     engines = []
     for entry in listed:
-        probe_driver, health_path, address = probes.get(entry["name"], ("openai", "/health", None))
-        inspected = exits.get(entry["name"])
+        key = (entry["name"], entry["port"])
+        probe_driver, health_path, address = probes.get(key, ("openai", "/health", None))
+        inspected = exits.get(key)
         engines.append(
             InventoryEngine(
                 name=entry["name"],

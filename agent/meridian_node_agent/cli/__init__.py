@@ -31,6 +31,7 @@ VERB_MODULES = {
     "apply-spooled": "root_side.apply_unit",
     "airgap-inbox": "root_side.inbox_unit",
     "observe-engines": "root_side.observe_unit",
+    "shutdown-drain": "root_side.shutdown_drain",
 }
 
 

@@ -1,9 +1,16 @@
 """The whole loop for ``make demo``: control plane -> signed desired state -> agent -> engine -> serving.
 
-Starts ``meridian-node-devserver`` (SQLite in a temp dir), enrolls an agent over mutual TLS, builds the
-stand-in vLLM engine image (no registry here; the first build on a machine takes about 75 s), publishes a
+Starts ``meridian-node-devserver`` (SQLite in a temp dir), enrolls an agent over mutual TLS, publishes a
 desired state with one engine, lets ``meridian-node run --once`` verify and apply it through ansible-runner,
-then shows the status table, the serving projection and the engine answering. Without a Docker Engine the
+then shows the status table, the serving projection and the engine answering at the address the projection
+gives.
+
+The engine is a real one where this machine allows: Debian's llama-server (an image built from the Debian
+mirror, no registry here: about a minute the first time on a machine, cached after) serving a tiny llama GGUF
+written here with random weights, published as a signed artifact that the agent verifies and promotes before
+the engine starts; the completion it prints is real, and gibberish. Where that cannot be built (no root for
+debootstrap, no mirror that carries llama.cpp, no ``gguf`` package) the demo says why and runs the stand-in
+vLLM image instead (tests/support/standin_server.py, the first build about 75 s). Without a Docker Engine the
 agent runs observe-only and says why. Everything it started is stopped and removed afterwards.
 """
 
@@ -12,8 +19,10 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +110,36 @@ def devserver(data_dir: Path) -> Iterator[dict[str, str]]:
             process.kill()
 
 
-def write_node(root: Path, server: dict[str, str], mode: str, port: int) -> Path:
+@dataclass
+class DemoEngine:
+    """What the demo publishes and how the node's policy must read to allow it."""
+
+    engine: dict[str, Any]
+    repository: str
+    artifacts: list[dict[str, Any]] = field(default_factory=list)
+    artifact_key_pem: bytes | None = None  # the key that signed the artifacts' manifests
+    model_sources: list[str] = field(default_factory=list)  # local directories the artifacts come from
+    real: bool = False  # a real inference engine (it can complete), not the stand-in
+
+
+def write_node(root: Path, server: dict[str, str], mode: str, port: int, demo: DemoEngine) -> Path:
     (root / "keys").mkdir(parents=True)
     shutil.copy(server["control_key"], root / "keys" / "control.pem")
+    trust: dict[str, Any] = {"control": {"threshold": 1, "public_keys": ["keys/control.pem"]}}
+    store: dict[str, Any] = {"path": str(root / "store"), "max_bytes": "1G"}
+    if demo.artifact_key_pem is not None:
+        (root / "keys" / "artifact.pem").write_bytes(demo.artifact_key_pem)
+        trust["artifact"] = {"threshold": 1, "public_keys": ["keys/artifact.pem"]}
+        store["local_sources"] = demo.model_sources
     policy = {
-        "trust": {"control": {"threshold": 1, "public_keys": ["keys/control.pem"]}},
-        "images": {"allowed_repositories": ["meridian-node/standin"], "require_digest": True},
-        "engines": {"allowed_drivers": ["vllm"], "bind_address": "127.0.0.1", "port_range": [port, port]},
-        "store": {"path": str(root / "store"), "max_bytes": "1G"},
+        "trust": trust,
+        "images": {"allowed_repositories": [demo.repository], "require_digest": True},
+        "engines": {
+            "allowed_drivers": [demo.engine["driver"]],
+            "bind_address": "127.0.0.1",
+            "port_range": [port, port],
+        },
+        "store": store,
         "agent": {"allowed_modes": ["observe-only", "managed-host"]},
     }
     (root / "policy.yaml").write_text(yaml.safe_dump(policy, sort_keys=False), encoding="utf-8")
@@ -144,6 +175,79 @@ def engine_image(client: Any) -> str:
     return image.pinned
 
 
+def standin_engine(image: str, port: int) -> DemoEngine:
+    """The stand-in vLLM engine, its model by name (the stand-in loads nothing)."""
+    engine = {
+        "name": ENGINE,
+        "driver": "vllm",
+        "image": image,
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+        "served_model_name": "llama-3.1-8b",
+        "port": port,
+        "env": {"STANDIN_LOAD_SECONDS": "2"},
+    }
+    return DemoEngine(engine=engine, repository="meridian-node/standin")
+
+
+def real_engine(client: Any, workdir: Path, port: int) -> tuple[DemoEngine | None, str | None]:
+    """llama-server serving a tiny random-weight GGUF published as a signed artifact, or why it cannot be."""
+    try:
+        from ansible_collections.meridian.node.tests.support.gguf_models import TINY, artifact_ref, write_model
+        from ansible_collections.meridian.node.tests.support.llamacpp_image import ensure_llamacpp_image
+        from ansible_collections.meridian.node.tests.support.standin_image import StandinImageError
+        from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key
+    except ImportError as exc:
+        return None, f"{exc} (install the dev extra: pip install -e '.[dev]')"
+    print("building the llama.cpp engine image from the Debian mirror (cached; about a minute the first time)")
+    try:
+        built = ensure_llamacpp_image(client)
+    except StandinImageError as exc:
+        return None, str(exc)
+    print(f"  {built.describe()}")
+    model = write_model(workdir / "models" / "tiny-llama", TINY, seed=0)
+    print(f"  {model.describe()}: a 2-layer llama with random weights, so what it writes is gibberish")
+    key = make_key()
+    artifact = artifact_ref(model, key, name="tiny-llama")
+    print("  its sha256 is pinned in an ArtifactManifest signed by a demo artifact key the node's policy trusts")
+    engine = {
+        "name": ENGINE,
+        "driver": "llamacpp",
+        "image": built.image.pinned,
+        "model": {"artifact": "tiny-llama"},
+        "served_model_name": "tiny-llama",
+        "port": port,
+    }
+    demo = DemoEngine(
+        engine=engine,
+        repository=built.image.repository,
+        artifacts=[artifact],
+        artifact_key_pem=key.public_pem,
+        model_sources=[str(model.path.parent)],
+        real=True,
+    )
+    return demo, None
+
+
+def show_completion(address: str, model: str) -> None:
+    """One real completion from the engine at ``address`` (the serving projection's), printed as it came."""
+    # Random weights end a text at a random token: ignore_eos (a llama-server option) lets it write all 24.
+    body = {"model": model, "prompt": "The whole loop works:", "max_tokens": 24, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"http://{address}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:  # noqa: S310 - http:// to the projection's address
+            completion = json.loads(answer.read())
+    except OSError as exc:
+        print(f"\nPOST http://{address}/v1/completions failed: {exc}")
+        return
+    print(f"\nPOST http://{address}/v1/completions (the address from the serving projection) -> {answer.status}")
+    print(f"  prompt: {body['prompt']!r}")
+    print(f"  completion ({completion['usage']['completion_tokens']} tokens, random weights, so gibberish):")
+    print(f"  {completion['choices'][0]['text']!r}")
+    print(f"  served by {completion.get('system_fingerprint', '?')} as model {completion.get('model')!r}")
+
+
 def remove_demo_engine(client: Any) -> None:
     if client is None:
         return
@@ -163,26 +267,23 @@ def whole_loop(workdir: Path) -> None:
         )
     remove_demo_engine(client)
     port = free_port()
-    image = engine_image(client) if client is not None else "meridian-node/standin@sha256:" + "0" * 64
+    if client is None:
+        demo = standin_engine("meridian-node/standin@sha256:" + "0" * 64, port)
+    else:
+        real, why = real_engine(client, workdir, port)
+        if real is None:
+            print(f"\nNo real engine here: {why}")
+            print("Falling back to the stand-in vLLM engine: it answers like vLLM, but runs no model.")
+        demo = real if real is not None else standin_engine(engine_image(client), port)
     node = workdir / "node"
     try:
         with devserver(workdir / "control-plane") as server:
-            config = write_node(node, server, mode, port)
+            config = write_node(node, server, mode, port, demo)
             agent = [str(BIN / "meridian-node"), "--config", str(config)]
             show([*agent, "enroll", "--token", server["token"], "--ca-bundle", server["ca"]], cwd=node)
-            desired = {
-                "engines": [
-                    {
-                        "name": ENGINE,
-                        "driver": "vllm",
-                        "image": image,
-                        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-                        "served_model_name": "llama-3.1-8b",
-                        "port": port,
-                        "env": {"STANDIN_LOAD_SECONDS": "2"},
-                    }
-                ]
-            }
+            desired: dict[str, Any] = {"engines": [demo.engine]}
+            if demo.artifacts:
+                desired["artifacts"] = demo.artifacts
             (node / "desired.yaml").write_text(yaml.safe_dump(desired, sort_keys=False), encoding="utf-8")
             show(
                 [
@@ -203,9 +304,16 @@ def whole_loop(workdir: Path) -> None:
             identity = NodeIdentity(node / "state" / "identity")
             with ControlClient(server["url"], identity.ca_path, identity.cert_path, identity.key_path) as control:
                 projection = control.serving()
+            endpoints = projection.model_dump(mode="json")["endpoints"]
             print("\nServing projection (what a gateway routes to):")
-            print(json.dumps(projection.model_dump(mode="json")["endpoints"], indent=2))
-            if client is not None:
+            print(json.dumps(endpoints, indent=2))
+            served = [e for e in endpoints if e["engine"] == ENGINE]
+            if client is not None and demo.real:
+                if served:
+                    show_completion(served[0]["address"], served[0]["served_model_name"])
+                else:
+                    print(f"\n{ENGINE} is not in the serving projection: the run above says why")
+            elif client is not None:
                 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import http_get
 
                 answer = http_get("127.0.0.1", port, "/v1/models")

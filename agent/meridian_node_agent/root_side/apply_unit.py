@@ -15,7 +15,9 @@ journal, its own oplog, the record, the draining marks, and in ``public/`` the a
 systemd's ``PathChanged=`` does not queue: a request written while this runs starts nothing. So after each
 answer the spool is read again, and a newer request is answered in the same run. The whole run holds
 ``root_side.root_dir.apply_lock``, so root's observe unit (``root_side.observe_unit``) does not rewrite
-``engines.json`` under it.
+``engines.json`` under it: this run does, every ``LIVE_INVENTORY_S`` while an apply runs (``LiveInventory``),
+so that the agent sees a replace as it happens (the new engine ready beside the old, then the old draining)
+and the serving projection switches mid-apply, not only once the whole apply is over.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -47,11 +50,24 @@ from meridian_node_agent.boundary.spool import (
 )
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
 from meridian_node_agent.errors import UsageError
+from meridian_node_agent.root_side.read_only_docker import connect_read_only
 from meridian_node_agent.root_side.root_dir import RootDir, apply_lock, prepare_root_dir, read_request
 
-__all__ = ["VERB", "add_parsers", "answer_one", "answer_requests", "cmd_apply_spooled", "refresh_inventory"]
+__all__ = [
+    "LIVE_INVENTORY_S",
+    "VERB",
+    "LiveInventory",
+    "add_parsers",
+    "answer_one",
+    "answer_requests",
+    "cmd_apply_spooled",
+    "refresh_inventory",
+]
 
 VERB = "apply-spooled"
+# How often engines.json is rewritten while an apply runs: the agent re-reads it each second during an apply,
+# and a replace's settle (reconcile.yml's meridian_drain_settle, 5 s) must cover both.
+LIVE_INVENTORY_S = 1.0
 _GENERATION = re.compile(r"^gen-([0-9]+)-")
 
 
@@ -132,7 +148,8 @@ def answer_requests(
         if previous is not None and previous.request == request.request:
             break
         try:
-            answer = answer_one(config, root, request, clock=now)
+            with LiveInventory(config, root, clock=now):
+                answer = answer_one(config, root, request, clock=now)
         except Exception as exc:  # noqa: BLE001 - answered as failed: the agent must not wait its whole timeout
             traceback.print_exc(file=sys.stderr)  # a bug, not a verdict on the request: keep the whole story
             answer = _failed(root, request.request, now(), now, f"the root apply unit failed: {exc!r}")
@@ -182,6 +199,49 @@ def refresh_inventory(
     except (DockerEngineError, OSError, ValueError) as exc:
         return f"could not write {root.public / 'engines.json'}: {exc}; the agent keeps observing the previous one"
     return None
+
+
+class LiveInventory:
+    """Rewrites ``engines.json`` every ``interval_s`` in a thread while an apply runs (a context manager).
+
+    Only reads Docker (``refresh_inventory`` through ``read_only_docker``); a failed rewrite is said once and
+    the previous file stays. Stopped before the final rewrite, so the answer always follows a whole listing.
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        root: RootDir,
+        *,
+        clock: Callable[[], datetime],
+        interval_s: float = LIVE_INVENTORY_S,
+        refresh: Callable[..., str | None] | None = None,
+    ) -> None:
+        self._args = (config, root)
+        self._clock = clock
+        self._interval_s = interval_s
+        self._refresh = refresh or refresh_inventory
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="live-inventory", daemon=True)
+        self.rewrites = 0
+
+    def __enter__(self) -> LiveInventory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stop.wait(self._interval_s):
+            problem = self._refresh(*self._args, clock=self._clock, connect=connect_read_only)
+            if problem is None:
+                self.rewrites += 1
+            elif not warned:
+                _report_inventory(problem)
+                warned = True
 
 
 def _report_inventory(problem: str | None) -> None:

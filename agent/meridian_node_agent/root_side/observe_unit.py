@@ -12,11 +12,11 @@ the agent neither starts it nor chooses when it runs, and nothing of the agent's
 request). What the agent does with a drift is what it does in-process: it spools the same generation, and
 the apply unit re-verifies and reconciles it.
 
-Read-only by construction, not by care: the Docker client it uses (``ReadOnlyDockerApi``) refuses every
+Read-only by construction, not by care: the Docker client it uses (``read_only_docker``) refuses every
 Docker API call other than ``GET`` before it connects, so neither this code nor the engine discovery under
 it can create, start, stop or remove a container. While an apply runs (``root_side.root_dir.apply_lock``) it does
-nothing: that apply rewrites the file when it answers, and a listing taken in the middle of a replace would
-show the agent a half-done state.
+nothing: that apply rewrites the file itself, each second while it runs (``apply_unit.LiveInventory``) and
+once more before it answers.
 """
 
 from __future__ import annotations
@@ -27,42 +27,13 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi, DockerApiError
-from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, DockerUnavailableError
 from meridian_node_agent.root_side.apply_unit import open_root_side, refresh_inventory
+from meridian_node_agent.root_side.read_only_docker import connect_read_only
 from meridian_node_agent.root_side.root_dir import apply_lock
 
-__all__ = ["VERB", "ReadOnlyDockerApi", "add_parsers", "cmd_observe_engines", "connect_read_only"]
+__all__ = ["VERB", "add_parsers", "cmd_observe_engines"]
 
 VERB = "observe-engines"
-# The only methods that read: everything else the Engine API has creates, changes or removes something.
-_READING = frozenset({"GET", "HEAD"})
-
-
-class ReadOnlyDockerApi(DockerApi):
-    """A ``DockerApi`` that refuses every call but ``GET``/``HEAD``, before connecting: what the observe unit
-    uses, so that a mistake anywhere under it cannot change an engine."""
-
-    def _request(self, method: str, path: str, action: str, **kwargs: Any) -> Any:
-        if method.upper() not in _READING:
-            raise DockerApiError(
-                f"refused {method} {path}: the observe unit only reads the Docker Engine; changes go through "
-                "the apply unit (meridian-node apply-spooled)",
-                action=action,
-            )
-        return super()._request(method, path, action, **kwargs)
-
-
-def connect_read_only(timeout_s: int = 30) -> DockerEngine:
-    """The local Docker Engine through ``ReadOnlyDockerApi`` (DOCKER_HOST, or the local socket)."""
-    try:
-        api = ReadOnlyDockerApi.from_env(timeout_s=timeout_s)
-    except DockerApiError as exc:
-        raise DockerUnavailableError(
-            f"Error connecting to the Docker Engine: {exc.reason}; is dockerd running and is its socket "
-            "(/var/run/docker.sock or DOCKER_HOST) reachable by root?"
-        ) from exc
-    return DockerEngine(api)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

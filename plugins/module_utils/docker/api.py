@@ -169,6 +169,11 @@ class DockerApi:
         query = {"force": "1" if force else "0", "v": "0"}
         self._request("DELETE", f"/containers/{_quote(container_id)}", f"removing {container_id[:12]}", query=query)
 
+    def rename(self, container_id: str, name: str) -> None:
+        self._request(
+            "POST", f"/containers/{_quote(container_id)}/rename", f"renaming {container_id[:12]}", query={"name": name}
+        )
+
     # --- transport ------------------------------------------------------------------------------------------
 
     def _json(self, method: str, path: str, action: str, **kwargs: Any) -> Any:

@@ -23,13 +23,14 @@ modules need no Python package on the host, and pay no SDK import on every task.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import ipaddress
 import json
 import shutil
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ __all__ = [
     "IPC_MODES",
     "LABEL_CONFIG_HASH",
     "LABEL_DRIVER",
+    "LABEL_HOST_PORT",
     "LABEL_INSTANCE",
     "LABEL_OWNED",
     "LABEL_SETTINGS",
@@ -67,6 +69,7 @@ __all__ = [
     "ImageInfo",
     "ImageNotFoundError",
     "NvidiaRuntimeMissingError",
+    "Placement",
     "PortBinding",
     "PublishedPort",
     "UnsafeImageError",
@@ -79,7 +82,10 @@ LABEL_OWNED = "meridian.node/owned"
 LABEL_INSTANCE = "meridian.node/instance"
 LABEL_DRIVER = "meridian.node/driver"
 LABEL_CONFIG_HASH = "meridian.node/config-hash"
-RESERVED_LABELS = (LABEL_OWNED, LABEL_INSTANCE, LABEL_DRIVER, LABEL_CONFIG_HASH, LABEL_SETTINGS)
+# The host port of a container created beside its engine's old one (``Placement``): Docker lists no ports for a
+# stopped container, and the settings it was created from must still be known then.
+LABEL_HOST_PORT = "meridian.node/host-port"
+RESERVED_LABELS = (LABEL_OWNED, LABEL_INSTANCE, LABEL_DRIVER, LABEL_CONFIG_HASH, LABEL_SETTINGS, LABEL_HOST_PORT)
 RESTART_POLICIES = ("no", "on-failure", "unless-stopped", "always")
 IPC_MODES = ("private", "shareable", "host")
 # A host runs a handful of engines: more cached readings than this means containers came and went.
@@ -144,8 +150,21 @@ class PortBinding:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where one container of an engine actually runs when it is not the engine's own name and port: a
+    replace's new container, created beside the old as ``<name>.NEW`` on a free port, then renamed."""
+
+    name: str
+    host_port: int | None = None
+
+
+@dataclass(frozen=True)
 class ContainerSettings:
     """Everything a container is created from. Plain data: drivers build it, the config hash covers it.
+
+    ``placed`` is not hashed: a container created beside its engine's old one (another name, another host
+    port) carries the same config hash as one created in its place, so once it has taken over it is the
+    engine as asked, and is not replaced again.
 
     ``ulimits`` are ``(name, soft, hard)``, -1 unlimited. ``ipc_mode`` is always sent (the daemon's own default
     may be ``shareable``); ``shm_size_mib`` None is Docker's 64 MiB and must be None with ``ipc_mode`` host,
@@ -170,6 +189,7 @@ class ContainerSettings:
     shm_size_mib: int | None = None
     ipc_mode: str = "private"
     ulimits: tuple[tuple[str, int, int], ...] = ()
+    placed: Placement | None = None
 
     def __post_init__(self) -> None:
         reserved = sorted(set(self.labels) & set(RESERVED_LABELS))
@@ -200,6 +220,24 @@ class ContainerSettings:
                 if not 1 <= number <= 65535:
                     raise ValueError(f"port {number} is outside 1-65535")
             ipaddress.ip_address(self.port.host_ip)
+        if self.placed is not None and self.placed.host_port is not None and not 1 <= self.placed.host_port <= 65535:
+            raise ValueError(f"port {self.placed.host_port} is outside 1-65535")
+
+    @property
+    def container_name(self) -> str:
+        """The name the container is created under: the engine's, or its placement's."""
+        return self.name if self.placed is None else self.placed.name
+
+    @property
+    def published(self) -> PortBinding | None:
+        """The port binding the container is created with: the engine's, on its placement's host port if any."""
+        if self.port is None or self.placed is None or self.placed.host_port is None:
+            return self.port
+        return dataclasses.replace(self.port, host_port=self.placed.host_port)
+
+    def placed_at(self, name: str, host_port: int | None) -> ContainerSettings:
+        """These settings for a container named ``name`` published on ``host_port`` (None: the engine's)."""
+        return dataclasses.replace(self, placed=Placement(name=name, host_port=host_port))
 
     def canonical(self) -> dict[str, Any]:
         """The settings as plain JSON data, the input of ``config_hash``."""
@@ -469,6 +507,14 @@ class DockerEngine:
         exact = [container for container in found if container.name == name]
         return exact[0] if exact else None
 
+    def find_names(self, names: Sequence[str]) -> dict[str, ContainerInfo]:
+        """The containers called exactly one of ``names``, ours or not, by name: one listing for all of them."""
+        if not names:
+            return {}
+        pattern = "^/(" + "|".join(_go_regex_escape(name) for name in names) + ")$"
+        found = self._list({"name": pattern}, f"looking up containers {list(names)!r}")
+        return {container.name: container for container in found if container.name in names}
+
     def find_owned(self, name: str) -> ContainerInfo | None:
         """Like ``find``, but a foreign container with that name raises ``ForeignContainerError``."""
         container = self.find(name)
@@ -613,8 +659,8 @@ class DockerEngine:
         # settings at hand, tells a container changed by hand from these (engine_drift).
         expected = expected_settings(_create_body(settings, image.id, labels), {"Config": image.config})
         labels[LABEL_SETTINGS] = settings_label(expected)
-        with _docker_call(f"creating container {settings.name!r}"):
-            created = self.api.create_container(settings.name, _create_body(settings, image.id, labels))
+        with _docker_call(f"creating container {settings.container_name!r}"):
+            created = self.api.create_container(settings.container_name, _create_body(settings, image.id, labels))
         container_id = str(created["Id"])
         with _docker_call(f"inspecting the new container {settings.name!r}", not_found=ContainerNotFoundError):
             live = read_settings(self.api.inspect_container(container_id))
@@ -656,6 +702,14 @@ class DockerEngine:
         with _docker_call(f"removing container {container.name!r}", not_found=ContainerNotFoundError):
             self.api.remove(container.id, force=force)
 
+    def rename(self, container: ContainerInfo, name: str) -> ContainerInfo:
+        """Give an owned container another name (running or not: Docker renames live containers); returns
+        it as it is now. A replace keeps its old and new containers under names beside the engine's."""
+        self._require_owned(container, "rename")
+        with _docker_call(f"renaming container {container.name!r} to {name!r}", not_found=ContainerNotFoundError):
+            self.api.rename(container.id, name)
+        return self.container(container.id)
+
     @staticmethod
     def _require_owned(container: ContainerInfo, verb: str) -> None:
         if not container.owned:
@@ -669,13 +723,16 @@ class DockerEngine:
 
 def _our_labels(settings: ContainerSettings) -> dict[str, str]:
     """The settings' labels and the ownership labels ``create`` adds (all but the settings digests)."""
-    return {
+    labels = {
         **settings.labels,
         LABEL_OWNED: "true",
         LABEL_INSTANCE: settings.instance,
         LABEL_DRIVER: settings.driver,
         LABEL_CONFIG_HASH: settings.config_hash(),
     }
+    if settings.placed is not None and settings.placed.host_port is not None:
+        labels[LABEL_HOST_PORT] = str(settings.placed.host_port)
+    return labels
 
 
 def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str, str]) -> dict[str, Any]:
@@ -705,12 +762,11 @@ def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str
         body["Cmd"] = list(settings.command)
     if settings.entrypoint is not None:
         body["Entrypoint"] = list(settings.entrypoint)
-    if settings.port is not None:
-        key = f"{settings.port.container_port}/tcp"
+    published = settings.published
+    if published is not None:
+        key = f"{published.container_port}/tcp"
         body["ExposedPorts"] = {key: {}}
-        host_config["PortBindings"] = {
-            key: [{"HostIp": settings.port.host_ip, "HostPort": str(settings.port.host_port)}]
-        }
+        host_config["PortBindings"] = {key: [{"HostIp": published.host_ip, "HostPort": str(published.host_port)}]}
     if settings.gpus:
         host_config["DeviceRequests"] = [
             {"Driver": "nvidia", "DeviceIDs": list(settings.gpus), "Capabilities": [["gpu"]], "Count": 0, "Options": {}}

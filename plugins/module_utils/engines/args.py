@@ -61,6 +61,8 @@ RUN_OPTIONS: dict[str, Any] = {
     "ready_timeout": {"type": "int", "default": 600},
     "drain_timeout": {"type": "int", "default": 300},
     "drain_grace": {"type": "int", "default": 10},
+    "drain_settle": {"type": "int", "default": 0},
+    "replace_beside": {"type": "bool", "default": False},
     **HOST_ARGS,
     "store_path": {"type": "path"},
     "owner": {"type": "str"},

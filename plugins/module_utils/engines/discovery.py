@@ -46,7 +46,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     port_bind_problem,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import driver_of, probe_address
-from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import list_draining
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainMark, list_draining
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import Driver, get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER, label_spec
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
@@ -125,7 +125,7 @@ def discover_engines(
     it carries no digests to compare with; ``docker.drift``): one inspect per engine, which the agent's
     observations pay and modules do not.
     """
-    draining = {mark.name for mark in list_draining(state_dir)}
+    draining = {mark.name: mark for mark in list_draining(state_dir)}
     ours: list[dict[str, Any]] = []
     foreign: list[dict[str, Any]] = []
     for container in engine.list_containers():
@@ -135,7 +135,7 @@ def discover_engines(
                 entry.update(_exits(engine, container))
             ours.append(entry)
         elif container.owned:
-            foreign.append({**_observe_ours(container, set(), False), "managed": False})
+            foreign.append({**_observe_ours(container, {}, False), "managed": False})
         else:
             observed = _observe_foreign(container, probe)
             if observed is not None:
@@ -157,7 +157,7 @@ def _exits(engine: DockerEngine, container: ContainerInfo) -> dict[str, Any]:
     }
 
 
-def _observe_ours(container: ContainerInfo, draining: set[str], probe: bool) -> dict[str, Any]:
+def _observe_ours(container: ContainerInfo, draining: Mapping[str, DrainMark], probe: bool) -> dict[str, Any]:
     driver = driver_of(container)
     address = probe_address(container, driver)
     spec = label_spec(container)
@@ -170,7 +170,7 @@ def _observe_ours(container: ContainerInfo, draining: set[str], probe: bool) -> 
         "image": str(spec.get("image") or container.image),
         "state": container.state,
         "ready": probe and _ready(container, driver, address),
-        "draining": name in draining,
+        "draining": name in draining and draining[name].applies_to(None if address is None else address[1]),
         "port": None if address is None else address[1],
         "served_model_name": served if isinstance(served, str) else None,
     }

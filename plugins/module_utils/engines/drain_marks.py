@@ -5,6 +5,11 @@ One small JSON file per engine, ``<state_dir>/draining/<name>.json``, written at
 drain-then-replace does, so the agent's observations (and through them the serving projection) drop the
 engine before any request could be cut off; it is cleared once a replacement is ready, or by undrain.
 
+A mark may name one container of the engine, by the host port it publishes: a replace that starts the new
+engine beside the old drains only the old container, while the new one, under the same engine name and on
+another port, is already serving. The port is what every observer has (root's ``engines.json`` lists no
+container ids), and two containers of one engine never publish the same port.
+
 The files hold nothing secret (engine name, time, reason), so they are world-readable: the agent runs
 unprivileged and must read marks written by root.
 """
@@ -54,9 +59,17 @@ class DrainMark:
     name: str
     since: str  # RFC 3339 UTC
     reason: str
+    port: int | None = None  # the engine's one container published on this port drains; None: all of them
 
-    def as_dict(self) -> dict[str, str]:
-        return {"name": self.name, "since": self.since, "reason": self.reason}
+    def as_dict(self) -> dict[str, Any]:
+        document: dict[str, Any] = {"name": self.name, "since": self.since, "reason": self.reason}
+        if self.port is not None:
+            document["port"] = self.port
+        return document
+
+    def applies_to(self, port: int | None) -> bool:
+        """Whether the engine's container published on ``port`` (None: not published) is draining."""
+        return self.port is None or self.port == port
 
 
 def _now() -> str:
@@ -94,24 +107,32 @@ def _parse(path: str, data: bytes, name: str) -> DrainMark:
         or document.get("name") != name
         or not isinstance(document.get("since"), str)
         or not isinstance(document.get("reason"), str)
+        or not _optional_port(document.get("port"))
     ):
         raise DrainStateError(
-            f"draining mark {path} must be an object with name {name!r}, since and reason strings; "
-            "remove it or run undrain"
+            f"draining mark {path} must be an object with name {name!r}, since and reason strings (and "
+            "optionally a port, 1-65535); remove it or run undrain"
         )
-    return DrainMark(name=name, since=document["since"], reason=document["reason"])
+    return DrainMark(name=name, since=document["since"], reason=document["reason"], port=document.get("port"))
 
 
-def mark_draining(state_dir: str, name: str, *, reason: str, now: str | None = None) -> tuple[DrainMark, bool]:
-    """Mark ``name`` draining, durably; returns the mark and whether it is new.
+def _optional_port(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535)
+
+
+def mark_draining(
+    state_dir: str, name: str, *, reason: str, now: str | None = None, port: int | None = None
+) -> tuple[DrainMark, bool]:
+    """Mark ``name`` draining (only its container published on ``port``, when given), durably; returns the
+    mark and whether it is new.
 
     An engine already marked keeps its first ``since``: the drain started then, and a retry must not
-    reset how long it has been draining.
+    reset how long it has been draining. A mark for the whole engine covers any one container of it.
     """
     existing = read_mark(state_dir, name)
-    if existing is not None:
+    if existing is not None and (existing.port is None or existing.port == port):
         return existing, False
-    mark = DrainMark(name=name, since=now or _now(), reason=reason)
+    mark = DrainMark(name=name, since=now or _now(), reason=reason, port=port)
     path = _mark_path(state_dir, name)
     directory = os.path.dirname(path)
     try:

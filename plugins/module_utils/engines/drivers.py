@@ -84,6 +84,9 @@ class SigtermBehaviour(StrEnum):
 
     ABORTS_IN_FLIGHT = "aborts-in-flight"
     FINISHES_IN_FLIGHT = "finishes-in-flight"
+    # Stops working and listening but never answers what is in flight and never exits: only the SIGKILL after
+    # the stop timeout ends it, so a longer timeout only keeps clients waiting longer.
+    HANGS_UNTIL_KILLED = "hangs-until-killed"
 
 
 @dataclass(frozen=True)
@@ -505,13 +508,16 @@ class LlamaCppDriver(Driver):
         running_metric="llamacpp:requests_processing",
         waiting_metric="llamacpp:requests_deferred",
         metrics_flag="--metrics",
-        sigterm=SigtermBehaviour.ABORTS_IN_FLIGHT,
+        # Measured on Debian's llama-server 0.7.0 (build 11669) by tests/system/e2e/test_real_engine.py.
+        sigterm=SigtermBehaviour.HANGS_UNTIL_KILLED,
         sigterm_detail=(
-            "the first SIGTERM stops the task loop, then the HTTP server, without waiting for requests in "
-            "flight; a second signal exits at once"
+            "with requests in flight, SIGTERM stops the task loop and closes the listener, but the requests are "
+            "never answered and the process does not exit until the SIGKILL after the stop timeout (exit 137; "
+            "clients get an empty reply); idle, it exits 0 at once"
         ),
         stop_signal="SIGTERM",
-        stop_timeout_s=15,
+        # Idle it exits in well under a second; with work in flight waiting longer finishes nothing.
+        stop_timeout_s=5,
     )
     owned_flags = ("--host", "--port", "-m", "--model", "-hf", "-hfr", "--hf-repo", "-a", "--alias")
 

@@ -24,6 +24,13 @@ the safety argument, so it is spelt out here:
 
 Nothing is created, stopped or removed before step 9, so every refusal leaves the host as it was.
 
+A replace of a running engine never leaves the model down (``engines.plan``): with ``replace_beside`` and room
+(``find_room``: a free port in the policy's range, and the new engine's GPUs and VRAM besides the old one's)
+the new engine starts beside the old and takes over once ready, on the free port; otherwise the old one is
+stopped but kept until the new one is ready, and the engine keeps its port. If the new one fails,
+``apply_engine`` rolls back (``plan.rollback_actions``) so that the old one serves again, and the result's
+``replace`` says ``rolled-back`` with the reason.
+
 The spec and the host policy are ``engines.spec``'s; the labels each container carries, ``engines.labels``;
 where it may run and with how much VRAM, ``engines.placement``; which model directory it mounts,
 ``artifacts.layout`` (the store's own rule).
@@ -34,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,11 +52,14 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout imp
     promoted_dir,
 )
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
+    LABEL_HOST_PORT,
     RESERVED_LABELS,
     ContainerInfo,
     ContainerSettings,
     DockerEngine,
     DockerEngineError,
+    address_overlaps,
+    port_bind_problem,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import (
     driver_of,
@@ -81,13 +91,17 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.placement im
     reservations_from,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import (
+    ASIDE_SUFFIXES,
     Action,
     EnginePlan,
     NameTakenError,
     Observed,
     ReplaceStrategy,
+    Room,
     TargetState,
+    aside_name,
     plan_engine,
+    rollback_actions,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import (
     container_settings,
@@ -110,6 +124,7 @@ __all__ = [
     "check_placement",
     "converge",
     "engine_settings",
+    "find_room",
     "load_engine_policy",
     "mounted_artifact",
     "own_reservation",
@@ -139,6 +154,12 @@ class Options:
     ready_timeout_s: float = 600
     drain_timeout_s: float = 300
     drain_grace_s: float = 10
+    # How long a drained engine keeps serving, after its mark, before its gauges are trusted: time for whoever
+    # routes to it (the agent's observation, the serving projection, a gateway) to stop sending it work.
+    drain_settle_s: float = 0
+    # Whether a running engine may be replaced beside its old container, on a free port it then keeps: right
+    # where routing follows the serving projection (the agent's reconcile), wrong for a static load balancer.
+    replace_beside: bool = False
     policy_path: str = DEFAULT_POLICY
     state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
@@ -192,11 +213,21 @@ class EngineRun:
     done: list[str] = field(default_factory=list)
     spec: ParsedEngineSpec | None = None  # None for state absent
     bind: str = "127.0.0.1"  # the policy's bind address the engine is published on
+    port_range: tuple[int, int] = (0, 0)  # the policy's: where a replace may find a free port
+    previous: ContainerInfo | None = None  # a replace's old container once the new one exists or it is set aside
+    room: Room | None = None  # what find_room found, for a replace of a running engine
+    outcome: str | None = None  # a replace's: "replaced", "rolled-back" or "rollback-failed"
+    reason: str | None = None  # why it rolled back
+    observed: Observed | None = None  # what the plan was made from
+    leftovers: tuple[str, ...] = ()
 
     def result(self, **extra: Any) -> dict[str, Any]:
         container = None
         if self.current is not None:
             container = {"id": self.current.id, "name": self.current.name, "status": self.current.state}
+        replace = None
+        if self.plan.way is not None:
+            replace = {"way": self.plan.way, "why": self.plan.why, "outcome": self.outcome, "reason": self.reason}
         return {
             "changed": bool(self.done) or bool(extra.pop("planned", False)),
             "actions": [str(action) for action in self.plan.actions],
@@ -204,6 +235,7 @@ class EngineRun:
             "config_hash": self.config_hash or None,
             "container": container,
             "drifted": list(self.plan.drifted),
+            "replace": replace,
             "diff": self.plan.diff(),
             **extra,
         }
@@ -226,8 +258,10 @@ def converge(
     read_gpus = gpu_facts or read_gpu_facts
     try:
         run = prepare_engine(params, options, engine, check_mode=check_mode)
+        if run.plan.way == "in-place" and run.spec is not None and options.replace_beside:
+            _look_for_room(run, run.spec, read_gpus)
         # A run pending its artifact (check mode) has no settings to place: it says so in its result instead.
-        if Action.CREATE in run.plan.actions and run.spec is not None and run.settings is not None:
+        if creates(run.plan) and run.spec is not None and run.settings is not None:
             _check_placement(run, run.spec, read_gpus)
         if check_mode or not run.plan.actions:
             return report_engine(run, check_mode)
@@ -264,8 +298,8 @@ def prepare_engine(
     """
     name = str(params["name"])
     if options.state == "absent":
-        observed, current = _observe(engine, name, containers)
-        plan = _plan(name, options, "", {}, observed)
+        observed, current, leftovers = _observe(engine, name, containers)
+        plan = _plan(name, options, "", {}, observed, leftovers)
         return EngineRun(name, options, engine, plan, "", current)
 
     spec = build_spec(params, options.replace_strategy)
@@ -286,7 +320,7 @@ def prepare_engine(
             except EngineInstanceError as exc:
                 if not check_mode:
                     raise
-                return _pending_artifact_run(name, spec, options, engine, str(exc), containers)
+                return _pending_artifact_run(name, spec, options, engine, str(exc), containers, policy)
             files = _model_files(model_dir)
         # The volumes as resolved on the host: what is mounted (and hashed) is what was checked.
         mounted = dataclasses.replace(spec, volumes=volumes)
@@ -297,15 +331,45 @@ def prepare_engine(
     settings = engine_settings(spec, launch, bind_address=bind, owner=options.owner)
     config_hash = settings.config_hash()
 
-    observed, current = _observe(engine, name, containers)
+    observed, current, leftovers = _observe(engine, name, containers)
+    port_range = _port_range(policy)
     if observed is not None and current is not None and observed.owned and observed.config_hash == config_hash:
         # The hash label says what the container was created from, not what it is now: `docker update`
-        # keeps every label, and a container recreated by hand can carry ours. What it runs is read back.
-        observed = dataclasses.replace(observed, drifted=engine.settings_drift(current, settings))
-    plan = _plan(name, options, config_hash, public_spec(spec), observed)
+        # keeps every label, and a container recreated by hand can carry ours. What it runs is read back,
+        # on the port it runs on: one that took over from a replace beside it keeps its free port.
+        observed = dataclasses.replace(
+            observed, drifted=engine.settings_drift(current, _as_placed(settings, current, port_range))
+        )
+    plan = _plan(name, options, config_hash, public_spec(spec), observed, leftovers)
     return EngineRun(
-        name, options, engine, plan, config_hash, current, driver, settings, loopback_for(bind), spec=spec, bind=bind
+        name,
+        options,
+        engine,
+        plan,
+        config_hash,
+        current,
+        driver,
+        settings,
+        loopback_for(bind),
+        spec=spec,
+        bind=bind,
+        port_range=port_range,
+        observed=observed,
+        leftovers=leftovers,
     )
+
+
+def _as_placed(settings: ContainerSettings, container: ContainerInfo, port_range: tuple[int, int]) -> ContainerSettings:
+    """``settings`` as ``container`` was created from them: on the host port its ``LABEL_HOST_PORT`` names, when
+    it took over from a replace beside it (running or stopped: Docker lists a stopped container's ports as none)
+    and that port is still in the policy's range. Published anywhere else, it has drifted."""
+    try:
+        placed = int(container.labels.get(LABEL_HOST_PORT, ""))
+    except ValueError:
+        return settings
+    if settings.port is None or not port_range[0] <= placed <= port_range[1]:
+        return settings
+    return settings.placed_at(container.name, placed)
 
 
 def _pending_artifact_run(
@@ -315,6 +379,7 @@ def _pending_artifact_run(
     engine: DockerEngine,
     why: str,
     containers: Mapping[str, ContainerInfo] | None,
+    policy: Policy,
 ) -> EngineRun:
     """Check mode before the artifact is in the store: the real run makes it present first (a
     ``verified_artifact`` task, which check mode did not run), so the settings cannot be known yet.
@@ -322,9 +387,26 @@ def _pending_artifact_run(
     A new engine would be created; an existing one would be replaced, since the promoted version is
     part of its settings. Placement is not checked: it needs the settings. The result says so.
     """
-    observed, current = _observe(engine, name, containers)
-    plan = _plan(name, options, _PENDING, public_spec(spec), observed)
-    return EngineRun(name, options, engine, plan, "", current, pending=f"{why}; placement was not checked", spec=spec)
+    observed, current, leftovers = _observe(engine, name, containers)
+    plan = _plan(name, options, _PENDING, public_spec(spec), observed, leftovers)
+    return EngineRun(
+        name,
+        options,
+        engine,
+        plan,
+        "",
+        current,
+        pending=f"{why}; placement was not checked",
+        spec=spec,
+        bind=policy.engines.bind_address,
+        port_range=_port_range(policy),
+        observed=observed,
+        leftovers=leftovers,
+    )
+
+
+def _port_range(policy: Policy) -> tuple[int, int]:
+    return int(policy.engines.port_range[0]), int(policy.engines.port_range[1])
 
 
 def engine_settings(
@@ -339,22 +421,33 @@ def engine_settings(
 
 def _observe(
     engine: DockerEngine, name: str, containers: Mapping[str, ContainerInfo] | None = None
-) -> tuple[Observed | None, ContainerInfo | None]:
-    container = engine.find(name) if containers is None else containers.get(name)
-    if container is None:
-        return None, None
-    return (
-        Observed(
-            owned=container.owned,
-            status=container.state,
-            config_hash=container.config_hash,
-            spec=label_spec(container),
-        ),
-        container,
+) -> tuple[Observed | None, ContainerInfo | None, tuple[str, ...]]:
+    if containers is None:
+        containers = engine.find_names([name, *(name + suffix for suffix in ASIDE_SUFFIXES)])
+    container = containers.get(name)
+    # What an interrupted replace left under the engine's aside names: the plan cleans it up.
+    leftovers = tuple(
+        aside
+        for aside in (name + suffix for suffix in ASIDE_SUFFIXES)
+        if aside in containers and containers[aside].owned and containers[aside].instance == name
     )
+    if container is None:
+        return None, None, leftovers
+    observed = Observed(
+        owned=container.owned, status=container.state, config_hash=container.config_hash, spec=label_spec(container)
+    )
+    return observed, container, leftovers
 
 
-def _plan(name: str, options: Options, config_hash: str, spec: dict[str, Any], observed: Observed | None) -> EnginePlan:
+def _plan(
+    name: str,
+    options: Options,
+    config_hash: str,
+    spec: dict[str, Any],
+    observed: Observed | None,
+    leftovers: Sequence[str] = (),
+    room: Room | None = None,
+) -> EnginePlan:
     try:
         return plan_engine(
             name=name,
@@ -364,9 +457,82 @@ def _plan(name: str, options: Options, config_hash: str, spec: dict[str, Any], o
             observed=observed,
             replace_strategy=options.replace_strategy,
             wait_ready=options.wait_ready,
+            room=room,
+            leftovers=leftovers,
         )
     except NameTakenError as exc:
         raise EngineInstanceError(str(exc), check="ownership") from exc
+
+
+def creates(plan: EnginePlan) -> bool:
+    """Whether ``plan`` creates a container (in the engine's place or beside the old one)."""
+    return Action.CREATE in plan.actions or Action.CREATE_BESIDE in plan.actions
+
+
+def find_room(
+    run: EngineRun,
+    spec: ParsedEngineSpec,
+    *,
+    published: Iterable[int],
+    gpu_facts: Mapping[str, Any] | None,
+    others: Sequence[Reservation],
+    wanted: Iterable[int] = (),
+) -> Room:
+    """Whether ``spec``'s new engine fits beside the old one it replaces (``run.current``) until it is ready.
+
+    A free port: the spec's own when nothing holds it (the old one runs on another, having taken over from a
+    replace beside it), else the lowest of the policy's range that no container publishes (``published``),
+    nothing else wants (``wanted``: the ports of the other engines of a set) and the kernel lets us bind. And
+    its GPUs: with ``min_vram_mib``, the same check placement makes (``placement_problem``), but with the old
+    engine's reservation still held; without it, how much the new engine takes cannot be known, so there is no
+    room on a GPU. Pure but for the bind check.
+    """
+    taken = {*published, *wanted}
+    low, high = run.port_range
+    candidates = [spec.port, *range(low, high + 1)]
+    port = next((p for p in candidates if p not in taken and port_bind_problem(run.bind, p) is None), None)
+    if port is None:
+        return Room(why_not=f"no free port in the policy's range {low}-{high} on {run.bind}")
+    if spec.gpus:
+        if not spec.min_vram_mib:
+            return Room(why_not="it asks for GPUs without min_vram_mib, so its VRAM beside the old one's is unknown")
+        old = own_reservation(run)
+        problem = placement_problem(
+            name=spec.name,
+            gpus=spec.gpus,
+            min_vram_mib=spec.min_vram_mib,
+            gpu_facts=gpu_facts,
+            others=[*others, *([old] if old is not None else [])],
+        )
+        if problem is not None:
+            return Room(why_not=problem[1])
+    return Room(port=port)
+
+
+def replan_with_room(run: EngineRun, room: Room) -> None:
+    """Plan ``run`` again knowing ``room``: ``beside`` when it fits, else it stays ``in-place``."""
+    if run.spec is None:
+        return
+    run.room = room
+    run.plan = _plan(run.name, run.options, run.config_hash, public_spec(run.spec), run.observed, run.leftovers, room)
+
+
+def _look_for_room(run: EngineRun, spec: ParsedEngineSpec, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
+    """engine_instance's room: the engine alone against what the host has now."""
+    published = [
+        p.host_port
+        for container in run.engine.list_containers()
+        for p in container.ports
+        if p.protocol == "tcp" and address_overlaps(p.host_ip, run.bind)
+    ]
+    room = find_room(
+        run,
+        spec,
+        published=published,
+        gpu_facts=read_gpus() if spec.gpus and spec.min_vram_mib else None,
+        others=reservations_from(run.engine.list_owned(), exclude=spec.name),
+    )
+    replan_with_room(run, room)
 
 
 def _check_placement(run: EngineRun, spec: ParsedEngineSpec, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
@@ -447,26 +613,33 @@ def report_engine(run: EngineRun, check_mode: bool) -> dict[str, Any]:
     ready: bool | None = None
     detail: str | None = None
     if not check_mode and run.current is not None and run.current.running and run.driver is not None:
-        verdict = _probe(run)
+        verdict = _probe(run, run.current)
         ready, detail = verdict.ready, verdict.detail
     pending = {"pending": run.pending} if run.pending else {}
+    if check_mode and run.plan.way is not None:
+        run.outcome = "planned"
     return run.result(planned=check_mode and bool(run.plan.actions), ready=ready, probe=detail, **pending)
 
 
-def _probe(run: EngineRun) -> ProbeVerdict:
-    if run.driver is None or run.settings is None or run.settings.port is None:
+def _probe(run: EngineRun, container: ContainerInfo, driver: Driver | None = None) -> ProbeVerdict:
+    """One readiness probe of ``container`` on the port it publishes (an engine that took over from a replace
+    beside it runs on its free port, not the spec's), the run's driver's way unless ``driver`` is given."""
+    driver = driver or run.driver
+    address = None if driver is None else probe_address(container, driver)
+    if driver is None or address is None:
         raise RuntimeError(f"engine {run.name!r}: probing needs the driver and the published port")
-    return probe_readiness(run.driver, run.probe_host, run.settings.port.host_port, timeout_s=_PROBE_TIMEOUT_S)
+    return probe_readiness(driver, run.probe_host, address[1], timeout_s=_PROBE_TIMEOUT_S)
 
 
-def _existing(run: EngineRun, action: str) -> ContainerInfo:
-    # The planner only orders drain/stop/remove/start/wait-ready where a container exists.
-    if run.current is None:
+def _existing(container: ContainerInfo | None, run: EngineRun, action: str) -> ContainerInfo:
+    # The planner only orders an action on a container that the steps before it leave there.
+    if container is None:
         raise RuntimeError(f"engine {run.name!r}: the plan asks to {action} but there is no container")
-    return run.current
+    return container
 
 
-RETIRING = frozenset({Action.DRAIN, Action.STOP, Action.REMOVE})
+# What an engines.set run may do before the engines it hands a port or GPU to are built.
+RETIRING = frozenset({Action.CLEAN_UP, Action.DRAIN, Action.STOP, Action.REMOVE, Action.SET_ASIDE})
 
 
 def apply_engine(
@@ -481,52 +654,200 @@ def apply_engine(
     With ``retire_only`` it stops before the first action that builds (create, start, wait-ready) and returns
     the partial result; a later call carries on from there. ``engines.set`` retires engines that hand their
     port or GPU to each other first, then builds them.
+
+    A replace that fails once its new container exists is rolled back (``plan.rollback_actions``): the old
+    engine serves again, and the error's result says ``rolled-back`` and why.
     """
     verdict: ProbeVerdict | None = None
     for action in run.plan.actions[len(run.done) :]:
         if retire_only and action not in RETIRING:
             return run.result()
-        if action is Action.DRAIN:
-            _drain(run, sleep, clock)
-        elif action is Action.STOP:
-            current = _existing(run, "stop")
-            run.engine.stop(current, timeout_s=driver_of(current).facts.stop_timeout_s)
-            run.current = run.engine.container(current.id)
-        elif action is Action.REMOVE:
-            run.engine.remove(_existing(run, "remove"))
-            run.current = None
-        elif action is Action.CREATE:
-            if run.settings is None:
-                raise RuntimeError(f"engine {run.name!r}: the plan asks to create without settings")
-            run.current = run.engine.create(run.settings)
-        elif action is Action.START:
-            current = _existing(run, "start")
-            run.engine.start(current)
-            run.current = run.engine.container(current.id)
-        elif action is Action.WAIT_READY:
-            verdict = _wait_ready(run, sleep, clock)
+        try:
+            verdict = _act(run, action, sleep, clock) or verdict
+        except (EngineInstanceError, DockerEngineError, DrainStateError) as exc:
+            undo = rollback_actions(run.plan.way, run.done, str(action))
+            if not undo:
+                raise
+            _roll_back(run, undo, exc, sleep, clock)
         run.done.append(str(action))
     if retire_only:
         return run.result()
-    if run.options.state == "absent" or str(Action.DRAIN) in run.done:
+    if run.options.state == "absent" or {str(Action.DRAIN), str(Action.DRAIN_OLD)} & set(run.done):
         clear_draining(run.options.state_dir, run.name)
     if run.current is not None:
         run.current = run.engine.container(run.current.id)
+    if run.plan.way is not None:
+        run.outcome = "replaced"
     if verdict is None and run.current is not None and run.current.running and run.driver is not None:
-        verdict = _probe(run)
+        verdict = _probe(run, run.current)
     return run.result(
         ready=None if verdict is None else verdict.ready, probe=None if verdict is None else verdict.detail
     )
 
 
-def _drain(run: EngineRun, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
-    """Mark the old engine draining, then wait until nothing is in flight; on timeout restore and fail."""
-    old = _existing(run, "drain")
-    mark_draining(run.options.state_dir, run.name, reason=f"replacing with {run.config_hash}")
+def _act(
+    run: EngineRun, action: Action, sleep: Callable[[float], None], clock: Callable[[], float]
+) -> ProbeVerdict | None:
+    """One action of the plan. ``run.current`` is the engine's container (the new one, once created);
+    ``run.previous`` the old one a replace keeps until the new one is ready."""
+    engine = run.engine
+    if action is Action.CLEAN_UP:
+        _clean_up(run)
+    elif action is Action.DRAIN:
+        _drain(run, _existing(run.current, run, "drain"), sleep, clock)
+    elif action is Action.DRAIN_OLD:
+        _drain(run, _existing(run.previous, run, "drain the old container"), sleep, clock, only=True)
+    elif action is Action.STOP:
+        run.current = _stopped(engine, _existing(run.current, run, "stop"))
+    elif action is Action.STOP_OLD:
+        run.previous = _stopped(engine, _existing(run.previous, run, "stop the old container"))
+    elif action is Action.REMOVE:
+        engine.remove(_existing(run.current, run, "remove"))
+        run.current = None
+    elif action is Action.REMOVE_OLD:
+        engine.remove(_existing(run.previous, run, "remove the old container"))
+        run.previous = None
+    elif action is Action.SET_ASIDE:
+        run.previous = engine.rename(_existing(run.current, run, "set aside"), aside_name(run.name, "old"))
+        run.current = None
+    elif action in (Action.CREATE, Action.CREATE_BESIDE):
+        if run.settings is None:
+            raise RuntimeError(f"engine {run.name!r}: the plan asks to create without settings")
+        settings = run.settings
+        if action is Action.CREATE_BESIDE:
+            if run.room is None or run.room.port is None:
+                raise RuntimeError(f"engine {run.name!r}: the plan asks to create beside without a free port")
+            settings = settings.placed_at(aside_name(run.name, "new"), run.room.port)
+        created = engine.create(settings)
+        if action is Action.CREATE_BESIDE:
+            run.previous = run.current
+        run.current = created
+    elif action is Action.START:
+        current = _existing(run.current, run, "start")
+        engine.start(current)
+        run.current = engine.container(current.id)
+    elif action is Action.WAIT_READY:
+        verdict = _wait_ready(run, sleep, clock)
+        # Ready: it takes work from now on, whatever is left to do with the old one (in-place: remove it).
+        if str(Action.DRAIN) in run.done:
+            clear_draining(run.options.state_dir, run.name)
+        return verdict
+    elif action is Action.PROMOTE:
+        run.current = engine.rename(_existing(run.current, run, "take the engine's name"), run.name)
+    return None
+
+
+def _stopped(engine: DockerEngine, container: ContainerInfo) -> ContainerInfo:
+    engine.stop(container, timeout_s=driver_of(container).facts.stop_timeout_s)
+    return engine.container(container.id)
+
+
+def _clean_up(run: EngineRun) -> None:
+    """Remove what an interrupted replace left under the engine's aside names (stopped first, the driver's way)."""
+    found = run.engine.find_names([run.name + suffix for suffix in ASIDE_SUFFIXES])
+    for container in found.values():
+        if not container.owned or container.instance != run.name:
+            continue
+        if container.running or container.state in ("restarting", "paused"):
+            container = _stopped(run.engine, container)
+        run.engine.remove(container)
+
+
+def _roll_back(
+    run: EngineRun,
+    undo: Sequence[str],
+    cause: EngineInstanceError | DockerEngineError | DrainStateError,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+) -> None:
+    """Undo a failed replace so that the engine that served before serves again; always raises.
+
+    The error keeps the cause's check (``readiness``, ``docker``...) and says what was undone; the result's
+    ``replace.outcome`` is ``rolled-back`` (the old engine is ready again) or ``rollback-failed`` (it is not:
+    the message says what is left where).
+    """
+    check = getattr(cause, "check", "docker")
+    reason = str(cause).split(". Last ", 1)[0]
+    run.reason = reason
+    engine = run.engine
+    try:
+        for step in undo:
+            if step == "stop-new" and run.current is not None:
+                current = engine.container(run.current.id)
+                if current.running or current.state in ("restarting", "paused"):
+                    _stopped(engine, current)
+            elif step == "remove-new" and run.current is not None:
+                engine.remove(run.current, force=True)
+                run.current = None
+            elif step == "undrain-old":
+                clear_draining(run.options.state_dir, run.name)
+            elif step == "restore-old":
+                run.current = engine.rename(_existing(run.previous, run, "restore the old container"), run.name)
+                run.previous = None
+            elif step == "start-old":
+                current = _existing(run.current, run, "start the old container")
+                engine.start(current)
+                run.current = engine.container(current.id)
+            elif step == "wait-ready-old":
+                old = _existing(run.current, run, "wait for the old container")
+                verdict = _wait_old_ready(run, old, sleep, clock)
+                if not verdict.ready:
+                    raise EngineInstanceError(
+                        f"the old engine did not become ready again: {verdict.detail}", check="readiness"
+                    )
+            run.done.append(step)
+    except (EngineInstanceError, DockerEngineError, DrainStateError, RuntimeError) as exc:
+        run.outcome = "rollback-failed"
+        raise EngineInstanceError(
+            f"engine {run.name!r}: the replace failed ({reason}) and rolling back failed too: {exc}. Done: "
+            f"{', '.join(run.done)}; look at 'docker ps -a --filter name={run.name}' and publish again",
+            check=check,
+            result=run.result(ready=False),
+        ) from cause
+    run.outcome = "rolled-back"
+    if str(Action.DRAIN) in run.done or str(Action.DRAIN_OLD) in run.done:
+        clear_draining(run.options.state_dir, run.name)
+    raise EngineInstanceError(
+        f"{cause}\nRolled back: the engine that served before serves again ({', '.join(undo)}).",
+        check=check,
+        result=run.result(ready=run.current is not None),
+    ) from cause
+
+
+def _wait_old_ready(
+    run: EngineRun, container: ContainerInfo, sleep: Callable[[float], None], clock: Callable[[], float]
+) -> ProbeVerdict:
+    """Probe the restored old container (its own driver: a replace may change it) until ready or timed out."""
+    driver = driver_of(container)
+    deadline = clock() + run.options.ready_timeout_s
+    intervals = poll_intervals()
+    while True:
+        verdict = _probe(run, container, driver)
+        if verdict.ready or clock() >= deadline or run.engine.container(container.id).state != "running":
+            return verdict
+        sleep(next(intervals))
+
+
+def _drain(
+    run: EngineRun,
+    old: ContainerInfo,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+    *,
+    only: bool = False,
+) -> None:
+    """Mark the old engine draining (``only`` it, by its port, when the new one already serves beside it), let
+    the mark reach those who route to it (``drain_settle_s``), then wait until nothing is in flight; on timeout
+    restore and fail."""
     driver = driver_of(old)
+    address = probe_address(old, driver)
+    port = address[1] if only and address is not None else None
+    mark_draining(run.options.state_dir, run.name, reason=f"replacing with {run.config_hash}", port=port)
+    if run.options.drain_settle_s > 0:
+        sleep(run.options.drain_settle_s)
     outcome = wait_until_idle(
         driver,
-        probe_address(old, driver),
+        address,
         timeout_s=run.options.drain_timeout_s,
         grace_s=run.options.drain_grace_s,
         sleep=sleep,
@@ -554,11 +875,11 @@ def poll_intervals() -> Iterator[float]:
 
 def _wait_ready(run: EngineRun, sleep: Callable[[float], None], clock: Callable[[], float]) -> ProbeVerdict:
     """Probe until ready; on timeout (or an exited container) stop it and fail with the verdict and logs."""
-    container = _existing(run, "wait-ready")
+    container = _existing(run.current, run, "wait-ready")
     deadline = clock() + run.options.ready_timeout_s
     intervals = poll_intervals()
     while True:
-        verdict = _probe(run)
+        verdict = _probe(run, container)
         if verdict.ready:
             return verdict
         state = run.engine.container(container.id).state

@@ -42,6 +42,8 @@ def engine_instance_outcome(params: Mapping[str, Any], *, check_mode: bool) -> d
         ready_timeout_s=params["ready_timeout"],
         drain_timeout_s=params["drain_timeout"],
         drain_grace_s=params["drain_grace"],
+        drain_settle_s=params["drain_settle"],
+        replace_beside=params["replace_beside"],
         policy_path=params["policy"],
         state_dir=params["state_dir"],
         store_path=params["store_path"],

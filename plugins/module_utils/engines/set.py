@@ -49,8 +49,11 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.instance imp
     Options,
     apply_engine,
     check_placement,
+    creates,
+    find_room,
     load_engine_policy,
     prepare_engine,
+    replan_with_room,
     report_engine,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import (
@@ -59,7 +62,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.labels impor
     label_spec,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import read_gpu_facts
-from ansible_collections.meridian.node.plugins.module_utils.engines.plan import Action
+from ansible_collections.meridian.node.plugins.module_utils.engines.plan import Action, Room
 from ansible_collections.meridian.node.plugins.module_utils.engines.prune import PruneOrder, prune_order
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan import (
     Held,
@@ -106,6 +109,8 @@ class SetOptions:
     ready_timeout_s: float = 600
     drain_timeout_s: float = 300
     drain_grace_s: float = 10
+    drain_settle_s: float = 0
+    replace_beside: bool = False
     policy_path: str = DEFAULT_POLICY
     state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
@@ -178,6 +183,8 @@ def run_engine_set(
         ready_timeout_s=_number(params.get("ready_timeout"), 600),
         drain_timeout_s=_number(params.get("drain_timeout"), 300),
         drain_grace_s=_number(params.get("drain_grace"), 10),
+        drain_settle_s=_number(params.get("drain_settle"), 0),
+        replace_beside=bool(params.get("replace_beside", False)),
         policy_path=str(params.get("policy") or DEFAULT_POLICY),
         state_dir=str(params.get("state_dir") or DEFAULT_STATE_DIR),
         store_path=params.get("store_path"),
@@ -361,7 +368,10 @@ def _masked_error(exc: EngineSetError, secrets: Sequence[str]) -> EngineSetError
 
 def _engine_options(spec: Mapping[str, Any], options: SetOptions) -> Options:
     def pick(key: str, default: float) -> float:
+        # A module's engines list says ready_timeout; a desired state's engine, ready_timeout_seconds.
         value = spec.get(key)
+        if value is None:
+            value = spec.get(f"{key}_seconds")
         return default if value is None else float(value)
 
     return Options(
@@ -372,6 +382,8 @@ def _engine_options(spec: Mapping[str, Any], options: SetOptions) -> Options:
         ready_timeout_s=pick("ready_timeout", options.ready_timeout_s),
         drain_timeout_s=pick("drain_timeout", options.drain_timeout_s),
         drain_grace_s=pick("drain_grace", options.drain_grace_s),
+        drain_settle_s=options.drain_settle_s,
+        replace_beside=options.replace_beside,
         policy_path=options.policy_path,
         state_dir=options.state_dir,
         store_path=options.store_path,
@@ -406,8 +418,9 @@ def _member(run: EngineRun) -> Member:
         port=None if spec is None else spec.port,
         gpus=() if spec is None else tuple(spec.gpus),
         min_vram_mib=0 if spec is None else spec.min_vram_mib,
-        creates=Action.CREATE in actions,
-        retires=Action.REMOVE in actions,
+        creates=creates(run.plan),
+        # Set aside, the old container is stopped: its port and GPUs are free for the others, as if removed.
+        retires=Action.REMOVE in actions or Action.SET_ASIDE in actions,
         current=None if run.current is None else _held(run.current),
     )
 
@@ -523,7 +536,7 @@ def _place(
     listed, pruned_first = set(runs), set(order.first)
     outside = [_held(c) for c in containers if c.owned and c.name not in listed and c.name not in pruned_first]
     first = [_held(c) for c in containers if c.owned and c.name in pruned_first]
-    creating = [run for run in runs.values() if Action.CREATE in run.plan.actions and run.spec is not None]
+    creating = [run for run in runs.values() if creates(run.plan) and run.spec is not None]
     facts: Mapping[str, Any] | None = None
     if any(run.spec is not None and run.spec.gpus and run.settings is not None for run in creating):
         # NVML only when a new engine asks for GPUs: a no-op converge never loads it.
@@ -539,6 +552,7 @@ def _place(
         )
     if refusals:
         return refusals
+    _look_for_room(creating, members, containers, facts, outside, first)
     for run in creating:
         spec = run.spec
         if spec is None or run.settings is None:
@@ -580,6 +594,41 @@ def _place(
         except DockerEngineError as exc:
             refusals.append((run.name, str(exc), "docker"))
     return refusals
+
+
+def _look_for_room(
+    creating: Sequence[EngineRun],
+    members: dict[str, Member],
+    containers: Sequence[ContainerInfo],
+    facts: Mapping[str, Any] | None,
+    outside: Sequence[Held],
+    first: Sequence[Held],
+) -> None:
+    """Which running engines of the set can be replaced beside their old container (``engines.plan``).
+
+    Not one whose old container another engine of the set waits for (its port or GPU, ``needs``): that one
+    must retire first, as before. The free port must be one no other engine of the set asks for, and the
+    new engine's GPUs must have room with every other engine as it will be and its own old one still held.
+    """
+    for run in creating:
+        spec = run.spec
+        if run.plan.way != "in-place" or spec is None or not run.options.replace_beside:
+            continue
+        member = members[run.name]
+        if any(needs(waiting, member) for waiting in members.values()):
+            replan_with_room(run, Room(why_not="another engine of the set waits for its old container"))
+            continue
+        published = [
+            p.host_port
+            for container in containers
+            for p in container.ports
+            if p.protocol == "tcp" and address_overlaps(p.host_ip, run.bind)
+        ]
+        inputs = placement_inputs(member, list(members.values()), outside=outside, pruned_first=first)
+        wanted = [other.port for other in members.values() if other.name != run.name and other.port is not None]
+        room = find_room(run, spec, published=published, gpu_facts=facts, others=inputs.others, wanted=wanted)
+        replan_with_room(run, room)
+        members[run.name] = _member(run)
 
 
 def _act(

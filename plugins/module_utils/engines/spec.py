@@ -58,6 +58,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_rules import 
     MAX_VOLUMES,
     NAME_FORM,
     NAME_PATTERN,
+    READY_TIMEOUT_MAX_S,
     REPLACE_STRATEGIES,
     RESTART_POLICIES,
     SHM_SIZE_MAX_MIB,
@@ -102,6 +103,7 @@ _OPTIONAL = (
     "ulimits",
     "volumes",
     "labels",
+    "ready_timeout_seconds",
 )
 
 
@@ -154,6 +156,9 @@ class ParsedEngineSpec:
     ulimits: Mapping[str, int | ParsedUlimit] = field(default_factory=dict)
     volumes: tuple[ParsedVolume, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
+    # How long a new container may take to become ready; None: the applying module's ready_timeout. Not part of
+    # the container (nor of its config hash): changing it replaces nothing.
+    ready_timeout_seconds: int | None = None
 
 
 def parse_engine_spec(data: Any, where: str = "") -> ParsedEngineSpec:
@@ -161,6 +166,7 @@ def parse_engine_spec(data: Any, where: str = "") -> ParsedEngineSpec:
     document = check_mapping(data, where, required=_REQUIRED, optional=_OPTIONAL)
     served = document.get("served_model_name")
     shm = document.get("shm_size_mib")
+    ready = document.get("ready_timeout_seconds")
     ipc_mode = check_choice(document.get("ipc_mode", "private"), join(where, "ipc_mode"), IPC_MODES)
     if ipc_mode == "host" and shm is not None:
         raise FieldError(join(where, "shm_size_mib"), _SHM_WITH_HOST_IPC)
@@ -187,6 +193,9 @@ def parse_engine_spec(data: Any, where: str = "") -> ParsedEngineSpec:
         ulimits=_parse_ulimits(document.get("ulimits", {}), join(where, "ulimits")),
         volumes=_parse_volumes(document.get("volumes", []), join(where, "volumes")),
         labels=_parse_labels(document.get("labels", {}), join(where, "labels")),
+        ready_timeout_seconds=None
+        if ready is None
+        else check_int(ready, join(where, "ready_timeout_seconds"), ge=1, le=READY_TIMEOUT_MAX_S),
     )
 
 

@@ -119,7 +119,11 @@ def test_inventory_round_trips_and_is_written_world_readable(tmp_path: Path) -> 
         (lambda d: d["engines"][0].update(min_vram_mib=-1), "min_vram_mib must be an integer >= 0 (-1)"),
         (lambda d: d["engines"][0].update(health_path="health"), "health_path must start with '/'"),
         (lambda d: d["engines"][0].pop("state"), "must have exactly the fields"),
-        (lambda d: d["engines"].append(dict(d["engines"][0])), "an engine name is listed twice"),
+        (lambda d: d["engines"].append(dict(d["engines"][0])), "an engine is listed twice on one port"),
+        (
+            lambda d: d["engines"].extend({**d["engines"][0], "port": 9000 + i} for i in range(2)),
+            "is listed more than twice",
+        ),
         (lambda d: d.update(engines=[d["engines"][0]] * (MAX_ENGINES + 1)), f"more than {MAX_ENGINES} engines"),
         # drifted: root's reading of the settings changed by hand, which makes the agent replace an engine.
         (lambda d: d["engines"][0].update(drifted="cpus"), "drifted must be a list of setting names or null"),

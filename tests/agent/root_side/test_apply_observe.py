@@ -24,7 +24,8 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import make_
 from meridian_node_agent.boundary.engines_file import INVENTORY_FILE, file_identity, read_inventory
 from meridian_node_agent.cli import build_parser
 from meridian_node_agent.config import DEFAULT_CONFIG_PATH, Apply
-from meridian_node_agent.root_side.observe_unit import ReadOnlyDockerApi, cmd_observe_engines
+from meridian_node_agent.root_side.observe_unit import cmd_observe_engines
+from meridian_node_agent.root_side.read_only_docker import ReadOnlyDockerApi
 from meridian_node_agent.root_side.root_dir import apply_lock, prepare_root_dir
 
 NODE = "gpu-node-7"
@@ -129,7 +130,7 @@ def test_the_observe_units_docker_client_refuses_every_change_before_connecting(
     # A socket nobody listens on: a call that got as far as connecting would fail with a transport error.
     api = ReadOnlyDockerApi(f"unix://{tmp_path / 'no-docker.sock'}")
 
-    with pytest.raises(DockerApiError, match=f"refused {method} /containers/.*only reads the Docker Engine"):
+    with pytest.raises(DockerApiError, match=f"refused {method} /containers/.*only read the Docker Engine"):
         call(api)  # type: ignore[operator]
     with pytest.raises(DockerApiError) as caught:
         api.containers({"label": ["x"]})  # reading is let through, to the (missing) socket

@@ -61,6 +61,12 @@ def host(tmp_path: Path, docker_client: Any) -> Host:
     return Host(tmp_path, docker_client)
 
 
+# A running engine's replace with replace_beside and room on the host: the new one beside the old, which drains
+# once it is ready. Without: the old one drained, stopped and set aside until the new one is ready.
+BESIDE = ["create-beside", "start", "wait-ready", "drain-old", "stop-old", "remove-old", "promote"]
+IN_PLACE = ["drain", "stop", "set-aside", "create", "start", "wait-ready", "remove-old"]
+
+
 def four_steps(params: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], bool]]:
     return [
         ("check", params, True),
@@ -209,10 +215,10 @@ def test_config_change_drains_and_replaces_and_the_old_container_is_gone(
     }
     first = host.play([("apply", host.params(**spec), False)])["apply"]
     assert first["ready"] is True, first
-    changed = host.params(**{**spec, "served_model_name": "second"})
+    changed = host.params(**{**spec, "served_model_name": "second", "replace_beside": True})
     results = host.play(four_steps(changed))
 
-    assert_four_steps(results, ["drain", "stop", "remove", "create", "start", "wait-ready"])
+    assert_four_steps(results, BESIDE)
     diff = results["check"]["diff"]
     assert diff["before"]["spec"]["served_model_name"] == "first"
     assert diff["after"]["spec"]["served_model_name"] == "second"
@@ -248,7 +254,7 @@ def test_check_mode_plans_an_engine_whose_artifact_is_not_in_the_store_yet(
     running = host.play([("apply", host.params(**spec, model={"artifact": "tiny"}), False)])["apply"]
     assert running["ready"] is True, running
     replace = host.play([("check", pending, True)])["check"]
-    assert replace["actions"] == ["drain", "stop", "remove", "create", "start", "wait-ready"]
+    assert replace["actions"] == IN_PLACE
     assert replace["diff"]["after"]["spec"]["model"] == {"artifact": "not-yet"}
     assert host.container(name).id == running["container"]["id"]
 
@@ -393,7 +399,7 @@ def test_drain_then_replace_lets_eight_slow_requests_finish_before_the_aborting_
             thread.join(timeout=60)
 
     assert not result.get("failed"), result.get("msg")
-    assert result["done"] == ["drain", "stop", "remove", "create", "start", "wait-ready"]
+    assert result["done"] == IN_PLACE
     assert [status for status, _at in outcomes] == [200] * 8
     assert seen, "the engine was never marked draining"
     assert seen[0] < max(at for _status, at in outcomes), "marked draining only after the requests finished"
@@ -424,6 +430,7 @@ def test_drain_timeout_fails_and_leaves_the_old_engine_running_and_serving(
     assert "drain timed out after 2s" in result["msg"]
     assert "left running" in result["msg"]
     assert result["done"] == []
+    assert [c.name for c in host.client.containers.list(all=True, filters={"name": name})] == [name]
     assert [status for status, _at in outcomes] == [200, 200]
     assert not (host.state_dir / "draining" / f"{name}.json").exists(), "a still-serving engine stayed marked"
 
@@ -521,7 +528,7 @@ def test_host_settings_reach_the_container_and_docker_restarts_a_crashed_engine_
 
     # A changed restart policy replaces the engine, drained first; the same spec again changes nothing.
     results = host.play(four_steps({**spec, "restart_policy": "on-failure"}))
-    assert_four_steps(results, ["drain", "stop", "remove", "create", "start", "wait-ready"])
+    assert_four_steps(results, IN_PLACE)
     replaced = host.container(name)
     assert replaced.id != container.id
     assert replaced.attrs["HostConfig"]["RestartPolicy"]["Name"] == "on-failure"

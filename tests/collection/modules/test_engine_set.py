@@ -80,9 +80,12 @@ def play(
     return host.play_module("meridian.node.engine_set", with_paths, nvml=nvml, extra_args=["-vvv"] if verbose else [])
 
 
+_ACTIONS = ("create", "start", "destroy", "rename")
+
+
 def events(client: Any, since: datetime, names: Sequence[str]) -> list[tuple[int, str, str]]:
-    """(time in ns, action, container name) of Docker's create/start/destroy events for ``names`` at or after
-    ``since``, in order.
+    """(time in ns, action, container name) of Docker's create/start/destroy/rename events for ``names`` at or
+    after ``since``, in order (a rename's name is the new one).
 
     The API's ``since`` is whole seconds (docker-py truncates), so the query starts a second early and the
     daemon's own nanosecond times cut the window: an event of the play before ``since`` must not count.
@@ -93,7 +96,7 @@ def events(client: Any, since: datetime, names: Sequence[str]) -> list[tuple[int
     query = client.events(since=since - timedelta(seconds=1), until=until, decode=True, filters={"type": "container"})
     for event in query:
         name = (event.get("Actor") or {}).get("Attributes", {}).get("name")
-        if name in names and event.get("Action") in ("create", "start", "destroy") and event["timeNano"] >= since_ns:
+        if name in names and event.get("Action") in _ACTIONS and event["timeNano"] >= since_ns:
             seen.append((int(event["timeNano"]), str(event["Action"]), str(name)))
     return sorted(seen)
 
@@ -159,7 +162,16 @@ def test_changed_spec_replaces_drain_first_and_the_unchanged_engine_is_kept(
 
     apply = results["apply"]
     assert not apply.get("failed"), apply.get("msg")
-    assert apply["engines"][changing["name"]]["done"] == ["drain", "stop", "remove", "create", "start", "wait-ready"]
+    # Drained, stopped and set aside until the new one is ready (replace_beside is off by default).
+    assert apply["engines"][changing["name"]]["done"] == [
+        "drain",
+        "stop",
+        "set-aside",
+        "create",
+        "start",
+        "wait-ready",
+        "remove-old",
+    ]
     assert apply["engines"][kept["name"]]["done"] == []
     assert apply["engines"][kept["name"]]["container"]["id"] == kept_id
     assert [status for status, _at in outcomes] == [200] * 4, "requests in flight were cut off"
@@ -178,17 +190,21 @@ def test_two_engines_swapping_ports_retire_together_then_start_on_each_others_po
     since = datetime.now(UTC)
     swapped = {"engines": [engine(vllm, a, ports[1]), engine(vllm, b, ports[0])]}
     results, _ = play(host, [("apply", swapped, False), ("again", swapped, False)])
-    seen = events(docker_client, since, [a, b])
+    seen = events(docker_client, since, [a, b, f"{a}.OLD", f"{b}.OLD"])
 
     apply = results["apply"]
     assert not apply.get("failed"), apply.get("msg")
     assert all(apply["engines"][name]["ready"] is True for name in (a, b))
+    # Each old container is stopped and set aside (renamed <name>.OLD) until its successor is ready, then removed.
     assert sorted((action, name) for _time, action, name in seen if action != "start") == sorted(
-        [("destroy", a), ("destroy", b), ("create", a), ("create", b)]
+        [
+            *[("rename", f"{a}.OLD"), ("rename", f"{b}.OLD"), ("create", a), ("create", b)],
+            *[("destroy", f"{a}.OLD"), ("destroy", f"{b}.OLD")],
+        ]
     ), seen
-    last_destroy = max(time for time, action, _name in seen if action == "destroy")
+    last_aside = max(time for time, action, _name in seen if action == "rename")
     first_create = min(time for time, action, _name in seen if action == "create")
-    assert last_destroy < first_create, "a new engine was created while the other still held its port"
+    assert last_aside < first_create, "a new engine was created while the other still held its port"
     assert host.container(a).ports == {"8000/tcp": [{"HostIp": BIND, "HostPort": str(ports[1])}]}
     assert host.container(b).ports == {"8000/tcp": [{"HostIp": BIND, "HostPort": str(ports[0])}]}
     assert results["again"]["changed"] is False
@@ -366,7 +382,11 @@ def failing_then_good(tmp_path: Path, key: Any, vllm: LocalImage, prefix: str) -
         tmp_path / "gen1.json",
         key,
         1,
-        [wanted, engine(vllm, never, ports[1], env={**LOADING_FOREVER, "OTHER": SECRET})],
+        # The signed state itself shortens the wait for an engine that never gets ready (600 s by default).
+        [
+            wanted,
+            {**engine(vllm, never, ports[1], env={**LOADING_FOREVER, "OTHER": SECRET}), "ready_timeout_seconds": 3},
+        ],
     )
     return served, never, failing, signed_state(tmp_path / "gen2.json", key, 2, [wanted])
 
@@ -377,7 +397,7 @@ def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
     key = make_key()
     host = signed_policy_host(tmp_path, docker_client, key)
     served, never, failing, good = failing_then_good(tmp_path, key, vllm, prefix)
-    envelope = {"envelope": str(failing), "node_id": NODE_ID, "record": True, "ready_timeout": 3}
+    envelope = {"envelope": str(failing), "node_id": NODE_ID, "record": True}
     results, output = play(host, [("apply", envelope, False)], verbose=True)
 
     apply = results["apply"]

@@ -18,7 +18,7 @@ from ansible_collections.meridian.node.tests.support.standin_image import LocalI
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-REPLACE = ["drain", "stop", "remove", "create", "start", "wait-ready"]
+REPLACE = ["drain", "stop", "set-aside", "create", "start", "wait-ready", "remove-old"]
 MIB = 1024 * 1024
 
 

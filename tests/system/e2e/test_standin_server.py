@@ -306,6 +306,32 @@ def test_sigterm_aborts_requests_in_flight(engine: str, start: Callable[..., Sta
     assert all(isinstance(r, (OSError, http.client.HTTPException)) for r in results), results
 
 
+@pytest.mark.parametrize(
+    "engine", [e for e in ENGINES if get_driver(e).facts.sigterm is SigtermBehaviour.HANGS_UNTIL_KILLED]
+)
+def test_sigterm_leaves_requests_in_flight_unanswered_until_killed(engine: str, start: Callable[..., Standin]) -> None:
+    standin = start(engine)
+    wait_ready(standin)
+    threads, results = run_in_threads(2, lambda: standin.complete(seconds=0.5))
+    wait_for("2 requests in flight", lambda: standin.hook_in_flight() == 2)
+    standin.process.send_signal(signal.SIGTERM)
+    wait_for(f"{engine} to stop accepting connections", lambda: standin.probe()[0] is None)
+    time.sleep(1.0)  # twice what the requests needed: they are held, not finished
+    assert standin.process.poll() is None and results == [], "answered or exited with requests in flight"
+    standin.process.kill()
+    for thread in threads:
+        thread.join(timeout=DEADLINE_S)
+    assert len(results) == 2
+    assert all(isinstance(r, (OSError, http.client.HTTPException)) for r in results), results
+
+
+def test_llamacpp_idle_exits_at_once_on_sigterm(start: Callable[..., Standin]) -> None:
+    standin = start("llamacpp")
+    wait_ready(standin)
+    standin.process.send_signal(signal.SIGTERM)
+    assert standin.exit_code() == 0
+
+
 # -- never ready --------------------------------------------------------------------------------------------
 
 

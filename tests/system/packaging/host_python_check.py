@@ -68,7 +68,7 @@ def check_enums() -> None:
     code = RejectionCode.EXPIRED
     assert (str(code), f"{code}", f"{code:>8}", json.dumps(code)) == ("expired", "expired", " expired", '"expired"')
     assert code == "expired" and RejectionCode("expired") is code
-    assert [str(action) for action in Action][:2] == ["drain", "stop"]
+    assert [str(action) for action in Action][:2] == ["clean-up", "drain"]
 
 
 def check_desired_state_twice(fixtures: Path) -> None:

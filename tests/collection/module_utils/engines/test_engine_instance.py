@@ -364,6 +364,27 @@ def test_marking_again_keeps_when_the_drain_began(tmp_path: Path) -> None:
     assert again == first
 
 
+def test_a_mark_may_name_one_container_of_the_engine_by_its_port(tmp_path: Path) -> None:
+    # A replace beside the old container drains only the old one; the new one, same engine, serves on.
+    mark, new = mark_draining(str(tmp_path), "eng", reason="replacing", port=8101)
+    assert new is True and read_mark(str(tmp_path), "eng") == mark
+    assert (mark.applies_to(8101), mark.applies_to(8102), mark.applies_to(None)) == (True, False, False)
+    assert json.loads((tmp_path / "draining" / "eng.json").read_text())["port"] == 8101
+    # A mark for the whole engine (an operator's drain) covers every container and is not narrowed.
+    whole, _ = mark_draining(str(tmp_path), "all", reason="drain")
+    assert mark_draining(str(tmp_path), "all", reason="replacing", port=8101) == (whole, False)
+    assert whole.applies_to(8101) and whole.applies_to(None)
+
+
+@pytest.mark.parametrize("port", ["8101", 0, 65536, True, 8101.0])
+def test_a_mark_with_a_port_that_is_not_one_is_an_error(tmp_path: Path, port: Any) -> None:
+    (tmp_path / "draining").mkdir()
+    document = {"name": "eng", "since": "2026-01-01T00:00:00Z", "reason": "x", "port": port}
+    (tmp_path / "draining" / "eng.json").write_text(json.dumps(document))
+    with pytest.raises(DrainStateError, match=r"optionally a port, 1-65535"):
+        read_mark(str(tmp_path), "eng")
+
+
 def test_path_traversal_name_cannot_become_a_mark_file(tmp_path: Path) -> None:
     with pytest.raises(DrainStateError, match="cannot name a draining mark"):
         mark_draining(str(tmp_path / "state"), "../../etc/passwd", reason="x")

@@ -11,7 +11,10 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.plan import 
     Action,
     NameTakenError,
     Observed,
+    Room,
+    aside_name,
     plan_engine,
+    rollback_actions,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import parse_engine_spec
 
@@ -27,6 +30,17 @@ DRAIN, STOP, REMOVE, CREATE, START, READY = (
     Action.START,
     Action.WAIT_READY,
 )
+ASIDE, BESIDE, DRAIN_OLD, STOP_OLD, REMOVE_OLD, PROMOTE, CLEAN_UP = (
+    Action.SET_ASIDE,
+    Action.CREATE_BESIDE,
+    Action.DRAIN_OLD,
+    Action.STOP_OLD,
+    Action.REMOVE_OLD,
+    Action.PROMOTE,
+    Action.CLEAN_UP,
+)
+ROOM = Room(port=8001)
+NO_ROOM = Room(why_not="no free port in the policy's range 8000-8000 on 127.0.0.1")
 
 
 def ours(status: str, config_hash: str = NEW) -> Observed:
@@ -58,13 +72,15 @@ ROWS: list[tuple[str, Observed | None, str, tuple[Action, ...]]] = [
     ("started", ours("restarting"), "drain-then-replace", ()),
     ("present", ours("restarting"), "drain-then-replace", ()),
     ("stopped", ours("restarting"), "drain-then-replace", (STOP,)),
+    # a crash-looping old engine serves nothing: retired, then the new one built
     ("started", ours("restarting", OLD), "drain-then-replace", (DRAIN, STOP, REMOVE, CREATE, START, READY)),
     ("started", ours("restarting", OLD), "stop-then-start", (STOP, REMOVE, CREATE, START, READY)),
-    # changed spec: replace, draining a live engine first unless told not to
-    ("started", ours("running", OLD), "drain-then-replace", (DRAIN, STOP, REMOVE, CREATE, START, READY)),
-    ("started", ours("running", OLD), "stop-then-start", (STOP, REMOVE, CREATE, START, READY)),
+    # changed spec of a running engine that stays live, no room beside it: stopped but kept until the new is ready
+    ("started", ours("running", OLD), "drain-then-replace", (DRAIN, STOP, ASIDE, CREATE, START, READY, REMOVE_OLD)),
+    ("started", ours("running", OLD), "stop-then-start", (STOP, ASIDE, CREATE, START, READY, REMOVE_OLD)),
+    ("present", ours("running", OLD), "drain-then-replace", (DRAIN, STOP, ASIDE, CREATE, START, READY, REMOVE_OLD)),
+    # nothing serving to keep: retire, then build
     ("started", ours("exited", OLD), "drain-then-replace", (REMOVE, CREATE, START, READY)),
-    ("present", ours("running", OLD), "drain-then-replace", (DRAIN, STOP, REMOVE, CREATE, START, READY)),
     ("present", ours("exited", OLD), "drain-then-replace", (REMOVE, CREATE)),
     ("stopped", ours("running", OLD), "drain-then-replace", (DRAIN, STOP, REMOVE, CREATE)),
     ("stopped", ours("exited", OLD), "stop-then-start", (REMOVE, CREATE)),
@@ -82,6 +98,168 @@ def test_plan(state: Any, observed: Observed | None, strategy: Any, expected: tu
     assert plan.changed is bool(expected)
 
 
+# (target state, observed, strategy, room, wait_ready, expected way, expected actions): how a replace keeps the
+# model served, as the caller's room decides
+REPLACES: list[tuple[str, Observed, str, Room | None, bool, str, tuple[Action, ...]]] = [
+    # room: the new one starts beside the old, which drains only once the new one is ready
+    (
+        "started",
+        ours("running", OLD),
+        "drain-then-replace",
+        ROOM,
+        True,
+        "beside",
+        (BESIDE, START, READY, DRAIN_OLD, STOP_OLD, REMOVE_OLD, PROMOTE),
+    ),
+    (
+        "started",
+        ours("running", OLD),
+        "stop-then-start",
+        ROOM,
+        True,
+        "beside",
+        (BESIDE, START, READY, STOP_OLD, REMOVE_OLD, PROMOTE),
+    ),
+    (
+        "present",
+        ours("running", OLD),
+        "drain-then-replace",
+        ROOM,
+        True,
+        "beside",
+        (BESIDE, START, READY, DRAIN_OLD, STOP_OLD, REMOVE_OLD, PROMOTE),
+    ),
+    # no room (or none looked for): in place, the old one kept aside for a rollback
+    (
+        "started",
+        ours("running", OLD),
+        "drain-then-replace",
+        NO_ROOM,
+        True,
+        "in-place",
+        (DRAIN, STOP, ASIDE, CREATE, START, READY, REMOVE_OLD),
+    ),
+    (
+        "started",
+        ours("running", OLD),
+        "drain-then-replace",
+        None,
+        True,
+        "in-place",
+        (DRAIN, STOP, ASIDE, CREATE, START, READY, REMOVE_OLD),
+    ),
+    # without a readiness wait nothing says the new one works: neither way can hold on to the old one
+    (
+        "started",
+        ours("running", OLD),
+        "drain-then-replace",
+        ROOM,
+        False,
+        "recreate",
+        (DRAIN, STOP, REMOVE, CREATE, START),
+    ),
+    # an old one that serves nothing, or an engine asked to stop: room changes nothing
+    ("started", ours("exited", OLD), "drain-then-replace", ROOM, True, "recreate", (REMOVE, CREATE, START, READY)),
+    (
+        "started",
+        ours("restarting", OLD),
+        "stop-then-start",
+        ROOM,
+        True,
+        "recreate",
+        (STOP, REMOVE, CREATE, START, READY),
+    ),
+    ("stopped", ours("running", OLD), "drain-then-replace", ROOM, True, "recreate", (DRAIN, STOP, REMOVE, CREATE)),
+]
+
+
+@pytest.mark.parametrize(("state", "observed", "strategy", "room", "wait", "way", "expected"), REPLACES)
+def test_replace_way(
+    state: Any, observed: Observed, strategy: Any, room: Room | None, wait: bool, way: str, expected: tuple[Action, ...]
+) -> None:
+    plan = plan_engine(
+        name="chat",
+        state=state,
+        config_hash=NEW,
+        spec=SPEC,
+        observed=observed,
+        replace_strategy=strategy,
+        wait_ready=wait,
+        room=room,
+    )
+    assert (plan.way, plan.actions) == (way, expected)
+    assert plan.diff()["after"]["replace"]["way"] == way
+    assert plan.why
+
+
+def test_the_diff_says_why_there_was_no_room() -> None:
+    plan = plan_engine(
+        name="chat", state="started", config_hash=NEW, spec=SPEC, observed=ours("running", OLD), room=NO_ROOM
+    )
+    assert "no free port in the policy's range 8000-8000" in plan.diff()["after"]["replace"]["why"]
+    beside = plan_engine(
+        name="chat", state="started", config_hash=NEW, spec=SPEC, observed=ours("running", OLD), room=ROOM
+    )
+    assert "free port 8001" in beside.why
+
+
+@pytest.mark.parametrize(
+    ("state", "observed", "expected"),
+    [
+        ("started", ours("running"), (CLEAN_UP,)),
+        ("started", None, (CLEAN_UP, CREATE, START, READY)),
+        ("absent", None, (CLEAN_UP,)),
+        ("absent", ours("exited"), (CLEAN_UP, REMOVE)),
+    ],
+)
+def test_what_an_interrupted_replace_left_is_cleaned_up_first(
+    state: Any, observed: Observed | None, expected: tuple[Action, ...]
+) -> None:
+    plan = plan_engine(
+        name="chat", state=state, config_hash=NEW, spec=SPEC, observed=observed, leftovers=(aside_name("chat", "old"),)
+    )
+    assert plan.actions == expected
+
+
+def test_aside_names_cannot_be_engine_names() -> None:
+    assert (aside_name("chat", "new"), aside_name("chat", "old")) == ("chat.NEW", "chat.OLD")
+    with pytest.raises(ValueError, match="is not one of"):
+        aside_name("chat", "tmp")
+
+
+# (way, actions done when a step failed, what the rollback does[, the step that failed])
+ROLLBACKS: list[tuple[Any, ...]] = [
+    # beside: nothing of the old was touched before the new one was created: nothing to undo
+    ("beside", (), ()),
+    ("beside", (BESIDE,), ("stop-new", "remove-new")),
+    ("beside", (BESIDE, START), ("stop-new", "remove-new")),
+    ("beside", (BESIDE, START, READY, DRAIN_OLD), ("stop-new", "remove-new", "undrain-old")),
+    ("beside", (BESIDE, START, READY), ("stop-new", "remove-new", "undrain-old"), DRAIN_OLD),
+    # once the old one is stopped, the new one is serving: a later failure is reported, not undone
+    ("beside", (BESIDE, START, READY, DRAIN_OLD, STOP_OLD), ()),
+    ("beside", (BESIDE, START, READY, DRAIN_OLD, STOP_OLD, REMOVE_OLD), ()),
+    # in place: before the old one is set aside a failure leaves it as the drain/stop left it (as before)
+    ("in-place", (DRAIN,), ()),
+    ("in-place", (DRAIN, STOP), ()),
+    ("in-place", (DRAIN, STOP, ASIDE), ("restore-old", "start-old", "wait-ready-old")),
+    (
+        "in-place",
+        (DRAIN, STOP, ASIDE, CREATE, START),
+        ("stop-new", "remove-new", "restore-old", "start-old", "wait-ready-old"),
+    ),
+    ("in-place", (DRAIN, STOP, ASIDE, CREATE, START, READY, REMOVE_OLD), ()),
+    # not a replace, or a recreate: nothing is kept to go back to
+    (None, (CREATE, START), ()),
+    ("recreate", (DRAIN, STOP, REMOVE, CREATE, START), ()),
+]
+
+
+@pytest.mark.parametrize("row", ROLLBACKS)
+def test_rollback(row: tuple[Any, ...]) -> None:
+    way, done, expected, failed = (*row, None)[:4]
+    assert rollback_actions(way, [str(action) for action in done], None if failed is None else str(failed)) == expected
+
+
 def test_converged_plan_diff_is_empty_change() -> None:
     plan = plan_engine(name="chat", state="started", config_hash=NEW, spec=SPEC, observed=ours("running"))
     assert plan.diff()["before"] == plan.diff()["after"]
@@ -92,7 +270,12 @@ def test_replacement_diff_shows_old_and_new_spec() -> None:
     assert plan.replaces
     assert plan.diff() == {
         "before": {"state": "started", "config_hash": OLD, "spec": {"port": 8000}},
-        "after": {"state": "started", "config_hash": NEW, "spec": SPEC},
+        "after": {
+            "state": "started",
+            "config_hash": NEW,
+            "spec": SPEC,
+            "replace": {"way": "in-place", "why": plan.why},
+        },
     }
 
 
@@ -163,7 +346,7 @@ def test_a_changed_host_setting_drains_and_replaces_the_running_engine(
 ) -> None:
     running = Observed(owned=True, status="running", config_hash=hash_of(**before), spec={})
     plan = plan_engine(name="chat", state="started", config_hash=hash_of(**after), spec=SPEC, observed=running)
-    assert plan.actions == (DRAIN, STOP, REMOVE, CREATE, START, READY)
+    assert plan.actions == (DRAIN, STOP, ASIDE, CREATE, START, READY, REMOVE_OLD)
 
 
 # (what, one spelling, another of the same container): no change, no action

@@ -44,6 +44,7 @@ GOOD = [
     pytest.param(spec(), id="minimal"),
     pytest.param(spec(model={"name": "llama3:8b"}, driver="ollama"), id="model-by-name"),
     pytest.param(spec(image="vllm/vllm-openai"), id="unpinned-is-policys-call"),
+    pytest.param(spec(ready_timeout_seconds=30), id="ready-timeout"),
     pytest.param(spec(image=f"registry.local:5000/a/b@{DIGEST}"), id="registry-with-port"),
     pytest.param(
         spec(
@@ -183,6 +184,10 @@ BAD = [
     pytest.param(spec(labels={"team": 1}), "labels.team", id="label-value-not-a-string"),
     pytest.param(spec(labels={"team": "a" * 1025}), "labels.team", id="label-value-too-long"),
     pytest.param(spec(labels={f"com.example.l{i}": "v" for i in range(33)}), "labels", id="labels-33"),
+    # the readiness wait a state may set
+    pytest.param(spec(ready_timeout_seconds=0), "ready_timeout_seconds", id="ready-timeout-zero"),
+    pytest.param(spec(ready_timeout_seconds=86401), "ready_timeout_seconds", id="ready-timeout-over-a-day"),
+    pytest.param(spec(ready_timeout_seconds="30"), "ready_timeout_seconds", id="ready-timeout-a-string"),
 ]
 
 

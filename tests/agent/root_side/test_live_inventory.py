@@ -34,7 +34,8 @@ def live(refresh: Refresh) -> LiveInventory:
 def wait_for(predicate: Any) -> None:
     deadline = time.monotonic() + 10  # a liveness limit, not a speed target
     while not predicate():
-        assert time.monotonic() < deadline, "the inventory was never rewritten"
+        if time.monotonic() > deadline:
+            raise AssertionError("the inventory was never rewritten")
         time.sleep(0.01)
 
 

@@ -623,3 +623,39 @@ def test_this_hosts_own_directories_are_refused_inside_an_allowed_one(data: Path
     refused = refusal(ParsedVolume(str(data), "/all"), allowing(data), host_dirs=[str(own) + "/", ""])
     assert refused.check == "volume"
     assert f"overlaps {own}" in str(refused)
+
+
+# --- a container that took over from a replace beside its old one -------------------------------------------
+
+
+def _settings_and_container(label: str | None) -> tuple[Any, ContainerInfo]:
+    from ansible_collections.meridian.node.plugins.module_utils.docker.engine import LABEL_HOST_PORT, PortBinding
+
+    spec = build_spec(
+        {"name": "chat", "driver": "vllm", "image": f"r/vllm@{DIGEST}", "model": {"name": "m"}, "port": 8100}
+    )
+    settings = engine_settings(spec, get_driver("vllm").container_settings(spec), bind_address="127.0.0.1")
+    assert settings.port == PortBinding(container_port=8000, host_port=8100, host_ip="127.0.0.1")
+    labels = {} if label is None else {LABEL_HOST_PORT: label}
+    container = ContainerInfo("c1", "chat", "img", "sha256:x", "exited", "Exited (0)", labels, (), True)
+    return settings, container
+
+
+@pytest.mark.parametrize(
+    ("label", "host_port"),
+    [
+        (None, 8100),  # created in its place: the spec's port
+        ("8101", 8101),  # took over beside the old one: its free port, stopped or not (a stopped one lists no ports)
+        ("8101x", 8100),  # not a port: read as the spec's, so a forged label shows as drift
+        ("9000", 8100),  # outside the policy's range: the same
+    ],
+)
+def test_the_settings_a_container_was_created_from_follow_its_placed_port_label(
+    label: str | None, host_port: int
+) -> None:
+    from ansible_collections.meridian.node.plugins.module_utils.engines.instance import _as_placed
+
+    settings, container = _settings_and_container(label)
+    placed = _as_placed(settings, container, (8100, 8199))
+    assert placed.published is not None and placed.published.host_port == host_port
+    assert placed.config_hash() == settings.config_hash()  # where it runs is never part of what it is

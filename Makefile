@@ -17,7 +17,8 @@ export ANSIBLE_COLLECTIONS_PATH := $(abspath $(COLLECTIONS))
 export ANSIBLE_PYTHON_INTERPRETER := $(abspath $(BIN))/python
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: demo test venv lint typecheck sanity pytest schemas bench clean compat changelog release sanity-oldest
+.PHONY: demo test venv lint typecheck sanity pytest schemas bench clean compat changelog release sanity-oldest \
+	podresources-stubs
 
 demo: venv
 	$(BIN)/python -m meridian_node_agent.dev.demo
@@ -132,9 +133,21 @@ schemas: venv
 molecule: venv
 	$(BIN)/python -m ansible_collections.meridian.node.tests.support.molecule_site $(SCENARIOS)
 
+# The kubelet's PodResources API (agent_side/podresources/api.proto) as Python: the message and gRPC stubs and
+# their type stubs (mypy-protobuf), checked in. grpcio-tools' protoc decides the protobuf version the stubs
+# require at import, so moving grpcio-tools moves the floors of the `kubernetes` extra (pyproject.toml). The sed
+# gives each generated module the 'Runs on:' line every file of agent_side/ carries.
+PODRESOURCES := agent/meridian_node_agent/agent_side/podresources
+podresources-stubs: venv
+	cd agent && $(abspath $(BIN))/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. \
+		--mypy_out=. --mypy_grpc_out=. meridian_node_agent/agent_side/podresources/api.proto
+	sed -i '0,/^"""\(.*\)"""$$/s//"""\1\n\nRuns on: the agent side (generated from api.proto by make podresources-stubs).\n"""/' \
+		$(PODRESOURCES)/api_pb2.py $(PODRESOURCES)/api_pb2_grpc.py
+
 bench: venv
 	$(BIN)/python bench/gpu_facts.py
 	$(BIN)/python bench/artifact.py
+	$(BIN)/python bench/podresources.py
 
 clean:
 	rm -rf $(BUILD) $(VENV)

@@ -1,6 +1,6 @@
 """The pull agent: CPU per unchanged cycle, publish-to-ready vs ansible-pull, idle RSS, kill-to-ready.
 
-    .venv/bin/python bench/agent.py [--repeat 3] [--cycles 200]
+    .venv/bin/python bench/agent.py [--repeat 3] [--cycles 200] [--nvml eight-gpus|none]
 
 Everything runs against a real ``meridian-node-devserver`` process on 127.0.0.1 (real mutual TLS, real
 signing) and the local Docker Engine, with the stand-in vLLM engine image (built once, cached). Prints:
@@ -36,6 +36,9 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
      re-sent at its refresh interval. This is what a steady agent does, and the target (<= 5 ms) is
      about it.
    - *back to back*: cycles with no wait and real clocks: heartbeats only once per interval.
+   - *as in service, with GPUs* (``--nvml SCENARIO``, default ``eight-gpus``): the fake pynvml's GPUs behind the
+     NVML seam, so each GPU refresh reads facts, NVLink peers and health through the agent's XID watch as on
+     a GPU host (the 10 ms guard holds with health on; our cost per NVML call, not the driver's).
    Each line says how many cycles heartbeated and how many posted an observation. The in-service figure
    is also taken with supervision off (no applied state watched), and with the check for engines changed
    by hand off (``docker.drift`` in the per-cycle inspect), beside it, as ratios.
@@ -612,6 +615,22 @@ def settings_check_off() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def fake_gpus(scenario: str) -> Iterator[None]:
+    """The fake pynvml's ``scenario`` behind the NVML seam, so the agent reads GPUs (and their health, with its XID
+    watch) as on a GPU host: the cost measured is ours per NVML call, not the driver's."""
+    from ansible_collections.meridian.node.plugins.module_utils.gpu import nvml as nvml_seam
+    from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
+
+    fake = load_fake_pynvml()
+    fake.use_scenario(scenario)
+    try:
+        with mock.patch.object(nvml_seam, "_pynvml", fake):
+            yield
+    finally:
+        fake.use_scenario(None)
+
+
 def unchanged_cycles(
     setup: Setup, cycles: int, *, in_service: bool, supervised: bool = True, profile: bool = False
 ) -> CycleFigures:
@@ -774,6 +793,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cycles", type=int, default=200)
     parser.add_argument("--profile", action="store_true", help="also print cProfile's view of the in-service cycles")
+    parser.add_argument(
+        "--nvml",
+        metavar="SCENARIO",
+        default="eight-gpus",
+        help="the fake pynvml scenario the unchanged cycle is also measured with (GPU facts and health read as on "
+        "a GPU host; default eight-gpus: 8 H100s); 'none' to skip",
+    )
     args = parser.parse_args()
     client = docker.from_env(timeout=60)
     base = ensure_base_image(client)
@@ -797,6 +823,10 @@ def main() -> None:
                 with settings_check_off():
                     unchecked = unchanged_cycles(setup, args.cycles, in_service=True)
                 back_to_back = unchanged_cycles(setup, args.cycles, in_service=False)
+                with_gpus = None
+                if args.nvml != "none":
+                    with fake_gpus(args.nvml):
+                        with_gpus = unchanged_cycles(setup, args.cycles, in_service=True)
                 docker_back, docker_how = kill_to_ready(setup, client, by="docker")
                 agent_back, agent_how = kill_to_ready(setup, client, by="agent")
                 settle = load_config(setup.config_path).supervision.settle_seconds
@@ -820,6 +850,11 @@ def main() -> None:
         f"  as in service, no changed-by-hand check      {unchecked.cpu_ms:6.2f} ms   "
         f"(ratio with the check / without {service.cpu_ms / unchecked.cpu_ms:.2f})"
     )
+    if with_gpus is not None:
+        print(
+            f"  as in service, GPUs of fake scenario {args.nvml!r} (facts, health, XIDs) {with_gpus.cpu_ms:6.2f} ms   "
+            f"(ratio with GPUs / without {with_gpus.cpu_ms / service.cpu_ms:.2f}; guard <= 10 ms)"
+        )
     print(
         f"  back to back (no wait, real clocks)             {back_to_back.cpu_ms:6.2f} ms   "
         f"heartbeats {back_to_back.heartbeats}/{back_to_back.cycles}, observation posts {back_to_back.posts}"

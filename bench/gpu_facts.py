@@ -1,11 +1,16 @@
-"""How long gpu_facts takes for 0, 8 and 64 GPUs: in-process, as a module process, and via Ansible.
+"""How long gpu_facts takes for 0, 8 and 64 GPUs: in-process, as a module process, and via Ansible; and what the
+health read adds per GPU.
 
-    .venv/bin/python bench/gpu_facts.py [--repeat N] [--no-ansible]
+    .venv/bin/python bench/gpu_facts.py [--repeat N] [--no-ansible] [--health-only]
 
 The GPUs are the fake pynvml's (tests/support/fakes): this measures our own cost per cycle (Python work per
-NVML call, imports, process start), not the driver's. Where a real NVIDIA GPU is present it also
-times the real module against `nvidia-smi -q -x`, the usual alternative, and prints the ratio.
-Every figure is the median of repeated runs.
+NVML call, imports, process start), not the driver's. The health table reads 8 healthy H100s the way the
+agent does (processes and NVLink peers off, then ``GpuFacts.model_validate`` as ``Observer.gpu`` does) and
+the way the module does (everything on), with health off, on with a set per read, and on with an
+``XidWatch`` kept open: NVML calls per read and per GPU, and the time. The agent re-reads GPU facts every
+``gpu_refresh_s`` (30 s) and serves the cached facts in between, so this is the cost of its refresh cycle,
+not of every cycle. Where a real NVIDIA GPU is present it also times the real module against
+`nvidia-smi -q -x`, the usual alternative, and prints the ratio. Every figure is the median of repeated runs.
 """
 
 import argparse
@@ -17,6 +22,7 @@ import sys
 import tempfile
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 FAKES = REPO / "tests" / "support" / "fakes"
@@ -28,9 +34,11 @@ SIZES = (0, 8, 64)
 sys.path.insert(0, str(COLLECTIONS))
 from timing import median_seconds  # noqa: E402
 
+from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuFacts  # noqa: E402
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import (  # noqa: E402
     collect_gpu_facts,
 )
+from ansible_collections.meridian.node.plugins.module_utils.gpu.xid_events import XidWatch  # noqa: E402
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml  # noqa: E402
 
 
@@ -91,14 +99,63 @@ def milliseconds(seconds: float) -> str:
     return f"{seconds * 1000:9.1f} ms"
 
 
+HEALTH_GPUS = 8
+
+
+def fine(seconds: float) -> str:
+    return f"{seconds * 1000:.3f} ms"
+
+
+def health_table(fake: Any, repeat: int) -> None:
+    """NVML calls and time of one read of 8 GPUs, health off and on, as the agent and as the module read."""
+    fake.use_scenario(fake.generate_scenario(HEALTH_GPUS))
+    print(f"health read on the fake seam, {HEALTH_GPUS} healthy H100s, median of {repeat} reads")
+    print(f"{'read':<34}{'calls':>7}{'calls/GPU':>11}{'read':>12}{'read+model':>12}{'per GPU':>11}")
+    measured: dict[str, tuple[int, float]] = {}
+    with XidWatch() as watch:
+        rows: list[tuple[str, dict[str, Any]]] = [
+            ("agent, health off", {"processes": False, "nvlink": False, "health": False}),
+            ("agent, health on, set per read", {"processes": False, "nvlink": False}),
+            ("agent, health on, XidWatch", {"processes": False, "nvlink": False, "xids": watch}),
+            ("module, health off", {"health": False}),
+            ("module, health on", {}),
+        ]
+        for label, options in rows:
+
+            def read(options: dict[str, Any] = options) -> dict[str, Any]:
+                return collect_gpu_facts(fake, machine_type_path=None, **options)
+
+            read()  # the watch opens its set on the first read; count a steady read
+            fake.calls.clear()
+            read()
+            calls = sum(count for name, count in fake.calls.items() if name.startswith("nvml"))
+            took = median_seconds(read, repeat)
+            validated = median_seconds(lambda: GpuFacts.model_validate(read()), repeat)
+            measured[label] = (calls, validated)
+            print(
+                f"{label:<34}{calls:>7}{calls / HEALTH_GPUS:>11.1f}{fine(took):>12}"
+                f"{fine(validated):>12}{fine(validated / HEALTH_GPUS):>11}"
+            )
+    (off_calls, off_time), (on_calls, on_time) = measured["agent, health off"], measured["agent, health on, XidWatch"]
+    print(
+        f"health adds {(on_calls - off_calls) / HEALTH_GPUS:.1f} NVML calls and "
+        f"{fine((on_time - off_time) / HEALTH_GPUS)} per GPU to the agent's GPU refresh (every gpu_refresh_s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=15, help="runs per figure (in-process: 10x this)")
     parser.add_argument("--no-ansible", action="store_true", help="skip the `ansible -m` timings (~1 s each)")
+    parser.add_argument("--health-only", action="store_true", help="print only the health read table")
     options = parser.parse_args()
     repeat = max(1, options.repeat)
 
     fake = load_fake_pynvml()
+    health_table(fake, 10 * repeat)
+    if options.health_only:
+        return
+    print()
     print(f"gpu_facts timings, median of {repeat} runs ({10 * repeat} in-process)")
     print(f"{'GPUs':>5}  {'in-process':>12}  {'module process':>14}  {'ansible -m':>12}")
     with tempfile.TemporaryDirectory() as scratch:

@@ -33,12 +33,16 @@ DEFAULT_STATE_DIR = "/var/lib/meridian-node"
 DEFAULT_APPLY_STATE_DIR = "/var/lib/meridian-node-apply"
 CONFIG_ENV = "MERIDIAN_NODE_CONFIG"
 
+# Where the kubelet serves its PodResources API unless its --root-dir moved it (dcgm-exporter reads the same path).
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
 Mode = Literal["observe-only", "managed-host", "kubernetes-integrated", "air-gapped"]
-# Modes the contract names but this version does not build yet. They are refused by check-config, run and
-# the apply unit, never run as something else (kubernetes-integrated once converged like managed-host).
-UNBUILT_MODES = {
-    "kubernetes-integrated": "it needs a read-only Kubernetes observer, which this version does not have",
-}
+# Modes the contract names but this version does not build yet: refused by check-config, run and the apply unit,
+# never run as something else. None today; the table stays so that a new mode starts here.
+UNBUILT_MODES: dict[str, str] = {}
+# Modes that never change the host: no apply, no supervision repair, no container or NVML change. The agent
+# still verifies what the control plane publishes (and says why it does not apply it).
+READ_ONLY_MODES = ("observe-only", "kubernetes-integrated")
 
 
 def mode_unavailable(mode: str, via: str | None = None) -> str | None:
@@ -53,10 +57,37 @@ def mode_unavailable(mode: str, via: str | None = None) -> str | None:
             "mode air-gapped takes bundles from its inbox; the root apply unit takes no spooled request in "
             "this mode (a request there did not come from this node's agent)"
         )
+    if mode == "kubernetes-integrated" and via is not None:
+        missing = kubernetes_unavailable()
+        if missing:
+            return missing
     why = UNBUILT_MODES.get(mode)
     if why is None:
         return None
     return f"mode {mode} is not available yet: {why}; use observe-only or managed-host"
+
+
+def kubernetes_unavailable() -> str | None:
+    """Why mode kubernetes-integrated cannot read the kubelet here, or None when it can.
+
+    gRPC and protobuf are the ``kubernetes`` extra of the meridian-node package: agents in other modes run
+    without them.
+    """
+    missing = [name for name, module in (("grpcio", "grpc"), ("protobuf", "google.protobuf")) if _absent(module)]
+    if not missing:
+        return None
+    return (
+        f"mode kubernetes-integrated reads the kubelet's PodResources API over gRPC, but the Python package(s) "
+        f"{', '.join(missing)} are not installed; install meridian-node[kubernetes] "
+        "(pip install 'meridian-node[kubernetes]')"
+    )
+
+
+def _absent(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # a parent package (google) is missing
+        return True
 
 
 def metrics_unavailable(listen: str) -> str | None:
@@ -175,6 +206,19 @@ class Supervision(_Section):
         return self
 
 
+class KubernetesConfig(_Section):
+    """``mode: kubernetes-integrated`` (docs/KUBERNETES.md): where and how the agent reads the kubelet's
+    PodResources API. Read in that mode only."""
+
+    # The kubelet's PodResources socket; relative paths resolve against the config file's directory.
+    pod_resources_socket: Annotated[str, Field(min_length=1)] = DEFAULT_POD_RESOURCES_SOCKET
+    # Each call's deadline: the kubelet answers from memory, in milliseconds.
+    timeout_seconds: Annotated[float, Field(gt=0, le=60)] = 2.0
+    # The pods' devices are re-read at most this often (and at once after a failed read's next cycle); pods are
+    # scheduled in seconds, and the observation is re-sent only when what it says changed.
+    refresh_seconds: Annotated[float, Field(ge=0, le=3600)] = 10.0
+
+
 class MetricsConfig(_Section):
     listen: Annotated[str, Field(pattern=r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$")] = "127.0.0.1:9464"
 
@@ -196,6 +240,7 @@ class AgentConfig(_Section):
     apply: Apply = Field(default_factory=Apply)
     supervision: Supervision = Field(default_factory=Supervision)
     air_gap: AirGap | None = None
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     metrics: MetricsConfig | None = None
     log: Log = Field(default_factory=Log)
 
@@ -241,6 +286,9 @@ def load_config(path: os.PathLike[str] | str) -> AgentConfig:
             "policy": str(base / config.policy),
             "state_dir": str(base / config.state_dir),
             "apply": config.apply.model_copy(update={"state_dir": str(base / config.apply.state_dir)}),
+            "kubernetes": config.kubernetes.model_copy(
+                update={"pod_resources_socket": str(base / config.kubernetes.pod_resources_socket)}
+            ),
             "air_gap": None
             if config.air_gap is None
             else config.air_gap.model_copy(

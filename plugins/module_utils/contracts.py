@@ -514,6 +514,10 @@ class EngineSpec(StrictModel):
     served_model_name: Optional[str] = None
     gpus: list[str] = Field(default_factory=list, description="GPU uuids, indexes or MIG instance uuids")
     min_vram_mib: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    force: bool = Field(
+        default=False,
+        description="place on GPUs whose health verdict is unhealthy or unknown (the plan and journal say so)",
+    )
     port: Annotated[int, Field(ge=1, le=65535)]
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -575,6 +579,15 @@ class Runbook(StrictModel):
     collection_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the tarball")]
 
 
+class Cordon(StrictModel):
+    """No new engines on these GPUs (empty: the whole node). ``drain``: running engines there are drained and
+    stopped too, and held stopped until the cordon is lifted; otherwise they are left serving."""
+
+    gpus: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(default_factory=list)
+    drain: bool = False
+    reason: Optional[Annotated[str, Field(max_length=200)]] = None
+
+
 class DesiredState(StrictModel):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["DesiredState"]
@@ -586,6 +599,7 @@ class DesiredState(StrictModel):
     artifacts: list[ArtifactRef] = Field(default_factory=list)
     engines: list[EngineSpec] = Field(default_factory=list)
     runbook: Optional[Runbook] = None
+    cordon: Optional[Cordon] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> DesiredState:
@@ -752,6 +766,78 @@ class NvLinkPeer(StrictModel):
     peer_pci_bus_id: Optional[str]
 
 
+class GpuClocks(StrictModel):
+    """Current and maximum clocks in MHz (NVML_CLOCK_GRAPHICS, _SM, _MEM)."""
+
+    graphics_mhz: Optional[int] = None
+    sm_mhz: Optional[int] = None
+    memory_mhz: Optional[int] = None
+    max_graphics_mhz: Optional[int] = None
+    max_sm_mhz: Optional[int] = None
+    max_memory_mhz: Optional[int] = None
+
+
+class PcieLink(StrictModel):
+    """The PCIe link as trained now and at most: a link below its maximum is a health sign (or power saving)."""
+
+    generation: Optional[int] = None
+    width: Optional[int] = None
+    max_generation: Optional[int] = None
+    max_width: Optional[int] = None
+
+
+HealthVerdict = Literal["healthy", "degraded", "unhealthy", "unknown"]
+
+
+class HealthReason(StrictModel):
+    """Why a verdict is what it is: ``code`` is stable (docs/GPU_HEALTH.md lists them), ``source`` names the
+    NVML call or field that showed it, ``value`` what it read."""
+
+    code: Annotated[str, Field(max_length=64)]
+    source: Annotated[str, Field(max_length=128)]
+    value: Optional[Union[bool, int, float, str]] = None
+
+
+class XidEvent(StrictModel):
+    """One XID from NVML's event set, within the health window."""
+
+    xid: Annotated[int, Field(ge=0)]
+    at: UtcTimestamp
+    mig_uuid: Optional[str] = Field(default=None, description="the MIG device it names; None: the whole GPU")
+
+
+class GpuHealthReadings(StrictModel):
+    """The raw health counters a verdict is computed from (None: not supported or not read)."""
+
+    retired_pages_sbe: Optional[int] = None
+    retired_pages_dbe: Optional[int] = None
+    retirement_pending: Optional[bool] = None
+    remapped_rows_correctable: Optional[int] = None
+    remapped_rows_uncorrectable: Optional[int] = None
+    remap_pending: Optional[bool] = None
+    remap_failure: Optional[bool] = None
+    recovery_action: Optional[Literal["none", "reset", "reboot", "drain-p2p", "drain-and-reset"]] = None
+    pcie_replay_count: Optional[int] = None
+    clock_event_reasons: list[str] = Field(default_factory=list)
+    power_violation_ns: Optional[int] = None
+    thermal_violation_ns: Optional[int] = None
+    nvlink_error_count: Optional[int] = None
+    xid_events: list[XidEvent] = Field(default_factory=list)
+    read_errors: list[str] = Field(
+        default_factory=list, description="NVML errors other than NOT_SUPPORTED on a health read, by call"
+    )
+
+
+class GpuHealth(StrictModel):
+    verdict: HealthVerdict
+    reasons: list[HealthReason] = Field(default_factory=list)
+    since: Optional[UtcTimestamp] = Field(default=None, description="when this verdict began, as far as we saw")
+    held: bool = Field(
+        default=False, description="held from an earlier reading until NVML shows a reset or an operator clears it"
+    )
+    readings: GpuHealthReadings = Field(default_factory=GpuHealthReadings)
+
+
 class Gpu(StrictModel):
     index: int
     uuid: Optional[str]
@@ -770,6 +856,16 @@ class Gpu(StrictModel):
     processes: list[ComputeProcess]
     nvlink_peers: list[NvLinkPeer]
     error: Optional[str] = Field(default=None, description="why this GPU could not be read completely")
+    # GPU feature discovery's vocabulary (NVIDIA/k8s-device-plugin internal/lm): docs/GPU_FACTS.md.
+    compute_capability: Optional[str] = Field(default=None, description='"9.0" for Hopper')
+    architecture: Optional[str] = Field(default=None, description="the family: ampere, hopper, blackwell, ...")
+    mig_capable: Optional[bool] = None
+    serial: Optional[str] = None
+    persistence_mode: Optional[bool] = None
+    clocks: GpuClocks = Field(default_factory=GpuClocks)
+    pcie: PcieLink = Field(default_factory=PcieLink)
+    health: Optional[GpuHealth] = Field(default=None, description="None where health was not read")
+    cordoned: bool = Field(default=False, description="no new engines here, by host policy or the signed state")
 
 
 class GpuFacts(StrictModel):
@@ -781,6 +877,11 @@ class GpuFacts(StrictModel):
     cuda_driver_version: Optional[str] = None
     count: Annotated[int, Field(ge=0)] = 0
     gpus: list[Gpu] = Field(default_factory=list)
+    machine_type: Optional[str] = Field(default=None, description="the DMI product name, as GFD's gpu.machine")
+    mig_strategy: Optional[Literal["none", "single", "mixed"]] = None
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="GPU feature discovery's nvidia.com/* labels for this host"
+    )
 
 
 class EngineObservation(StrictModel):
@@ -823,6 +924,53 @@ class RunSummary(StrictModel):
     finished_at: Optional[UtcTimestamp] = None
 
 
+class PodDevice(StrictModel):
+    """A device the kubelet lists, joined to NVML by uuid (a ``::N`` time-slicing suffix stripped)."""
+
+    resource: Annotated[str, Field(max_length=253)]
+    device_id: Annotated[str, Field(max_length=253)]
+    uuid: Optional[str] = Field(default=None, description="GPU-/MIG- uuid NVML knows; None: not an NVIDIA GPU")
+    gpu_index: Optional[int] = None
+    health: Optional[HealthVerdict] = None
+
+
+class PodAllocation(StrictModel):
+    namespace: Annotated[str, Field(max_length=253)]
+    pod: Annotated[str, Field(max_length=253)]
+    container: Annotated[str, Field(max_length=253)]
+    devices: list[PodDevice] = Field(default_factory=list)
+    engine_driver: Optional[Driver] = Field(default=None, description="a known engine, reported as unmanaged")
+
+
+class KubernetesObservation(StrictModel):
+    """What the kubelet's PodResources API says runs on this node (mode kubernetes-integrated, read-only)."""
+
+    socket: str
+    available: bool
+    reason: Optional[str] = None
+    allocations: list[PodAllocation] = Field(default_factory=list)
+    allocatable: Optional[list[PodDevice]] = Field(
+        default=None, description="None where the kubelet does not implement GetAllocatableResources"
+    )
+
+
+class NodeCordon(Cordon):
+    """A cordon in force on this node, and who set it."""
+
+    by: Literal["policy", "desired-state"]
+
+
+class StateRefusal(StrictModel):
+    """A verified desired state this node will not apply, and why (mode kubernetes-integrated refuses every
+    state: ``read-only-mode``)."""
+
+    generation: Annotated[int, Field(ge=1, le=INT64_MAX)]
+    payload_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    reason: Annotated[str, Field(max_length=64)]
+    detail: Annotated[str, Field(max_length=1000)]
+    refused_at: UtcTimestamp
+
+
 class Observation(StrictModel):
     apiVersion: Literal["meridian.node/v1"]
     kind: Literal["Observation"]
@@ -836,6 +984,9 @@ class Observation(StrictModel):
     artifacts: list[ArtifactObservation] = Field(default_factory=list)
     capacity: Capacity = Field(default_factory=Capacity)
     last_run: Optional[RunSummary] = None
+    kubernetes: Optional[KubernetesObservation] = None
+    cordons: list[NodeCordon] = Field(default_factory=list)
+    refused_state: Optional[StateRefusal] = None
 
 
 class ServingEndpoint(StrictModel):

@@ -113,6 +113,10 @@ in_use:
   returned: success
   type: list
   elements: str
+cordon:
+  description: The state's cordon (GPUs, drain, reason); V(null) when it has none. See M(meridian.node.cordon).
+  returned: success
+  type: dict
 engine_env:
   description: Environment values per engine name.
   returned: when O(secrets=true)

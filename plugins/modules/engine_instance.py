@@ -15,12 +15,17 @@ description:
     engine's driver from one generic spec (the C(EngineSpec) contract).
   - Every check runs before anything changes - the spec, the host policy (image repository allowed and
     pinned by digest, driver allowed, port inside the policy's range), the promoted model artifact, the
-    container's ownership, then for a new container the image, the GPUs or MIG instances, free VRAM after
+    container's ownership, then for a new container the image, the GPUs or MIG instances (not cordoned, and
+    not of C(unhealthy) or C(unknown) health unless O(force) - see C(docs/GPU_HEALTH.md)), free VRAM after
     the reservations of the other engines this collection owns, the port on the policy's bind address and
     the NVIDIA runtime. A refused engine leaves the host exactly as it was, and the message names the
     check with the numbers.
   - Only containers with meridian.node's ownership labels are touched. A container with the engine's name
     but without them makes the module fail and is left alone.
+  - Under a cordon (the host's, from M(meridian.node.cordon), or the policy's) no new container is created on a
+    cordoned GPU, nor anywhere on a cordoned node. A cordon with drain holds an engine to be started - it is
+    drained and stopped if it runs, never created or started while the cordon lasts (RV(held)). Once no
+    cordon holds it, it is started and its cordon's draining mark cleared. See C(docs/CORDON.md).
   - A re-run with the same spec changes nothing. A changed spec (any option that shapes the container, the
     restart policy, shared memory, limits, volumes and labels included) replaces the container; with
     O(replace_strategy=drain-then-replace) the old engine is first marked draining (durably, under
@@ -97,6 +102,14 @@ options:
         reservations of the other engines this collection owns. Recorded on the container as its reservation.
     type: int
     default: 0
+  force:
+    description:
+      - Place the engine on GPUs whose health verdict is C(unhealthy) or C(unknown), which placement otherwise
+        refuses (C(check=placement-health)). The run then warns, naming each such GPU and its reasons, in its
+        warnings, RV(placement_warnings) and the diff. A cordoned GPU is refused whatever this says.
+      - How to place, not what the container is - changing it alone replaces nothing.
+    type: bool
+    default: false
   port:
     description:
       - The host port the engine is published on, on the policy's bind address. Required unless O(state=absent).
@@ -365,14 +378,28 @@ pending:
   returned: when the artifact is pending in check mode
   type: str
   sample: "artifact 'llama-3' has no promoted version in the store: ...; placement was not checked"
+held:
+  description: The cordon that holds the engine stopped - C(by) (where the cordon comes from), C(reason),
+    C(gpus) (empty for a node cordon).
+  returned: when a draining cordon holds the engine
+  type: dict
+placement_warnings:
+  description: What placement let through but says - a GPU whose health is C(degraded), or one of C(unhealthy)
+    or C(unknown) health that only O(force) placed the engine on - with the GPU, its verdict and its reasons.
+    Also in the run's warnings and in the diff's C(after).
+  returned: when placement has something to say
+  type: list
+  elements: str
+  sample: ["engine 'chat' goes on GPU '1' (GPU-...), whose health is degraded: retirement-pending True (...)"]
 check:
-  description: On failure, the check or step that failed (for example C(policy-image), C(placement-vram), C(readiness)).
+  description: On failure, the check or step that failed (for example C(policy-image), C(placement-vram),
+    C(placement-health), C(placement-cordoned), C(readiness)).
   returned: failed
   type: str
   sample: placement-port
 diff:
   description: Running state, config hash and the non-secret spec, before and after; and the drifted
-    settings under C(settings) when RV(drifted) is not empty.
+    settings under C(settings) when RV(drifted) is not empty, and RV(placement_warnings) in C(after).
   returned: always
   type: dict
 """

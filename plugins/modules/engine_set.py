@@ -19,9 +19,12 @@ description:
     M(meridian.node.desired_state) does. In that form the engines' environment values never pass through task
     arguments, registered variables or the run's journal.
   - The whole set is planned before anything changes, read-only - every spec, the policy, ownership, and for
-    every engine to be created the image, the GPUs, the VRAM and the port, with the set's own reservations (two
-    new engines on one GPU must fit together; the VRAM and port of an engine being pruned or replaced are
-    credited). Any refusal fails the module before any change, naming the engine and the check.
+    every engine to be created the image, the GPUs (not cordoned, and not of C(unhealthy) or C(unknown) health
+    unless the engine says O(engines[].force) - see C(docs/GPU_HEALTH.md)), the VRAM and the port, with the
+    set's own reservations (two new engines on one GPU must fit together; the VRAM and port of an engine being
+    pruned or replaced are credited). Any refusal fails the module before any change, naming the engine and the
+    check. What placement lets through but must say (a C(degraded) GPU, O(engines[].force) on a bad one) is in
+    the module's warnings, each engine's C(placement_warnings) and the diff.
   - Then, in order - the pruned engines that hold a port or a GPU a listed engine needs are drained and removed;
     the listed engines converge, up to O(parallel) at once (created and started together, waited for together,
     each replaced engine drained first under its own drain timeout); then the other pruned engines are drained
@@ -95,6 +98,13 @@ options:
             reservations, those of this set included.
         type: int
         default: 0
+      force:
+        description:
+          - Place the engine on GPUs whose health verdict is C(unhealthy) or C(unknown), which placement
+            otherwise refuses (C(check=placement-health)); the run warns, naming each such GPU and its reasons.
+            A cordoned GPU is refused whatever this says. Changing it alone replaces nothing.
+        type: bool
+        default: false
       port:
         description:
           - The host port, on the policy's bind address. Required unless O(engines[].state=absent).
@@ -218,6 +228,30 @@ options:
       - How many engines are acted on at once.
     type: int
     default: 8
+  cordon:
+    description:
+      - A cordon for this run, read together with the host's (M(meridian.node.cordon)) and the policy's. With
+        O(envelope) the signed state's own C(cordon) is used instead, so this option is not allowed there.
+      - Engines on cordoned GPUs (all engines, for a node cordon) are not created; with O(cordon.drain=true)
+        those to be started are drained, stopped and held stopped instead. An engine no cordon holds any more
+        is started and its cordon's draining mark cleared.
+    type: dict
+    suboptions:
+      gpus:
+        description:
+          - GPUs by uuid, index or MIG uuid; empty - the whole node.
+        type: list
+        elements: str
+        default: []
+      drain:
+        description:
+          - Drain, stop and hold the engines the cordon covers.
+        type: bool
+        default: false
+      reason:
+        description:
+          - Why, in the held engines' draining marks and results.
+        type: str
   ready_timeout:
     description:
       - Seconds an engine gets to become ready, for the engines that set none.
@@ -320,8 +354,9 @@ EXAMPLES = r"""
 RETURN = r"""
 engines:
   description: Per engine name, the result M(meridian.node.engine_instance) returns for it - C(actions), C(done),
-    C(config_hash), C(container), C(drifted), C(ready), C(probe), C(diff), and on failure C(failed), C(msg) and
-    C(check). Environment values never appear.
+    C(config_hash), C(container), C(drifted), C(ready), C(probe), C(diff), C(placement_warnings) when
+    placement has something to say, C(held) (by, reason, gpus) for an engine a draining cordon holds stopped,
+    and on failure C(failed), C(msg) and C(check). Environment values never appear.
   returned: always
   type: dict
   sample:
@@ -351,7 +386,8 @@ recorded:
   type: bool
 check:
   description: On failure before any change, the check that refused (for example C(policy-image),
-    C(ownership), C(placement-vram)); when engines failed while converging, C(engines).
+    C(ownership), C(placement-vram), C(placement-health), C(placement-cordoned)); when engines failed while
+    converging, C(engines).
   returned: failed
   type: str
 rejection:

@@ -17,6 +17,14 @@ description:
   - Per GPU - index, UUID, name, PCI bus id, memory total/used/free (MiB), utilization, temperature,
     power draw and limit (W), volatile ECC error counts, MIG mode and MIG instances, compute processes
     and active NVLink peers. For the host - the driver and CUDA driver versions.
+  - In the vocabulary of NVIDIA's GPU feature discovery (GFD) - per GPU the CUDA compute capability,
+    architecture family, MIG capability, serial number, persistence mode, clocks and PCIe link; for the
+    host the machine type (the DMI product name), the MIG strategy that fits what NVML shows, and the
+    C(nvidia.com/*) node labels GFD would write.
+  - Unless O(gather_health=false), a health verdict per GPU (C(healthy), C(degraded), C(unhealthy),
+    C(unknown)) with its reasons and the readings it was judged from - retired pages, remapped rows, the
+    driver's recovery action, PCIe replays, clock-event reasons, power and thermal violation time, NVLink
+    errors and XID events. Any NVML error other than NOT_SUPPORTED on a health read counts against the GPU.
   - A host without NVML (no nvidia-ml-py, no NVIDIA driver, driver not loaded) is not an error - the
     fact says C(nvml_available=false) and gives the reason.
   - A value the GPU does not support is V(null). A GPU that fails while being read is still listed
@@ -38,6 +46,16 @@ options:
       - Switch off to save up to two NVML calls per link on NVLink systems.
     type: bool
     default: true
+  gather_health:
+    description:
+      - Read each GPU's health counters and XID events and judge them into a verdict (C(health)).
+      - A single read cannot compare counters with an earlier one, so the rules about rising counters
+        do not fire here, and it sees only the XIDs that happen while it reads; the agent, which reads
+        every cycle, keeps both.
+      - Switch off to save about ten NVML calls per GPU, plus four per active NVLink; C(health) is then
+        V(null).
+    type: bool
+    default: true
 extends_documentation_fragment:
   - meridian.node.attributes
   - meridian.node.attributes.facts
@@ -54,6 +72,8 @@ notes:
   - With MIG enabled, NVML reports utilization only per MIG instance, so the GPU's utilization is
     V(null), and processes are read from the MIG instances.
   - NVLink peers on NVSwitch systems (HGX/DGX) are the NVSwitches' PCI bus ids.
+  - The labels follow GFD's default configuration (no sharing, no timestamp); C(docs/GPU_FACTS.md) in the
+    collection lists the labels GFD writes that this module does not, and why.
 seealso:
   - name: NVML API reference
     description: The library this module reads.
@@ -70,10 +90,18 @@ EXAMPLES = r"""
   loop: "{{ ansible_facts.meridian_gpus.gpus }}"
   when: ansible_facts.meridian_gpus.nvml_available
 
-- name: Quick read on a large host, without processes and NVLink
+- name: Quick read on a large host, without processes, NVLink and health
   meridian.node.gpu_facts:
     gather_processes: false
     gather_nvlink: false
+    gather_health: false
+
+- name: Fail when a GPU is unhealthy
+  ansible.builtin.assert:
+    that: item.health.verdict != 'unhealthy'
+    fail_msg: "GPU {{ item.index }} ({{ item.uuid }}): {{ item.health.reasons }}"
+  loop: "{{ ansible_facts.meridian_gpus.gpus }}"
+  when: ansible_facts.meridian_gpus.nvml_available
 """
 
 RETURN = r"""
@@ -114,6 +142,25 @@ ansible_facts:
           type: int
           returned: always
           sample: 8
+        machine_type:
+          description: The DMI product name, sanitised as GFD's C(nvidia.com/gpu.machine); V(null) where the
+            host has no readable DMI (many VMs and containers).
+          type: str
+          returned: always
+          sample: DGX-H100
+        mig_strategy:
+          description: The MIG strategy that fits what NVML shows - V(none) (no GPU in MIG mode), V(single)
+            (every GPU in MIG mode with one profile throughout) or V(mixed); V(null) without NVML.
+          type: str
+          returned: always
+          sample: none
+        labels:
+          description: The C(nvidia.com/*) node labels GPU feature discovery would write for this host;
+            empty without NVML or GPUs.
+          type: dict
+          returned: always
+          sample: {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.count": "8",
+                   "nvidia.com/gpu.family": "hopper", "nvidia.com/mig.capable": "true"}
         gpus:
           description: One entry per GPU, in NVML index order.
           type: list
@@ -183,6 +230,44 @@ ansible_facts:
                 V(null) when it could.
               type: str
               sample: NVML_ERROR_GPU_IS_LOST while reading memory info
+            compute_capability:
+              description: The CUDA compute capability, as major.minor.
+              type: str
+              sample: "9.0"
+            architecture:
+              description: The architecture family GFD derives from the compute capability (V(ampere),
+                V(hopper), V(blackwell), ...).
+              type: str
+              sample: hopper
+            mig_capable:
+              description: Whether the GPU supports MIG (NVML answers its MIG mode).
+              type: bool
+            serial:
+              description: The board serial number; V(null) where NVML does not report one (GeForce).
+              type: str
+            persistence_mode:
+              description: Whether persistence mode is on.
+              type: bool
+            clocks:
+              description: Current and maximum clocks in MHz, with keys C(graphics_mhz), C(sm_mhz),
+                C(memory_mhz), C(max_graphics_mhz), C(max_sm_mhz), C(max_memory_mhz).
+              type: dict
+            pcie:
+              description: The PCIe link as trained now and the most it can train to in this slot, with
+                keys C(generation), C(width), C(max_generation), C(max_width).
+              type: dict
+              sample: {"generation": 5, "width": 16, "max_generation": 5, "max_width": 16}
+            health:
+              description: The verdict on this GPU's health, with C(verdict), C(reasons) (each
+                C(code), C(source), C(value)), C(since), C(held) and the C(readings) it was judged from;
+                V(null) with O(gather_health=false).
+              type: dict
+              sample: {"verdict": "unhealthy", "reasons": [{"code": "recovery-action",
+                       "source": "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", "value": "reset"}]}
+            cordoned:
+              description: Whether this GPU is cordoned (no new engines). This module does not read
+                cordons, so it reports V(false); the agent's observations carry the cordons in force.
+              type: bool
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -162,6 +162,12 @@ class AirGapAgent:
                     # Wakes on a rename into the inbox; the poll interval is the backstop for a lost event.
                     watch.wait(self.air_gap.poll_seconds)
 
+    def close(self) -> None:
+        """The agent stops: give back what the observer holds open (its NVML event set)."""
+        close = getattr(self.observer, "close", None)
+        if callable(close):
+            close()
+
     def close_interrupted(self) -> None:
         """In-process: close an apply the agent's oplog shows started and never finished (``apply.inbox``)."""
         close_interrupted(self.state_dir, self.log)
@@ -440,6 +446,7 @@ def node_signing_key(config: AgentConfig) -> ec.EllipticCurvePrivateKey:
 def build_airgap_agent(config: AgentConfig, *, log: EventLogger | None = None) -> AirGapAgent:
     """The air-gapped agent as ``meridian-node run`` builds it: refused with every problem named first."""
     from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, DockerEngineError
+    from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
     from meridian_node_agent.agent_side.observe import DockerEngines, InventoryEngines, Observer, no_engines
     from meridian_node_agent.config import policy_for_run
 
@@ -461,8 +468,14 @@ def build_airgap_agent(config: AgentConfig, *, log: EventLogger | None = None) -
             (log or EventLogger()).warning("engines-not-observed", reason=str(exc))
     observer = Observer(
         store_path=policy.store.path,
+        # As ``run`` builds it online: held verdicts and cordons where placement reads them (root's directory
+        # under the split, the agent's own in-process, where it applies and so writes the holds).
+        gpu_facts=GpuHealthWatch(config.record_dir, writes_holds=config.apply.via == "in-process", log=log),
         engines=engines,
         placement=(policy.engines.port_range, policy.engines.bind_address),
+        cordon_dir=str(config.record_dir),
+        policy_cordon=policy.cordon,
+        log=log,
     )
     Path(config.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
     outbox = Outbox(Path(config.air_gap.outbox), Path(config.state_dir), config.node_id, node_signing_key(config))

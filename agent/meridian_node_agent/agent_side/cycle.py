@@ -16,6 +16,10 @@ Rules the loop keeps:
 - No apply without a live lease: a lapsed lease stops new applies (the control plane may have handed
   this node's work to someone else), never running engines.
 - ``observe-only`` verifies and reports but never applies.
+- ``kubernetes-integrated`` reports what the kubelet says runs here (``kubernetes_observer``) and never changes the
+  host: a published state is verified and refused (``refused``, reason ``read-only-mode``, in the log and
+  status), nothing is spooled, no earlier apply is resumed or retried and no engine is supervised. Every apply of
+  either read-only mode goes through ``_apply``, which refuses before the applier is reached.
 - While an apply runs, what the engines look like is observed each ``APPLY_REPORT_S`` and posted when it
   changed (``_reporting_while_applying``): a replace that starts the new engine beside the old one switches
   the serving projection when the new one is ready and the old one is marked draining, mid-apply, which
@@ -23,6 +27,11 @@ Rules the loop keeps:
 - What supervision and a failing apply's retry know (first seen, graces, repair and retry counts, backoff) is
   kept in the agent's own record (``supervision_record``), written when it changes and taken over at start-up:
   ``run --once`` from cron, a restarted agent and a crash-looping one decide as one long-running agent would.
+- GPU health (docs/GPU_HEALTH.md "In the agent"): each observation carries every GPU's verdict and the cordons
+  in force (``observe``); an engine of the applied state on a GPU whose verdict turned ``unhealthy`` is reported
+  by supervision (``engines_on_unhealthy_gpus``), logged once per change (``engine-on-unhealthy-gpu``), and never
+  repaired: the signed state pins its GPUs, so a reconcile would change nothing. ``status`` shows each GPU's
+  verdict and the cordons.
 - The client certificate is renewed once less than ``certificate_renewal.remaining_fraction`` of its
   lifetime is left, at the start of a cycle, so the rest of the cycle already uses the new pair. A failed
   renewal is logged and retried after a backoff of its own; it never fails the cycle, because the old
@@ -59,8 +68,9 @@ from meridian_node_agent.agent_side.control_client import (
     DesiredStateFetch,
     FetchStatus,
 )
+from meridian_node_agent.agent_side.gpu_health import verdict_summary
 from meridian_node_agent.agent_side.identity import CertificateIssuer, CertificateRenewal, IdentityError, NodeIdentity
-from meridian_node_agent.agent_side.supervise import Supervisor
+from meridian_node_agent.agent_side.supervise import Supervisor, engines_on_unhealthy_gpus
 from meridian_node_agent.agent_side.supervision_record import (
     Remembered,
     RememberedRetry,
@@ -69,10 +79,11 @@ from meridian_node_agent.agent_side.supervision_record import (
 )
 from meridian_node_agent.apply.applier import ApplyResult
 from meridian_node_agent.apply.oplog import ABANDONED, OpLog
-from meridian_node_agent.config import AgentConfig
+from meridian_node_agent.config import READ_ONLY_MODES, AgentConfig
 from meridian_node_agent.logs import EventLogger
 
 __all__ = [
+    "REFUSED_READ_ONLY",
     "REPORT_REFRESH_S",
     "SPOOL_FILE",
     "STATUS_FILE",
@@ -92,6 +103,8 @@ REPORT_REFRESH_S = 60.0
 # it happens; well inside the reconcile playbook's drain settle (5 s).
 APPLY_REPORT_S = 1.0
 STATUS_REFRESH_S = 60.0
+# Why a verified state is not applied on a node in mode kubernetes-integrated (the cycle's ``rejection``).
+REFUSED_READ_ONLY = "read-only-mode"
 _REFUSAL_HINTS = {
     "certificate-revoked": "this node's certificate was revoked: enroll again with a new token",
     "certificate-expired": "the node's certificate expired before it was renewed: enroll again with a new token",
@@ -115,6 +128,8 @@ class CycleStatus(StrEnum):
     REPAIR_FAILED = "repair-failed"
     # The state's last apply failed and its retry waits out the crash-loop backoff (``ApplyRetry``).
     APPLY_BACKING_OFF = "apply-backing-off"
+    # A verified state this node's mode refuses to apply (kubernetes-integrated: REFUSED_READ_ONLY).
+    REFUSED = "refused"
 
 
 @dataclass(frozen=True)
@@ -155,6 +170,8 @@ class ObservePort(Protocol):
         applied_generation: int,
         last_run: dict[str, Any] | None,
         now: datetime,
+        cordon: dict[str, Any] | None = None,
+        refused_state: dict[str, Any] | None = None,
     ) -> Observation: ...
 
     def forget(self) -> None: ...
@@ -211,6 +228,7 @@ class Counters:
     unavailable: int = 0
     refused: int = 0  # the control plane answered and said no (403 revoked, 404 unknown node...)
     repairs: int = 0  # reconciles of the applied generation because engines drifted from it
+    states_refused: int = 0  # verified states this node's mode does not apply (kubernetes-integrated)
     rejections: dict[str, int] = field(default_factory=dict)
 
 
@@ -273,6 +291,15 @@ class Agent:
         # The envelope of the state last applied successfully, verified: what supervision repairs towards.
         self._desired: tuple[bytes, VerifiedState] | None = None
         self._retry: ApplyRetry | None = None
+        # Mode kubernetes-integrated: the state last refused (for status), and the kubelet's view last observed.
+        self.refused: dict[str, Any] | None = None
+        self._kubernetes: dict[str, Any] | None = None
+        # The GPU facts of the last observation (the object, as a dict and as JSON: dumped once per GPU refresh),
+        # each GPU's verdict for status, the cordons in force, and the engines last reported on an unhealthy GPU.
+        self._gpu_seen: tuple[Any, dict[str, Any], str] | None = None
+        self._gpus: list[dict[str, Any]] = []
+        self._cordons: list[dict[str, Any]] = []
+        self._gpu_trouble: dict[str, str] = {}
         # Renewal talks to the real control client even when a test wraps ``client`` for the other calls.
         self.issuer: CertificateIssuer | None = client if isinstance(client, CertificateIssuer) else None
         renewal = config.certificate_renewal
@@ -305,6 +332,7 @@ class Agent:
                     CycleStatus.LEASE_LAPSED,
                     CycleStatus.REPAIR_FAILED,
                     CycleStatus.APPLY_BACKING_OFF,
+                    CycleStatus.REFUSED,
                 )
                 failed_call = outcome.outcome == CycleStatus.APPLY_FAILED
             except ControlPlaneRejected as exc:
@@ -338,6 +366,14 @@ class Agent:
             failures = 0
             if self.wait_s == 0:
                 self.sleep(self.pause_s)
+
+    def close(self) -> None:
+        """The agent stops: give back what the observer holds open (its NVML event set) and the metrics port."""
+        close = getattr(self.observer, "close", None)
+        if callable(close):
+            close()
+        if self.metrics is not None and callable(getattr(self.metrics, "close", None)):
+            self.metrics.close()
 
     def cycle(self, *, wait_s: float = 0) -> CycleOutcome:
         try:
@@ -385,8 +421,8 @@ class Agent:
         pending = self.oplog.pending()
         if pending is None:
             return None
-        if self.config.mode == "observe-only":
-            self.log.warning("interrupted-apply-not-resumed", run_ident=pending.run_ident, reason="observe-only")
+        if self._read_only:
+            self.log.warning("interrupted-apply-not-resumed", run_ident=pending.run_ident, reason=self.config.mode)
             return None
 
         def close(result: str, reason: str | None = None) -> None:
@@ -442,6 +478,8 @@ class Agent:
         if verified.already_applied:
             self.etag = etag
             return CycleOutcome(CycleStatus.UNCHANGED, state.generation)
+        if self.config.mode == "kubernetes-integrated":
+            return self._refuse_read_only(state.generation, verified.payload_sha256, etag)
         try:
             atomic_write(self.spool_path(), envelope, mode=0o600)
         except OSError as exc:
@@ -466,6 +504,40 @@ class Agent:
         self._retry = None
         return CycleOutcome(CycleStatus.APPLIED, state.generation, run=result)
 
+    @property
+    def _read_only(self) -> bool:
+        return self.config.mode in READ_ONLY_MODES
+
+    def _refuse_read_only(self, generation: int, payload_sha256: str, etag: str | None) -> CycleOutcome:
+        """A verified state for a node in mode kubernetes-integrated: nothing of it is spooled or applied.
+
+        Said once per state in the log, kept in status until another state comes; the ETag moves on, so the same
+        state is not fetched and verified again each cycle (a restarted agent verifies and refuses it once more).
+        """
+        self.counters.states_refused += 1
+        self.etag = etag
+        if self.refused is None or self.refused.get("payload_sha256") != payload_sha256:
+            detail = (
+                f"mode {self.config.mode} is read-only: this node's containers and GPUs belong to Kubernetes, so "
+                f"generation {generation} was verified and not applied; publish desired states only to nodes in "
+                "mode managed-host (docs/KUBERNETES.md)"
+            )
+            self.refused = {
+                "generation": generation,
+                "payload_sha256": payload_sha256,
+                "reason": REFUSED_READ_ONLY,
+                "detail": detail,
+                "refused_at": format_rfc3339(self.clock()),
+            }
+            self.log.warning(
+                "desired-state-refused",
+                generation=generation,
+                mode=self.config.mode,
+                reason=REFUSED_READ_ONLY,
+                detail=detail,
+            )
+        return CycleOutcome(CycleStatus.REFUSED, generation, rejection=REFUSED_READ_ONLY)
+
     def _apply_failed(self, envelope: bytes, verified: VerifiedState, result: ApplyResult) -> None:
         previous = self._retry
         same = previous is not None and previous.payload_sha256 == verified.payload_sha256
@@ -488,6 +560,11 @@ class Agent:
 
     def _retry_apply(self, retry: ApplyRetry) -> CycleOutcome:
         """Apply the failed state again once its backoff is over; until then, say that it is waiting."""
+        if self._read_only:
+            # A retry taken over from the record of a run before the mode changed: never in a read-only mode.
+            self._retry = None
+            self.log.warning("apply-retry-dropped", generation=retry.generation, reason=f"mode {self.config.mode}")
+            return CycleOutcome(CycleStatus.UNCHANGED, retry.generation)
         if self.monotonic() < retry.retry_at:
             return CycleOutcome(CycleStatus.APPLY_BACKING_OFF, retry.generation)
         try:
@@ -518,6 +595,24 @@ class Agent:
     def _apply(self, envelope: bytes, verified: VerifiedState, *, reason: str | None = None) -> ApplyResult:
         """Apply once; whatever goes wrong (even asking for the apply) is a failed apply, counted, not a crash."""
         state = verified.state
+        if self._read_only:
+            # The door every apply goes through, shut in a read-only mode whatever led here: the applier is never
+            # asked and nothing is recorded. The callers above stop earlier; this holds if one of them does not.
+            self.log.error("apply-refused", generation=state.generation, mode=self.config.mode, reason=reason)
+            now = self.clock()
+            return ApplyResult(
+                ident="",
+                generation=state.generation,
+                status="failed",
+                rc=None,
+                changed=0,
+                failed=0,
+                journal=Path(),
+                started_at=now,
+                finished_at=now,
+                wall_s=0.0,
+                failures=[f"mode {self.config.mode} never applies"],
+            )
         secrets = [value for engine in state.engines for value in engine.env.values()]
         self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch, reason=reason)
         started_at = self.clock()
@@ -620,6 +715,8 @@ class Agent:
         this state (generation and payload digest), the failed apply's count and next attempt when the spool
         holds the state that failed. A part written for another state is not used."""
         remembered = self.record.load(self.monotonic())
+        if self.config.mode == "kubernetes-integrated":
+            return  # no engine here is ours to watch, and no failed apply is ours to retry
         try:
             envelope = self.spool.read_bytes()
             verified = self._verify(envelope)
@@ -701,9 +798,9 @@ class Agent:
     def _supervise(self) -> CycleOutcome | None:
         """Repair drift from the applied state by reconciling the same generation again, at most as often as
         each drifted engine's backoff allows. Never in observe-only mode, never without a live lease."""
-        if self._desired is None or self.config.mode == "observe-only":
+        if self._desired is None or self._read_only:
             return None
-        drift = self.supervisor.assess(self._engines)
+        drift = self.supervisor.assess(self._engines, self._engines_on_unhealthy_gpus())
         if drift is None:
             return None
         envelope, verified = self._desired
@@ -725,6 +822,23 @@ class Agent:
         return CycleOutcome(
             CycleStatus.REPAIRED if result.ok else CycleStatus.REPAIR_FAILED, drift.generation, run=result
         )
+
+    def _engines_on_unhealthy_gpus(self) -> dict[str, str]:
+        """Per engine of the applied state on a GPU the last observation found unhealthy, why; said once per change."""
+        if self._desired is None or self._gpu_seen is None:
+            return {}
+        engines = [{"name": engine.name, "gpus": engine.gpus} for engine in self._desired[1].state.engines]
+        trouble = engines_on_unhealthy_gpus(engines, self._gpu_seen[1])
+        if trouble != self._gpu_trouble:
+            generation = self._desired[1].state.generation
+            for name, why in sorted(trouble.items()):
+                if self._gpu_trouble.get(name) != why:
+                    # Not repaired here: the state pins the engine to these GPUs. The control plane moves it.
+                    self.log.warning("engine-on-unhealthy-gpu", engine=name, generation=generation, problem=why)
+            for name in sorted(set(self._gpu_trouble) - set(trouble)):
+                self.log.info("engine-off-unhealthy-gpu", engine=name, generation=generation)
+            self._gpu_trouble = trouble
+        return trouble
 
     def _record(self, generation: int, epoch: int, payload_sha256: str) -> None:
         """The agent's own record of what was applied, with the epoch the apply was decided under.
@@ -785,7 +899,11 @@ class Agent:
             applied_generation=self.store.load().generation,
             last_run=_run_summary(self.last_run),
             now=self.clock(),
+            cordon=self._applied_cordon(),
+            refused_state=self.refused if self.config.mode == "kubernetes-integrated" else None,
         )
+        self._seen_gpus(observation)
+        self._kubernetes = None if observation.kubernetes is None else observation.kubernetes.model_dump(mode="json")
         # Not in the observation's contract: the observer keeps it aside for supervision (and status).
         drifted: dict[str, tuple[str, ...]] = getattr(self.observer, "drifted", None) or {}
         self._engines = [
@@ -802,7 +920,9 @@ class Agent:
             }
             for e in observation.engines
         ]
-        fingerprint = observation.model_dump_json(exclude={"observed_at"})
+        assert self._gpu_seen is not None
+        # The GPU facts (with their health readings, most of an observation's bytes) as dumped once per refresh.
+        fingerprint = self._gpu_seen[2] + observation.model_dump_json(exclude={"observed_at", "gpu"})
         now = self.monotonic()
         if self._reported and self._reported[0] == fingerprint and now - self._reported[1] < REPORT_REFRESH_S:
             return
@@ -811,6 +931,24 @@ class Agent:
         except ControlPlaneRejected as exc:
             self.log.warning("observation-refused", status=exc.status, reason=exc.reason, detail=exc.detail)
         self._reported = (fingerprint, now)
+
+    def _applied_cordon(self) -> dict[str, Any] | None:
+        """The cordon of the state last applied (the one the engines run by), as a dict."""
+        if self._desired is None or self._desired[1].state.cordon is None:
+            return None
+        return self._desired[1].state.cordon.model_dump(mode="json")
+
+    def _seen_gpus(self, observation: Observation) -> None:
+        """Keep the observation's GPU verdicts and cordons for supervision and status. The observer hands the same
+        facts object until its next GPU refresh: they are turned into dicts once per refresh, not per cycle."""
+        gpu = observation.gpu
+        if self._gpu_seen is None or self._gpu_seen[0] is not gpu:
+            facts = gpu.model_dump(mode="json")
+            self._gpu_seen = (gpu, facts, gpu.model_dump_json())
+            self._gpus = [verdict_summary(entry) for entry in facts["gpus"]]
+        self._cordons = (
+            [cordon.model_dump(mode="json") for cordon in observation.cordons] if observation.cordons else []
+        )
 
     def spool_path(self) -> Path:
         self.spool.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -834,6 +972,12 @@ class Agent:
             "supervision": self._supervision_status(),
             "apply_retry": self._retry_status(),
             "certificate": self.renewal.status(),
+            # Mode kubernetes-integrated: what the kubelet said at the last report, and the state last refused.
+            "kubernetes": self._kubernetes,
+            "refused_state": self.refused,
+            # Each GPU's verdict at the last report, and the cordons then in force.
+            "gpus": self._gpus,
+            "cordons": self._cordons,
         }
         # Rewritten when something in it changed, or STATUS_REFRESH_S after the last write so that
         # 'updated_at' still shows a live agent: an unchanged cycle would otherwise cost a file write.

@@ -1,10 +1,18 @@
-"""What the agent reports each cycle: GPU facts, artifacts in the store, engines, the last run.
+"""What the agent reports each cycle: GPU facts and their health, artifacts in the store, engines, the
+cordons in force, the last run.
 
 Runs on: the agent side; under the split it reads the engines root published (``boundary/engines_file``).
 
 Each source is a plain callable so the agent stays usable where one is missing (no NVML, no Docker)
 and tests can swap the hardware seam. GPU facts are re-read at most every ``gpu_refresh_s``:
-NVML reads cost far more than the rest of an unchanged cycle, and they change slowly.
+NVML reads cost far more than the rest of an unchanged cycle, and they change slowly. By default they come
+from a ``gpu_health.GpuHealthWatch``, which keeps an XID watch and each GPU's last verdict across reads;
+:meth:`Observer.close` gives its NVML event set back when the agent stops.
+
+The cordons (``engines.cordon_file``) are read each observation: the host's cordon file in the directory
+placement reads (``cordon_dir``), the policy's ``cordon`` and the applied state's, each reported as a
+``NodeCordon``, and every GPU they cover is marked ``cordoned``. A damaged cordon file is logged once and
+left out: the observation goes on with the others (placement refuses on its own when it cannot read it).
 """
 
 from __future__ import annotations
@@ -26,6 +34,13 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     DockerEngineError,
     address_overlaps,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import (
+    CordonStateError,
+    HostCordon,
+    cordons_in_force,
+    mark_cordoned,
+    merge_cordons,
+)
 from ansible_collections.meridian.node.plugins.module_utils.engines.discovery import (
     capacity,
     discover_engines,
@@ -40,7 +55,9 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks 
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import Driver, DriverError, get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import Reservation
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import probe_readiness
-from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import CordonPolicy
+from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
+from meridian_node_agent.agent_side.kubernetes_observer import KubernetesView
 from meridian_node_agent.boundary.engines_file import (
     INVENTORY_FILE,
     FileIdentity,
@@ -52,11 +69,12 @@ from meridian_node_agent.boundary.engines_file import (
 from meridian_node_agent.boundary.spool import PUBLIC_DIR
 from meridian_node_agent.logs import EventLogger
 
-__all__ = ["DockerEngines", "EngineSource", "InventoryEngines", "Observer", "no_engines"]
+__all__ = ["DockerEngines", "EngineSource", "InventoryEngines", "KubernetesSource", "Observer", "no_engines"]
 
 _PROBE_TIMEOUT_S = 1.0  # the same bound engine discovery gives one readiness probe
 
 EngineSource = Callable[[], list[dict[str, Any]]]
+KubernetesSource = Callable[[GpuFacts], KubernetesView]
 
 
 def no_engines() -> list[dict[str, Any]]:
@@ -259,32 +277,53 @@ class Observer:
         artifact_refresh_s: float = 30.0,
         monotonic: Callable[[], float] = time.monotonic,
         placement: tuple[Sequence[int], str] | None = None,
+        kubernetes: KubernetesSource | None = None,
+        cordon_dir: str | None = None,
+        policy_cordon: CordonPolicy | None = None,
+        log: EventLogger | None = None,
     ) -> None:
         self._store = Store(store_path) if store_path else None
+        # Mode kubernetes-integrated: what the kubelet says runs here, joined to the GPU facts (kubernetes_observer).
+        self._kubernetes = kubernetes
         # (port range, bind address) from the policy: with it, observations carry the capacity left.
         self._placement = placement
         self._capacity_cache: tuple[float, dict[str, Any]] | None = None
         # Since when each engine has been seen ready (wall clock): readiness comes and goes between looks.
         self._ready_since: dict[str, str] = {}
-        self._gpu_facts = gpu_facts or (lambda: collect_gpu_facts(processes=False, nvlink=False))
+        # Stateful by default: an XID watch and each GPU's last verdict, kept across reads (gpu_health).
+        self._gpu_facts = gpu_facts or GpuHealthWatch()
         self._engines = engines
         self._gpu_refresh_s = gpu_refresh_s
         self._monotonic = monotonic
         self._gpu_cache: tuple[float, GpuFacts] | None = None
-        self._artifact_refresh_s = artifact_refresh_s
         self._artifact_cache: tuple[float, list[dict[str, Any]]] | None = None
+        self._artifact_refresh_s = artifact_refresh_s
+        # The host's cordon file is in the directory placement reads (AgentConfig.record_dir); the policy's cordon.
+        self._cordon_dir = cordon_dir
+        self._policy_cordon = policy_cordon
+        self._log = log or EventLogger()
+        self._cordon_problem: str | None = None
+        # The GPU facts with the cordoned GPUs marked, for the facts and the cordon they were marked from.
+        self._marked: tuple[GpuFacts, HostCordon | None, GpuFacts] | None = None
         # Per engine of ours, the settings changed by hand since it was created (``docker.drift``), from the
         # last observation: for supervision, not for the control plane (the observation contract has no
         # place for it, and what matters there is that the engine is repaired).
         self.drifted: dict[str, tuple[str, ...]] = {}
 
+    def close(self) -> None:
+        """Release what the sources hold open for the agent's life (the GPU reader's NVML event set)."""
+        close = getattr(self._gpu_facts, "close", None)
+        if callable(close):
+            close()
+
     def forget(self) -> None:
         """Drop every cached reading, so the next observation is taken afresh: what an apply changes
         (engines, artifacts) must show in the observation that follows it, not one refresh later."""
         self._gpu_cache = self._artifact_cache = self._capacity_cache = None
-        forget = getattr(self._engines, "forget", None)
-        if callable(forget):
-            forget()
+        for source in (self._engines, self._kubernetes):
+            forget = getattr(source, "forget", None)
+            if callable(forget):
+                forget()
 
     def gpu(self) -> GpuFacts:
         now = self._monotonic()
@@ -352,6 +391,34 @@ class Observer:
         self._artifact_cache = (now, listed)
         return listed
 
+    def cordons(self, state_cordon: Mapping[str, Any] | None = None) -> list[HostCordon]:
+        """The cordons in force: the host's file, the policy's and ``state_cordon`` (the applied state's
+        ``contracts.Cordon`` as a dict). A cordon file that cannot be read is said once per problem and left out."""
+        if not self._cordon_dir:
+            return cordons_in_force(None, self._policy_cordon, state_cordon)
+        try:
+            found = cordons_in_force(self._cordon_dir, self._policy_cordon, state_cordon)
+        except CordonStateError as exc:
+            if str(exc) != self._cordon_problem:
+                self._log.warning("cordon-file-unreadable", error=str(exc), consequence="left out of the observation")
+            self._cordon_problem = str(exc)
+            return cordons_in_force(None, self._policy_cordon, state_cordon)
+        if self._cordon_problem is not None:
+            self._log.info("cordon-file-readable-again", path=self._cordon_dir)
+            self._cordon_problem = None
+        return found
+
+    def _cordoned(self, facts: GpuFacts, cordon: HostCordon | None) -> GpuFacts:
+        """``facts`` with every GPU ``cordon`` covers marked ``cordoned``; computed once per facts and cordon."""
+        if cordon is None:
+            return facts
+        marked = self._marked
+        if marked is not None and marked[0] is facts and marked[1] == cordon:
+            return marked[2]
+        result = GpuFacts.model_validate(mark_cordoned(facts.model_dump(mode="json"), cordon))
+        self._marked = (facts, cordon, result)
+        return result
+
     def observe(
         self,
         *,
@@ -361,7 +428,15 @@ class Observer:
         applied_generation: int,
         last_run: dict[str, Any] | None,
         now: datetime,
+        cordon: Mapping[str, Any] | None = None,
+        refused_state: Mapping[str, Any] | None = None,
     ) -> Observation:
+        """The observation of this node now. ``cordon``: the applied state's cordon (a ``contracts.Cordon`` dict);
+        ``refused_state``: the state this node's mode refused last (``contracts.StateRefusal`` as a dict)."""
+        cordons = self.cordons(cordon)
+        gpu = self._cordoned(self.gpu(), merge_cordons(cordons))
+        kubernetes = None if self._kubernetes is None else self._kubernetes(gpu)
+        engines = self._engines() + (kubernetes.engines if kubernetes is not None else [])
         return Observation.model_validate(
             {
                 "apiVersion": "meridian.node/v1",
@@ -371,10 +446,13 @@ class Observer:
                 "observed_at": format_rfc3339(now),
                 "mode": mode,
                 "applied_generation": applied_generation,
-                "gpu": self.gpu(),
-                "engines": self._with_ready_since(self._engines(), now),
+                "gpu": gpu,
+                "engines": self._with_ready_since(engines, now),
                 "artifacts": self.artifacts(),
                 "capacity": self.capacity(),
                 "last_run": last_run,
+                "kubernetes": None if kubernetes is None else kubernetes.observation,
+                "cordons": [cordon.observed() for cordon in cordons],
+                "refused_state": refused_state,
             }
         )

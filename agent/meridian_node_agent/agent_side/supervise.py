@@ -19,6 +19,12 @@ Each engine the applied state lists as ``started`` is drifted when, for longer t
 A draining engine is never drifted: a drain wins over drift until the next generation. Engines listed
 ``stopped`` or ``absent`` are the reconcile's business, not supervision's.
 
+An engine whose GPU turned **unhealthy** (``engines_on_unhealthy_gpus``, from the GPU facts' verdicts) is
+reported, never repaired: the signed state pins an engine to the GPUs it names, so there is nowhere this host
+may move it to, and re-applying the same generation would change nothing. Its track says ``reported`` with
+the GPU and the reasons, in ``status`` and the agent's log, so the control plane can place it elsewhere
+(and cordon the GPU). A problem supervision can repair (it stopped) is still repaired as usual.
+
 Crash loops back off per engine, as kubelet's CrashLoopBackOff does: after the n-th repair of an engine
 that has not been healthy since, the next waits ``initial * 2^(n-1)`` seconds, at most ``maximum``;
 ``healthy_reset_s`` of continuous readiness forgets the count. A repair is due when at least one
@@ -37,7 +43,33 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["Drift", "EngineTrack", "Supervisor"]
+__all__ = ["Drift", "EngineTrack", "Supervisor", "engines_on_unhealthy_gpus"]
+
+
+# How a problem supervision reports but never repairs begins.
+GPU_TROUBLE = "on unhealthy GPU"
+
+
+def engines_on_unhealthy_gpus(engines: Sequence[Mapping[str, Any]], gpu_facts: Mapping[str, Any]) -> dict[str, str]:
+    """Per engine of the applied state (``contracts.EngineSpec`` dicts) placed on a GPU whose verdict is
+    ``unhealthy``, why: the GPU and its reasons' codes. A MIG instance answers for its parent GPU."""
+    verdicts: dict[str, tuple[str, str]] = {}
+    for gpu in gpu_facts.get("gpus") or []:
+        health = gpu.get("health") or {}
+        if health.get("verdict") != "unhealthy":
+            continue
+        codes = ", ".join(sorted({str(reason.get("code")) for reason in health.get("reasons") or []})) or "no reason"
+        where = str(gpu.get("uuid") or gpu.get("index"))
+        for key in (gpu.get("uuid"), str(gpu.get("index")), *(m.get("uuid") for m in gpu.get("mig_instances") or [])):
+            if key is not None:
+                verdicts[str(key)] = (where, codes)
+    trouble: dict[str, str] = {}
+    for engine in engines:
+        bad = [verdicts[str(gpu)] for gpu in engine.get("gpus") or [] if str(gpu) in verdicts]
+        if bad:
+            described = "; ".join(f"{where} ({codes})" for where, codes in bad)
+            trouble[str(engine.get("name"))] = f"{GPU_TROUBLE} {described}"
+    return trouble
 
 
 @dataclass
@@ -124,8 +156,11 @@ class Supervisor:
         self.generation = None
         self.tracks = {}
 
-    def assess(self, observed: Sequence[Mapping[str, Any]]) -> Drift | None:
-        """Update what is known from this observation; the repair due now, if any."""
+    def assess(
+        self, observed: Sequence[Mapping[str, Any]], gpu_trouble: Mapping[str, str] | None = None
+    ) -> Drift | None:
+        """Update what is known from this observation; the repair due now, if any. ``gpu_trouble``: per engine
+        on an unhealthy GPU, why (``engines_on_unhealthy_gpus``), reported and never repaired."""
         if self.generation is None:
             return None
         now = self.clock()
@@ -133,6 +168,12 @@ class Supervisor:
         due: list[tuple[str, str]] = []
         for track in self.tracks.values():
             problem = self._problem(track, by_name.get(track.name), now)
+            trouble = (gpu_trouble or {}).get(track.name)
+            if problem is None and trouble is not None:
+                if track.problem != trouble:
+                    track.bad_since = now
+                track.problem = trouble
+                continue
             if problem is None:
                 track.problem = track.bad_since = None
                 continue
@@ -163,7 +204,8 @@ class Supervisor:
 
         ``state`` is ``healthy`` (no problem now; a backoff left from earlier repairs is still counted),
         ``settling`` (a problem still inside its grace), ``backing-off`` (past its grace, waiting out the
-        backoff after ``repairs`` repairs) or ``repair-due`` (the next cycle repairs it). ``backoff_seconds``
+        backoff after ``repairs`` repairs), ``repair-due`` (the next cycle repairs it) or ``reported`` (running,
+        but on an unhealthy GPU: never repaired here). ``backoff_seconds``
         is the wait that followed the last repair, ``next_repair_in_seconds`` what is left of it.
         """
         now = self.clock()
@@ -184,6 +226,8 @@ class Supervisor:
     def _state(self, track: EngineTrack, now: float) -> str:
         if track.problem is None or track.bad_since is None:
             return "healthy"
+        if track.problem.startswith(GPU_TROUBLE):
+            return "reported"
         if now - track.bad_since < self._grace(track, track.problem):
             return "settling"
         return "backing-off" if now < track.retry_at else "repair-due"

@@ -14,6 +14,11 @@ counts it as failed when root ran an envelope with another payload hash than the
 The agent does not poll blindly: it sleeps on inotify on root's ``public/`` directory, with a slow re-check
 in case an event is lost (or the directory does not exist yet, before root's first run).
 
+The request also relays the GPUs the agent's XID watch holds unhealthy by a critical XID (``gpu_relay``, the
+agent's ``GpuHealthWatch``; ``boundary.spool.GpuReport``): under the split no process of root's sees an XID, and
+root holds them before its playbook places anything (``root_side.gpu_reports``). After the answer the watch reads
+root's hold file again, so it knows what root holds now.
+
 The oplog here is the agent's: ``started`` before the request is written, the result when the answer
 arrives. No answer within the timeout leaves the operation unfinished in the oplog, so start-up
 re-applies it, exactly like a crash in the middle of an in-process apply. Root keeps its own oplog.
@@ -23,10 +28,10 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
 from meridian_node_agent.apply.applier import APPLY_OP, ApplyResult, run_ident
@@ -38,19 +43,32 @@ from meridian_node_agent.boundary.spool import (
     SPOOL_DIR,
     ApplyAnswer,
     ApplyRequest,
+    GpuReport,
     SpoolError,
     read_answer_file,
 )
 from meridian_node_agent.boundary.watch import DirectoryWatch, watch_directory
 
-__all__ = ["SystemdApplier", "watch_directory", "write_request"]
+__all__ = ["GpuRelay", "SystemdApplier", "watch_directory", "write_request"]
 
 
-def write_request(spool: Path, ident: str, envelope: bytes) -> Path:
+class GpuRelay(Protocol):
+    """What the applier asks of the agent's GPU health watch (``agent_side.gpu_health.GpuHealthWatch``)."""
+
+    def xid_reports(self) -> list[GpuReport]: ...
+
+    def note_holds(self) -> None: ...
+
+
+def write_request(spool: Path, ident: str, envelope: bytes, gpu_reports: Sequence[GpuReport] = ()) -> Path:
     spool.mkdir(parents=True, exist_ok=True, mode=0o700)
-    request = ApplyRequest(request=ident, envelope=base64.b64encode(envelope).decode("ascii"))
+    request = ApplyRequest(
+        request=ident, envelope=base64.b64encode(envelope).decode("ascii"), gpu_reports=list(gpu_reports)
+    )
     path = spool / REQUEST_FILE
-    atomic_write(path, request.model_dump_json().encode("utf-8"), mode=REQUEST_MODE)
+    # Without reports the request is the bytes it always was: a root side from before the relay still reads it.
+    data = request.model_dump_json(exclude=None if gpu_reports else {"gpu_reports"})
+    atomic_write(path, data.encode("utf-8"), mode=REQUEST_MODE)
     return path
 
 
@@ -65,6 +83,7 @@ class SystemdApplier:
         timeout_s: float,
         clock: Callable[[], datetime] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        gpu_relay: GpuRelay | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.spool = self.state_dir / SPOOL_DIR
@@ -75,6 +94,7 @@ class SystemdApplier:
         self.oplog = OpLog(self.state_dir / "oplog.jsonl")
         # Root's journal; the agent cannot read it, but the path in a message tells an operator where to look.
         self.journal_dir = Path(apply_state_dir) / "journal"
+        self.gpu_relay = gpu_relay
 
     def apply(
         self,
@@ -100,9 +120,12 @@ class SystemdApplier:
         self.oplog.append(result=STARTED, at=started_at, reason=reason, **common)
         self.spool.mkdir(parents=True, exist_ok=True, mode=0o700)
         begin = self.monotonic()
+        reports = self.gpu_relay.xid_reports() if self.gpu_relay is not None else []
         with watch_directory(self.public) as watch:
-            write_request(self.spool, ident, envelope)
+            write_request(self.spool, ident, envelope, reports)
             answer = self._await(watch, ident, begin + self.timeout_s)
+        if reports and self.gpu_relay is not None:
+            self.gpu_relay.note_holds()
         if answer is None:
             # No result line: the oplog keeps the operation unfinished, so start-up applies it again.
             return ApplyResult(

@@ -5,7 +5,8 @@ root side
 (``root_side.root_dir``, ``root_side.apply_unit``) reads the request and writes the answer. Nothing else crosses.
 
     <state_dir>/spool/apply-request.json        agent -> root (the agent's directory, mode 0600): the run
-                                                ident the agent chose and the envelope, byte for byte
+                                                ident the agent chose, the envelope, byte for byte, and the
+                                                GPUs the agent's XID watch holds unhealthy (``gpu_reports``)
     <apply.state_dir>/public/apply-result.json  root -> agent (root's directory, ``public/`` is 0750 root,
                                                 group of the agent): the answer to one request
     <apply.state_dir>/public/engines.json       root -> agent: the engines root manages (``boundary.engines_file``),
@@ -15,6 +16,12 @@ root side
 Both files are written to a temporary name, fsync'd and renamed into place, so the other side never reads
 half a file. Root reads the request once, from a file it checks is a regular file the agent owns
 (``root_side.root_dir.read_request``); the agent parses the answer as strictly as root parses the request.
+
+``gpu_reports`` relays what only the agent can see: NVML delivers an XID only to an event set registered before it
+happened, and root's units are fresh processes, so under the split an XID (79, 74, 119, ...) reaches the agent's
+watch alone. Root records each report as a held verdict only after it verified the envelope, only ever adding to
+its holds (``root_side.gpu_reports``); the list is bounded (``MAX_GPU_REPORTS`` GPUs, ``MAX_REPORTED_XIDS`` XIDs
+each), and optional, so a request written before it existed still parses.
 """
 
 from __future__ import annotations
@@ -35,12 +42,16 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     StrictModel,
+    UtcTimestamp,
     describe_validation_error,
     format_rfc3339,
 )
 
 __all__ = [
     "ANSWER_MODE",
+    "GPU_UUID_PATTERN",
+    "MAX_GPU_REPORTS",
+    "MAX_REPORTED_XIDS",
     "MAX_REQUEST_BYTES",
     "PUBLIC_DIR",
     "REQUEST_FILE",
@@ -49,6 +60,7 @@ __all__ = [
     "SPOOL_DIR",
     "ApplyAnswer",
     "ApplyRequest",
+    "GpuReport",
     "SpoolError",
     "parse_answer",
     "parse_request",
@@ -68,6 +80,12 @@ ANSWER_MODE = 0o640
 
 # The run ident the agent chooses and root's journal directory is named by: ``gen-<N>-<UTC time>``.
 RUN_IDENT_PATTERN = r"^gen-[0-9]{1,19}-[0-9]{8}T[0-9]{6}\.[0-9]{6}Z$"
+# A whole GPU as NVML names it (nvmlDeviceGetUUID). Not a MIG device: root holds verdicts per GPU, and an XID
+# scoped to one MIG device degrades its GPU without making it unhealthy (gpu.health_rules), so none is relayed.
+GPU_UUID_PATTERN = r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+# More GPUs than any host has, and XIDs per GPU than one fault raises: what a report may carry at most.
+MAX_GPU_REPORTS = 64
+MAX_REPORTED_XIDS = 16
 
 
 @dataclass
@@ -93,10 +111,21 @@ class SpoolError(MeridianError, ValueError):
     """A request or answer file is unreadable or malformed; the message names the file and the field."""
 
 
+class GpuReport(StrictModel):
+    """A GPU the agent's XID watch holds unhealthy by critical XIDs: its uuid, those XIDs, and when the agent
+    first saw the verdict (the earliest of those XIDs still in its window, else the verdict's ``since``)."""
+
+    uuid: Annotated[str, Field(pattern=GPU_UUID_PATTERN)]
+    xids: Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1, max_length=MAX_REPORTED_XIDS)]
+    seen_at: UtcTimestamp
+
+
 class ApplyRequest(StrictModel):
     format: Literal[1] = 1
     request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
     envelope: str  # base64 of the envelope bytes: the signature covers exact bytes, JSON re-encoding would not
+    # The agent's word, never the signed state's: root may only add holds from it (root_side.gpu_reports).
+    gpu_reports: Annotated[list[GpuReport], Field(max_length=MAX_GPU_REPORTS)] = Field(default_factory=list)
 
     def envelope_bytes(self) -> bytes:
         try:

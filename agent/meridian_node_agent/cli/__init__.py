@@ -28,6 +28,7 @@ VERB_MODULES = {
     "enroll": "cli.agent",
     "run": "cli.agent",
     "status": "cli.agent",
+    "gpu-health": "cli.gpu_health",
     "apply-spooled": "root_side.apply_unit",
     "airgap-inbox": "root_side.inbox_unit",
     "observe-engines": "root_side.observe_unit",

@@ -62,7 +62,9 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "run",
         help="run the agent loop",
         description="Heartbeat, fetch the signed desired state, verify it, apply it through ansible-runner "
-        "(unless the mode is observe-only), observe and report; repeat. In mode air-gapped: take the bundles "
+        "(unless the mode is observe-only or kubernetes-integrated), observe and report; repeat. In mode "
+        "kubernetes-integrated the report says what the kubelet's PodResources API lists (docs/KUBERNETES.md), "
+        "and a published state is verified and refused (exit 1 with --once). In mode air-gapped: take the bundles "
         "in air_gap.inbox, apply them, and write signed observations and journal summaries to air_gap.outbox "
         "(docs/AIR_GAP.md). Exit status with --once: 0 when the cycle succeeded, 1 when the control plane was "
         "unreachable or the state (or a bundle) was rejected or failed.",
@@ -74,8 +76,10 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "status",
         help="show the node's lease, applied generation and last run",
         description="Print a table: node, mode, lease epoch and expiry, applied generation, last run ident "
-        "and result, the agent's counters, and the client certificate's expiry and renewal, from the state "
-        "dir (the agent need not be running).",
+        "and result, the agent's counters, each GPU's health verdict and the cordons in force at the last report, "
+        "and the client certificate's expiry and renewal, from the state dir (the agent need not be running; "
+        "'meridian-node gpu-health show' reads the GPUs now). In mode kubernetes-integrated also what the kubelet "
+        "listed at the last report (which pod holds which GPU) and the desired state last refused.",
     )
     status.add_argument(
         "--json", action="store_true", help="print one JSON document (for scripts and monitoring) instead of a table"
@@ -118,7 +122,8 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
     """The agent wired with the real client, applier and observer."""
     from meridian_node_agent.agent_side.cycle import Agent
-    from meridian_node_agent.agent_side.observe import Observer
+    from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
+    from meridian_node_agent.agent_side.observe import Observer, no_engines
 
     policy = policy_for_run(config)
     if config.control_plane is None:
@@ -133,11 +138,22 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         identity.key_path,
         timeout_s=config.control_plane.timeout_seconds,
     )
-    applier = build_applier(config)
+    # Held verdicts are in the directory placement reads them from: root's under the split (root's observe timer
+    # writes them there, and root adds the XIDs this watch relays in each apply request), the agent's own
+    # in-process (where the agent applies, and so writes them).
+    gpu_health = GpuHealthWatch(config.record_dir, writes_holds=config.apply.via == "in-process", log=log)
+    applier = build_applier(config, gpu_relay=gpu_health)
+    kubernetes = _kubernetes_source(config, log) if config.mode == "kubernetes-integrated" else None
     observer = Observer(
         store_path=policy.store.path,
-        engines=_engine_source(config, log),
+        gpu_facts=gpu_health,
+        # Kubernetes owns a kubernetes-integrated node's containers: the kubelet says what runs, Docker is not asked.
+        engines=no_engines if kubernetes is not None else _engine_source(config, log),
         placement=(policy.engines.port_range, policy.engines.bind_address),
+        kubernetes=kubernetes,
+        cordon_dir=str(config.record_dir),
+        policy_cordon=policy.cordon,
+        log=log,
     )
     metrics = None if config.metrics is None else serve_metrics(config.metrics.listen)
     return Agent(config, policy, client, applier, observer, log=log, metrics=metrics)
@@ -153,8 +169,9 @@ def serve_metrics(listen: str) -> Any:
     return Metrics.serve(listen)
 
 
-def build_applier(config: AgentConfig) -> Any:
-    """``apply.via``: ansible-runner in this process, or a request to the root unit through the spool."""
+def build_applier(config: AgentConfig, *, gpu_relay: Any = None) -> Any:
+    """``apply.via``: ansible-runner in this process, or a request to the root unit through the spool, which
+    relays what ``gpu_relay`` (the agent's ``GpuHealthWatch``) holds unhealthy by XID to root."""
     if config.apply.via == "systemd":
         from meridian_node_agent.agent_side.systemd_applier import SystemdApplier
 
@@ -162,6 +179,7 @@ def build_applier(config: AgentConfig) -> Any:
             state_dir=Path(config.state_dir),
             apply_state_dir=Path(config.apply.state_dir),
             timeout_s=config.apply.timeout_seconds,
+            gpu_relay=gpu_relay,
         )
     from meridian_node_agent.apply.applier import Applier
 
@@ -171,6 +189,17 @@ def build_applier(config: AgentConfig) -> Any:
         policy_path=config.policy,
         keep_runs=config.journal.keep_runs,
     )
+
+
+def _kubernetes_source(config: AgentConfig, log: EventLogger | None) -> Any:
+    """Mode kubernetes-integrated: the kubelet's PodResources API, read-only (grpcio is the ``kubernetes`` extra,
+    imported only here; ``policy_for_run`` has already said so when it is missing)."""
+    from meridian_node_agent.agent_side.kubernetes_observer import KubernetesObserver
+    from meridian_node_agent.agent_side.podresources.client import PodResourcesClient
+
+    settings = config.kubernetes
+    client = PodResourcesClient(settings.pod_resources_socket, timeout_s=settings.timeout_seconds)
+    return KubernetesObserver(client, refresh_s=settings.refresh_seconds, log=log)
 
 
 def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
@@ -207,6 +236,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        agent.close()
         agent.client.close()
     return status
 
@@ -223,6 +253,9 @@ def _run_air_gapped(config: AgentConfig, *, once: bool) -> int:
     except StateStoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        # The GPU reader's XID event set outlives each read: released here, as the online agent's is.
+        agent.close()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -320,6 +353,7 @@ def format_status(
             f"cycles {counters.get('cycles', 0)}, applies {counters.get('applies', 0)}, "
             f"apply failures {counters.get('apply_failures', 0)}, unavailable {counters.get('unavailable', 0)}, "
             f"refused {counters.get('refused', 0)}, repairs {counters.get('repairs', 0)}"
+            + (f", states refused {counters['states_refused']}" if counters.get("states_refused") else "")
             if counters
             else "-",
         ),
@@ -327,6 +361,16 @@ def format_status(
         ("apply retry", _retry_text((status or {}).get("apply_retry"))),
         ("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none"),
         ("engines", _engines_text((status or {}).get("engines") or [])),
+        ("gpu health", _gpus_text((status or {}).get("gpus"))),
+        ("cordons", _cordons_text((status or {}).get("cordons"))),
+        *(
+            [
+                ("kubernetes", _kubernetes_text((status or {}).get("kubernetes"))),
+                ("refused state", _refused_text((status or {}).get("refused_state"))),
+            ]
+            if config.mode == "kubernetes-integrated"
+            else []
+        ),
         *([("air gap", _air_gap_text((status or {}).get("air_gap")))] if config.mode == "air-gapped" else []),
         ("certificate", _certificate_text(certificate, now or datetime.now(UTC))),
         ("cert renewal", _renewal_text(config, certificate, (status or {}).get("certificate") or {})),
@@ -343,6 +387,77 @@ def _accepted_text(accepted: Any, applied: int) -> str:
         f"and generation {accepted.generation} is applied again on retry. To go back, publish a new generation "
         "with the old content"
     )
+
+
+def _kubernetes_text(view: dict[str, Any] | None) -> str:
+    """What the kubelet listed at the last report: who holds which device, and what is allocatable."""
+    if not view:
+        return "no report yet (the agent has not written status.json)"
+    if not view.get("available"):
+        return f"unavailable: {view.get('reason')}"
+    holders = []
+    for allocation in view.get("allocations") or []:
+        devices = ", ".join(_device_text(device) for device in allocation.get("devices") or []) or "no devices"
+        engine = f" [{allocation['engine_driver']} engine, unmanaged]" if allocation.get("engine_driver") else ""
+        holders.append(
+            f"{allocation.get('namespace')}/{allocation.get('pod')}/{allocation.get('container')}{engine}: {devices}"
+        )
+    allocatable = view.get("allocatable")
+    free = (
+        "allocatable not served by this kubelet" if allocatable is None else f"{len(allocatable)} allocatable device(s)"
+    )
+    return f"{view.get('socket')}: {'; '.join(holders) or 'no container holds a device'}; {free}"
+
+
+def _device_text(device: dict[str, Any]) -> str:
+    text = str(device.get("device_id"))
+    if device.get("gpu_index") is not None:
+        text += f" (GPU {device['gpu_index']}"
+        text += f", {device['health']})" if device.get("health") else ")"
+    elif device.get("uuid") is None:
+        text += f" ({device.get('resource')})"
+    return text
+
+
+def _gpus_text(gpus: list[dict[str, Any]] | None) -> str:
+    """Each GPU's verdict at the last report: ``GPU 1 GPU-...: unhealthy, held since T: xid-critical 79``."""
+    if gpus is None:
+        return "no report yet (the agent has not written status.json)"
+    if not gpus:
+        return "no GPUs read"
+    parts = []
+    for gpu in gpus:
+        text = f"GPU {gpu.get('index')} {gpu.get('uuid')}: {gpu.get('verdict') or 'not judged'}"
+        if gpu.get("held"):
+            text += f", held since {gpu.get('since')}"
+        if gpu.get("reasons"):
+            text += f" ({', '.join(gpu['reasons'])})"
+        if gpu.get("cordoned"):
+            text += " [cordoned]"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def _cordons_text(cordons: list[dict[str, Any]] | None) -> str:
+    """The cordons in force at the last report, each with who set it."""
+    if not cordons:
+        return "none"
+    parts = []
+    for cordon in cordons:
+        what = f"GPUs {', '.join(cordon.get('gpus') or [])}" if cordon.get("gpus") else "the whole node"
+        text = f"{what} by {cordon.get('by')}"
+        if cordon.get("drain"):
+            text += ", drained"
+        if cordon.get("reason"):
+            text += f" ({cordon['reason']})"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def _refused_text(refused: dict[str, Any] | None) -> str:
+    if not refused:
+        return "none"
+    return f"generation {refused.get('generation')} at {refused.get('refused_at')}: {refused.get('detail')}"
 
 
 def _air_gap_text(air_gap: dict[str, Any] | None) -> str:

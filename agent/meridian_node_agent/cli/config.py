@@ -14,8 +14,9 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
         "check-config",
         help="validate the agent config and its policy",
         description="Validate the config (--config) and the policy it names, and check that the policy "
-        "allows the config's mode. Prints a summary; exit 0 when both are valid, 1 with every problem "
-        "found otherwise.",
+        "allows the config's mode. In mode kubernetes-integrated it also asks the kubelet's PodResources API "
+        "once (a read; a kubelet that does not answer is a warning, not an error). Prints a summary; exit 0 "
+        "when both are valid, 1 with every problem found otherwise.",
     )
     check.set_defaults(handler=cmd_check_config)
 
@@ -56,6 +57,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             f"air gap: bundles from {config.air_gap.inbox} ({taker}), "
             f"records to {config.air_gap.outbox}, scratch {policy.air_gap.scratch_dir}"
         )
+    if config.mode == "kubernetes-integrated":
+        for line in describe_kubernetes(config):
+            print(line)
     missing = None if config.metrics is None else metrics_unavailable(config.metrics.listen)
     if missing:
         print(f"error: config {args.config}: {missing}", file=sys.stderr)
@@ -65,6 +69,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def describe_apply(config: AgentConfig) -> str:
+    if config.mode == "kubernetes-integrated":
+        return (
+            "apply: never (mode kubernetes-integrated is read-only: a published desired state is verified and "
+            "refused, and apply.via is not used)"
+        )
     if config.apply.via == "in-process":
         return "apply: in-process (ansible-runner runs inside the agent, with the agent's privileges)"
     request = Path(config.state_dir) / SPOOL_DIR / REQUEST_FILE
@@ -74,6 +83,34 @@ def describe_apply(config: AgentConfig) -> str:
         f"meridian-node-apply.service, which keeps its record and journal in {config.apply.state_dir} and "
         f"answers in {answer}; the agent waits up to {config.apply.timeout_seconds:g} s)"
     )
+
+
+def describe_kubernetes(config: AgentConfig) -> list[str]:
+    """Where the kubelet is read, and what one read says now: lines to print, a warning when it does not answer."""
+    from meridian_node_agent.agent_side.podresources.client import PodResourcesClient
+    from meridian_node_agent.agent_side.podresources.reading import PodResourcesError
+
+    settings = config.kubernetes
+    lines = [
+        f"kubernetes: the kubelet's PodResources API on {settings.pod_resources_socket} (each call within "
+        f"{settings.timeout_seconds:g} s, re-read every {settings.refresh_seconds:g} s); Docker is not asked"
+    ]
+    with PodResourcesClient(settings.pod_resources_socket, timeout_s=settings.timeout_seconds) as client:
+        try:
+            reading = client.read()
+        except PodResourcesError as exc:
+            return [*lines, f"warning: kubernetes.pod_resources_socket: {exc} ({exc.reason})"]
+    holding = sum(1 for container in reading.containers if container.devices)
+    allocatable = (
+        "GetAllocatableResources not served (a kubelet before 1.23 without its KubeletPodResourcesGetAllocatable gate)"
+        if reading.allocatable is None
+        else f"{sum(len(group.device_ids) for group in reading.allocatable)} allocatable device(s)"
+    )
+    return [
+        *lines,
+        f"kubernetes: the kubelet answers: {len(reading.containers)} container(s), {holding} holding devices; "
+        f"{allocatable}",
+    ]
 
 
 def describe_policy(policy: Policy) -> str:

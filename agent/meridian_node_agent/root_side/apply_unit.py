@@ -9,7 +9,8 @@ generation applied, highest epoch, payload sha) before ansible-runner starts, an
 once more. Whatever the agent's files say, a generation below root's, the applied generation with other
 bytes, or an epoch below root's highest is refused; the same generation with the same bytes is applied
 again (that is how drift is repaired). Everything root writes stays in its own directory: the runs, the
-journal, its own oplog, the record, the draining marks, and in ``public/`` the answer and
+journal, its own oplog, the record, the draining marks, the GPU health holds the request's ``gpu_reports`` add to
+(``root_side.gpu_reports``: only ever added, after the envelope verified), and in ``public/`` the answer and
 ``engines.json`` (``boundary.engines_file``: the agent has no Docker access, and observes its engines from it).
 
 systemd's ``PathChanged=`` does not queue: a request written while this runs starts nothing. So after each
@@ -50,6 +51,7 @@ from meridian_node_agent.boundary.spool import (
 )
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
 from meridian_node_agent.errors import UsageError
+from meridian_node_agent.root_side.gpu_reports import relay_gpu_reports
 from meridian_node_agent.root_side.read_only_docker import connect_read_only
 from meridian_node_agent.root_side.root_dir import RootDir, apply_lock, prepare_root_dir, read_request
 
@@ -250,9 +252,11 @@ def _report_inventory(problem: str | None) -> None:
 
 
 def answer_one(
-    config: AgentConfig, root: RootDir, request: ApplyRequest, *, clock: Callable[[], datetime]
+    config: AgentConfig, root: RootDir, request: ApplyRequest, *, clock: Callable[[], datetime], nvml: Any = None
 ) -> ApplyAnswer:
-    """Verify the request's envelope as root sees it, against root's record, then run the reconcile playbook."""
+    """Verify the request's envelope as root sees it, against root's record, hold the GPUs the agent reports
+    unhealthy by XID, then run the reconcile playbook. ``nvml``: a pynvml module (the seam's by default), read
+    only when the request reports a GPU."""
     ident = request.request
     started = clock()
 
@@ -263,6 +267,12 @@ def answer_one(
 
     if config.mode == "observe-only":
         return refuse("config mode is observe-only, which never applies")
+    if config.mode == "kubernetes-integrated":
+        # Root's own reading of its own config decides: whatever the agent spooled, this node is Kubernetes'.
+        return refuse(
+            "config mode is kubernetes-integrated, which is read-only: this node's containers and GPUs belong to "
+            "Kubernetes, and nothing is applied here"
+        )
     unavailable = mode_unavailable(config.mode)
     if unavailable:
         return refuse(unavailable)
@@ -292,6 +302,13 @@ def answer_one(
         record.record_accepted(state.generation, state.lease_epoch, verified.payload_sha256)
     except StateStoreError as exc:
         return refuse(f"generation {state.generation} could not be recorded as accepted before its apply: {exc}")
+    # Before the playbook, whose placement reads the holds: the GPUs the agent's XID watch found unhealthy, which
+    # root's own fresh processes cannot see (root_side.gpu_reports). A problem here is said, never a refusal.
+    relayed = relay_gpu_reports(root.path, request.gpu_reports, now=clock(), nvml=nvml)
+    for line in relayed.lines():
+        print(line)
+    if relayed.problem is not None:
+        print(f"warning: {relayed.problem}", file=sys.stderr)
     applier = Applier(
         state_dir=root.path,
         node_id=config.node_id,

@@ -17,6 +17,17 @@ Docker API call other than ``GET`` before it connects, so neither this code nor 
 it can create, start, stop or remove a container. While an apply runs (``root_side.root_dir.apply_lock``) it does
 nothing: that apply rewrites the file itself, each second while it runs (``apply_unit.LiveInventory``) and
 once more before it answers.
+
+**GPU health holds.** Each run also reads this host's GPUs once (NVML, read-only: no setter is ever asked) and
+syncs root's hold file, ``<apply.state_dir>/gpu-health-holds.json`` (``gpu.health_hold``), where the engine
+modules' placement reads it: an ``unhealthy`` verdict is held, a held one whose GPU NVML shows reset is released.
+Each run is a fresh process, so the read is judged against the held verdicts only (``previous``): a hold keeps
+until a reset or ``meridian-node gpu-health clear``, but rising counters and XID events between runs are not seen
+here (an event set lives only as long as the process that registered it). The agent keeps its own XID watch, shows
+what it sees in its observations and relays the GPUs it holds unhealthy by XID in each apply request, which the
+apply unit adds to this file (``root_side.gpu_reports``); the agent never writes it under the split. A hold added
+that way is kept here like any other, until a reset this read shows or an operator's clear. While an apply runs
+the holds are still synced: the file has its own lock, and the apply's placement reads it whole or not at all.
 """
 
 from __future__ import annotations
@@ -27,11 +38,13 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
+from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HealthHoldError, HealthHolds
 from meridian_node_agent.root_side.apply_unit import open_root_side, refresh_inventory
 from meridian_node_agent.root_side.read_only_docker import connect_read_only
-from meridian_node_agent.root_side.root_dir import apply_lock
+from meridian_node_agent.root_side.root_dir import RootDir, apply_lock
 
-__all__ = ["VERB", "add_parsers", "cmd_observe_engines"]
+__all__ = ["VERB", "add_parsers", "cmd_observe_engines", "sync_gpu_holds"]
 
 VERB = "observe-engines"
 
@@ -42,9 +55,11 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="(root) rewrite the engines file from what Docker shows; run by meridian-node-apply-observe.timer",
         description="Rewrite <apply.state_dir>/public/engines.json from what the Docker Engine shows of this "
         "node's engines now (state, restarts, last exit, settings changed by hand), so that an agent under "
-        "apply.via: systemd sees drift without Docker access. Only reads Docker (any other call is refused), "
-        "reads nothing of the agent's, and does nothing while an apply runs. Exit 0 when the file was written "
-        "or an apply was running, 1 when it could not be written.",
+        "apply.via: systemd sees drift without Docker access, and sync <apply.state_dir>/gpu-health-holds.json "
+        "from one read of the GPUs' health (unhealthy verdicts held until a reset or 'meridian-node gpu-health "
+        "clear'; placement refuses held GPUs). Only reads Docker (any other call is refused) and NVML, reads "
+        "nothing of the agent's, and leaves engines.json alone while an apply runs. Exit 0 when both were "
+        "written (or an apply was running), 1 when either could not be.",
     )
     verb.set_defaults(handler=cmd_observe_engines)
 
@@ -54,6 +69,7 @@ def cmd_observe_engines(
     *,
     connect: Callable[[], Any] = connect_read_only,
     clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    nvml: Any = None,
 ) -> int:
     # In-process, the agent inspects Docker itself: the unit has nothing to do there.
     opened = open_root_side(
@@ -64,13 +80,61 @@ def cmd_observe_engines(
     if opened is None:
         return 1
     config, root = opened
+    said, health_problem = sync_gpu_holds(root, clock=clock, nvml=nvml)
+    print(said)
+    if health_problem is not None:
+        print(f"error: {health_problem}", file=sys.stderr)
     with apply_lock(root, wait=False) as held:
         if not held:
             print("an apply is running; it rewrites engines.json when it answers")
-            return 0
+            return 0 if health_problem is None else 1
         problem = refresh_inventory(config, root, clock=clock, connect=connect)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 1
     print(f"wrote {root.public / 'engines.json'}")
-    return 0
+    return 0 if health_problem is None else 1
+
+
+def sync_gpu_holds(
+    root: RootDir, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC), nvml: Any = None
+) -> tuple[str, str | None]:
+    """Read the GPUs' health once, judged against the verdicts root holds, and sync the hold file.
+
+    Returns what was done, in a line for the unit's journal, and what went wrong (None: nothing). No NVML on
+    this host is not a problem: there is nothing to hold, and the holds there are stay as they are.
+    """
+    holds = HealthHolds(root.path)
+    try:
+        held = holds.all()
+    except HealthHoldError as exc:
+        return "GPU health: not synced", str(exc)
+    facts = collect_gpu_facts(
+        nvml,
+        processes=False,
+        nvlink=False,
+        # A fresh process: the held verdicts are all the history there is (every other GPU is judged on this read).
+        previous={uuid: verdict.health for uuid, verdict in held.items()},
+        now=clock(),
+    )
+    if not facts["nvml_available"]:
+        return f"GPU health: not read ({facts['reason']}); {len(held)} hold(s) left as they are", None
+    done: list[str] = []
+    problems: list[str] = []
+    for gpu in facts["gpus"]:
+        uuid, health = gpu.get("uuid"), gpu.get("health")
+        if not uuid or not health or (health.get("verdict") != "unhealthy" and uuid not in held):
+            continue
+        try:
+            if holds.sync(uuid, health, gpu=gpu):
+                codes = ", ".join(str(reason.get("code")) for reason in health.get("reasons") or [])
+                done.append(
+                    f"held GPU {gpu.get('index')} {uuid} ({codes})"
+                    if health.get("verdict") == "unhealthy"
+                    else f"released GPU {gpu.get('index')} {uuid} (NVML shows a reset)"
+                )
+        except HealthHoldError as exc:
+            problems.append(str(exc))
+    verdicts = ", ".join(f"{gpu.get('index')} {(gpu.get('health') or {}).get('verdict')}" for gpu in facts["gpus"])
+    said = f"GPU health: {verdicts or 'no GPUs'}; " + ("; ".join(done) if done else f"holds unchanged in {holds.path}")
+    return said, "; ".join(problems) or None

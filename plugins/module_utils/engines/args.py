@@ -30,6 +30,7 @@ ENGINE_SPEC_OPTIONS: dict[str, Any] = {
     "served_model_name": {"type": "str"},
     "gpus": {"type": "list", "elements": "str", "default": []},
     "min_vram_mib": {"type": "int", "default": 0},
+    "force": {"type": "bool", "default": False},
     "port": {"type": "int"},
     "args": {"type": "list", "elements": "str", "default": []},
     "env": {"type": "dict", "default": {}, "no_log": True},

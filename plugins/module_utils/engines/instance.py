@@ -15,8 +15,10 @@ the safety argument, so it is spelt out here:
    with now (``docker.drift``: changed by hand is replaced, and the result names the settings);
 6. ``engines.plan.plan_engine`` decides the actions;
 7. for plans that create a container: the image is local and safe, the requested GPUs / MIG instances
-   exist, free VRAM covers ``min_vram_mib`` after the other owned engines' reservations, the port is free
-   on the bind address, the NVIDIA runtime is there when GPUs are asked for;
+   exist, are not cordoned and are not unhealthy or of unknown health (unless the spec says ``force``: then,
+   as for a degraded GPU, the result's ``warnings`` and diff say so), free VRAM covers ``min_vram_mib``
+   after the other owned engines' reservations, the port is free on the bind address, the NVIDIA runtime is
+   there when GPUs are asked for;
 8. check mode stops here, reporting the actions and the diff;
 9. the actions run: drain (durable mark, then wait for the engine's in-flight gauges to reach 0), stop,
    remove, create, start, wait until ready (on timeout the new container is stopped, never left
@@ -39,6 +41,7 @@ where it may run and with how much VRAM, ``engines.placement``; which model dire
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -60,6 +63,20 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     DockerEngineError,
     address_overlaps,
     port_bind_problem,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.cordon import (
+    CordonError,
+    cordon_refusal,
+    engine_covered,
+    hold_engine,
+    release_cordon_mark,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import (
+    CordonStateError,
+    HostCordon,
+    cordons_in_force,
+    mark_cordoned,
+    merge_cordons,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import (
     driver_of,
@@ -85,8 +102,10 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.labels impor
     public_spec,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
+    PlacementFactsError,
     Reservation,
     placement_problem,
+    placement_warnings,
     read_gpu_facts,
     reservations_from,
 )
@@ -123,8 +142,11 @@ __all__ = [
     "apply_engine",
     "check_placement",
     "converge",
+    "cordon_in_force",
     "engine_settings",
     "find_room",
+    "held_by_cordon",
+    "hold",
     "load_engine_policy",
     "mounted_artifact",
     "own_reservation",
@@ -164,6 +186,9 @@ class Options:
     state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
     owner: str | None = None
+    # The cordons in force, as one (``engines.cordon_file``): set by ``converge``/``converge_set`` from the host's
+    # file, the policy and the signed state, never by a caller.
+    cordon: HostCordon | None = None
 
 
 # --- the model ---------------------------------------------------------------------------------------------
@@ -220,6 +245,8 @@ class EngineRun:
     reason: str | None = None  # why it rolled back
     observed: Observed | None = None  # what the plan was made from
     leftovers: tuple[str, ...] = ()
+    # What placement let through but must be said: a degraded GPU, or one only the spec's force placed on.
+    placement_warnings: list[str] = field(default_factory=list)
 
     def result(self, **extra: Any) -> dict[str, Any]:
         container = None
@@ -228,6 +255,7 @@ class EngineRun:
         replace = None
         if self.plan.way is not None:
             replace = {"way": self.plan.way, "why": self.plan.why, "outcome": self.outcome, "reason": self.reason}
+        warned = {"placement_warnings": list(self.placement_warnings)} if self.placement_warnings else {}
         return {
             "changed": bool(self.done) or bool(extra.pop("planned", False)),
             "actions": [str(action) for action in self.plan.actions],
@@ -236,8 +264,19 @@ class EngineRun:
             "container": container,
             "drifted": list(self.plan.drifted),
             "replace": replace,
-            "diff": self.plan.diff(),
+            "diff": self.diff(),
+            **warned,
             **extra,
+        }
+
+    def diff(self) -> dict[str, Any]:
+        """The plan's diff, the placement's warnings beside what the engine will be."""
+        diff = self.plan.diff()
+        if not self.placement_warnings:
+            return diff
+        return {
+            "before": diff["before"],
+            "after": {**diff["after"], "placement_warnings": list(self.placement_warnings)},
         }
 
 
@@ -254,22 +293,88 @@ def converge(
     """Take engine ``params['name']`` to ``options.state``; returns the module's result.
 
     Raises ``EngineInstanceError`` (with ``check`` and the partial result) for every refusal and failure.
+    What placement let through but must say (``placement_warnings``) is also in the result's ``warnings``.
     """
-    read_gpus = gpu_facts or read_gpu_facts
+    read_facts = gpu_facts or functools.partial(read_gpu_facts, options.state_dir)
     try:
-        run = prepare_engine(params, options, engine, check_mode=check_mode)
+        policy = load_engine_policy(options.policy_path) if options.state != "absent" else None
+        cordon = cordon_in_force(options.state_dir, policy)
+        options = dataclasses.replace(options, cordon=cordon)
+
+        def read_gpus() -> Mapping[str, Any]:
+            return mark_cordoned(read_facts(), cordon)
+
+        if cordon is not None and held_by_cordon(options, params.get("gpus") or (), read_gpus):
+            return hold(str(params["name"]), cordon, options, engine, check_mode, sleep, clock)
+        run = prepare_engine(params, options, engine, check_mode=check_mode, policy=policy)
         if run.plan.way == "in-place" and run.spec is not None and options.replace_beside:
             _look_for_room(run, run.spec, read_gpus)
         # A run pending its artifact (check mode) has no settings to place: it says so in its result instead.
         if creates(run.plan) and run.spec is not None and run.settings is not None:
             _check_placement(run, run.spec, read_gpus)
         if check_mode or not run.plan.actions:
-            return report_engine(run, check_mode)
-        return apply_engine(run, sleep, clock)
+            result = report_engine(run, check_mode)
+        else:
+            result = apply_engine(run, sleep, clock)
+        if options.state == "started" and release_cordon_mark(options.state_dir, run.name, check_mode=check_mode):
+            # No cordon holds it any more: back in service.
+            result.update(changed=True, actions=[*result["actions"], "unmark"])
     except DockerEngineError as exc:
         raise EngineInstanceError(str(exc), check="docker") from exc
     except DrainStateError as exc:
         raise EngineInstanceError(str(exc), check="drain-state") from exc
+    except PlacementFactsError as exc:
+        # The held verdicts cannot be read: placement cannot know which GPUs are held unhealthy, so it refuses.
+        raise EngineInstanceError(str(exc), check="placement-health") from exc
+    if run.placement_warnings:
+        result["warnings"] = [*result.get("warnings", []), *run.placement_warnings]
+    return result
+
+
+def cordon_in_force(state_dir: str, policy: Policy | None, state: Mapping[str, Any] | None = None) -> HostCordon | None:
+    """The cordons on this host as one: the host's file, the policy's and the signed state's (``state``)."""
+    try:
+        return merge_cordons(cordons_in_force(state_dir, None if policy is None else policy.cordon, state))
+    except CordonStateError as exc:
+        raise EngineInstanceError(str(exc), check="cordon") from exc
+
+
+def held_by_cordon(options: Options, gpus: Sequence[str], read_gpus: Callable[[], Mapping[str, Any]]) -> bool:
+    """Whether an engine to be started on ``gpus`` is held stopped by a draining cordon (``engines.cordon``)."""
+    cordon = options.cordon
+    return (
+        options.state == "started"
+        and cordon is not None
+        and cordon.drain
+        and engine_covered(cordon, [str(gpu) for gpu in gpus], read_gpus)
+    )
+
+
+def hold(
+    name: str,
+    cordon: HostCordon,
+    options: Options,
+    engine: DockerEngine,
+    check_mode: bool,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+) -> dict[str, Any]:
+    """An engine held by a draining cordon, as a module result; ``EngineInstanceError`` (check ``drain``) when
+    its drain fails."""
+    try:
+        return hold_engine(
+            name,
+            cordon,
+            engine=engine,
+            state_dir=options.state_dir,
+            timeout_s=options.drain_timeout_s,
+            grace_s=options.drain_grace_s,
+            check_mode=check_mode,
+            sleep=sleep,
+            clock=clock,
+        )
+    except CordonError as exc:
+        raise EngineInstanceError(str(exc), check="drain", result=exc.result) from exc
 
 
 def load_engine_policy(path: str) -> Policy:
@@ -503,6 +608,7 @@ def find_room(
             min_vram_mib=spec.min_vram_mib,
             gpu_facts=gpu_facts,
             others=[*others, *([old] if old is not None else [])],
+            force=spec.force,
         )
         if problem is not None:
             return Room(why_not=problem[1])
@@ -573,9 +679,13 @@ def check_placement(
     arriving: Sequence[Reservation] = (),
     port_taken: Callable[[int], str | None],
 ) -> None:
-    """For a plan that creates the container: the image is safe, the GPUs exist and have room (see
+    """For a plan that creates the container: the image is safe, the GPUs exist, may take it and have room (see
     ``placement_problem``), the port is free (``port_taken`` says by whom it is not), the NVIDIA runtime is
-    there when GPUs are asked for. The first refusal raises, naming the check; nothing is changed."""
+    there when GPUs are asked for. The first refusal raises, naming the check; nothing is changed. Once all
+    pass, ``run.placement_warnings`` says what the GPUs' health leaves to say (``placement_warnings``)."""
+    refusal = cordon_refusal(run.options.cordon, spec.name)
+    if refusal is not None:
+        raise EngineInstanceError(refusal, check="placement-cordoned")
     image = run.engine.resolve_image(spec.image)
     spoofing = sorted(set(image.labels) & set(RESERVED_LABELS))
     if spoofing:
@@ -593,6 +703,7 @@ def check_placement(
         replaced=replaced,
         freed=freed,
         arriving=arriving,
+        force=spec.force,
     )
     if problem is not None:
         raise EngineInstanceError(problem[1], check=problem[0])
@@ -606,6 +717,7 @@ def check_placement(
             "and restart dockerd",
             check="placement-runtime",
         )
+    run.placement_warnings = placement_warnings(name=spec.name, gpus=spec.gpus, gpu_facts=gpu_facts, force=spec.force)
 
 
 def report_engine(run: EngineRun, check_mode: bool) -> dict[str, Any]:

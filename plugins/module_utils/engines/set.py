@@ -13,6 +13,8 @@ everything was checked.
 2. Prepare every engine side by side (the drift check inspects each container): spec, policy, volumes,
    driver settings, ownership, plan. Then, for every engine to be created, placement against the host *and*
    the set (``engines.set_plan``), and the dropped engines of ``owner`` split by ``engines.prune.prune_order``.
+   Placement reads the GPUs' health and the verdicts held on the host (``engines.placement``): what it lets
+   through but must say (a degraded GPU, ``force`` on a bad one) is in the run's ``warnings``.
    Every refusal is collected; any refusal fails the run before anything changed.
 3. Check mode stops here and reports what would change.
 4. Act: drain and remove the dropped engines in a listed engine's way; converge the engines wave by wave
@@ -27,6 +29,7 @@ Environment values never leave: they are masked in every string of the result.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +45,8 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     address_overlaps,
     port_bind_problem,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.cordon import release_cordon_mark
+from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import HostCordon, mark_cordoned
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, clear_draining
 from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
@@ -49,8 +54,11 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.instance imp
     Options,
     apply_engine,
     check_placement,
+    cordon_in_force,
     creates,
     find_room,
+    held_by_cordon,
+    hold,
     load_engine_policy,
     prepare_engine,
     replan_with_room,
@@ -61,7 +69,10 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.labels impor
     LABEL_OWNER,
     label_spec,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.placement import read_gpu_facts
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
+    PlacementFactsError,
+    read_gpu_facts,
+)
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import Action, Room
 from ansible_collections.meridian.node.plugins.module_utils.engines.prune import PruneOrder, prune_order
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan import (
@@ -115,6 +126,8 @@ class SetOptions:
     state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
     prune_reason: str = "the engine set no longer lists it"
+    # The signed state's cordon (``contracts.Cordon`` as a dict), read with the host's and the policy's.
+    cordon: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -189,6 +202,7 @@ def run_engine_set(
         state_dir=str(params.get("state_dir") or DEFAULT_STATE_DIR),
         store_path=params.get("store_path"),
         prune_reason=reason,
+        cordon=verified.get("cordon") if verified is not None else params.get("cordon"),
     )
     secrets = [str(value) for spec in specs for value in (spec.get("env") or {}).values() if str(value)]
     own_engine = engine is None
@@ -366,7 +380,7 @@ def _masked_error(exc: EngineSetError, secrets: Sequence[str]) -> EngineSetError
 # --- the set -------------------------------------------------------------------------------------------
 
 
-def _engine_options(spec: Mapping[str, Any], options: SetOptions) -> Options:
+def _engine_options(spec: Mapping[str, Any], options: SetOptions, cordon: HostCordon | None = None) -> Options:
     def pick(key: str, default: float) -> float:
         # A module's engines list says ready_timeout; a desired state's engine, ready_timeout_seconds.
         value = spec.get(key)
@@ -388,6 +402,7 @@ def _engine_options(spec: Mapping[str, Any], options: SetOptions) -> Options:
         state_dir=options.state_dir,
         store_path=options.store_path,
         owner=options.owner,
+        cordon=cordon,
     )
 
 
@@ -464,12 +479,15 @@ def converge_set(
     except DockerEngineError as exc:
         raise EngineSetError(str(exc), result={"check": "docker"}) from exc
     by_name = {container.name: container for container in containers}
+    cordon = _cordon(options, policy)
+    read_gpus = _marked_facts(gpu_facts or functools.partial(read_gpu_facts, options.state_dir), cordon)
+    held, specs = _split_held(specs, options, cordon, read_gpus)
 
     def prepare(spec: Mapping[str, Any]) -> EngineRun | tuple[str, str]:
         try:
             return prepare_engine(
                 spec,
-                _engine_options(spec, options),
+                _engine_options(spec, options, cordon),
                 engine,
                 check_mode=check_mode,
                 policy=policy,
@@ -483,14 +501,14 @@ def converge_set(
     prepared = _pool_map(prepare, list(specs), options.parallel)
     refusals: list[tuple[str, str, str]] = []
     runs: dict[str, EngineRun] = {}
-    for name, outcome in zip(names, prepared):
+    for name, outcome in zip([str(spec.get("name")) for spec in specs], prepared):
         if isinstance(outcome, EngineRun):
             runs[name] = outcome
         else:
             refusals.append((name, outcome[0], outcome[1]))
-    order = _prune_order(runs, containers, options) if options.prune else PruneOrder([], [])
+    order = _prune_order(runs, containers, options, keep=held) if options.prune else PruneOrder([], [])
     if not refusals:
-        refusals.extend(_place(runs, containers, order, gpu_facts))
+        refusals.extend(_place(runs, containers, order, read_gpus))
     if refusals:
         engines = {name: {"failed": True, "msg": message, "check": check} for name, message, check in refusals}
         raise EngineSetError(
@@ -499,10 +517,121 @@ def converge_set(
         )
     pruned = [{"name": name, "reason": "first"} for name in order.first]
     pruned += [{"name": name, "reason": "later"} for name in order.later]
+    held_results = _hold_all(held, cordon, options, engine, check_mode, sleep, clock)
     if check_mode:
         results = {name: report_engine(run, True) for name, run in runs.items()}
-        return _set_result(results, runs, pruned, by_name, check_mode=True)
-    return _act(runs, order, by_name, options, engine, sleep, clock)
+        result = _set_result(results, runs, pruned, by_name, check_mode=True)
+    else:
+        try:
+            result = _act(runs, order, by_name, options, engine, sleep, clock)
+        except EngineSetError as exc:
+            _with_held(exc.result, held_results)
+            raise
+    _release_cordon_marks(result, runs, options, check_mode=check_mode)
+    return _with_held(result, held_results)
+
+
+# --- cordons (engines.cordon) ---------------------------------------------------------------------------
+
+
+def _cordon(options: SetOptions, policy: Policy) -> HostCordon | None:
+    try:
+        return cordon_in_force(options.state_dir, policy, options.cordon)
+    except EngineInstanceError as exc:
+        raise EngineSetError(str(exc), result={"check": exc.check}) from exc
+
+
+def _marked_facts(read: Callable[[], Mapping[str, Any]], cordon: HostCordon | None) -> Callable[[], Mapping[str, Any]]:
+    """The GPU facts placement reads, cordoned GPUs marked, read at most once per run."""
+    cache: list[Mapping[str, Any]] = []
+
+    def read_marked() -> Mapping[str, Any]:
+        if not cache:
+            cache.append(mark_cordoned(read(), cordon))
+        return cache[0]
+
+    return read_marked
+
+
+def _split_held(
+    specs: Sequence[Mapping[str, Any]],
+    options: SetOptions,
+    cordon: HostCordon | None,
+    read_gpus: Callable[[], Mapping[str, Any]],
+) -> tuple[list[str], list[Mapping[str, Any]]]:
+    """The engines a draining cordon holds (by name), and the specs converged as usual."""
+    if cordon is None or not cordon.drain:
+        return [], list(specs)
+    held: list[str] = []
+    rest: list[Mapping[str, Any]] = []
+    for spec in specs:
+        engine_options = _engine_options(spec, options, cordon)
+        try:
+            covered = held_by_cordon(engine_options, spec.get("gpus") or (), read_gpus)
+        except PlacementFactsError as exc:
+            raise EngineSetError(str(exc), result={"check": "placement-health"}) from exc
+        if covered:
+            held.append(str(spec.get("name")))
+        else:
+            rest.append(spec)
+    return held, rest
+
+
+def _hold_all(
+    held: Sequence[str],
+    cordon: HostCordon | None,
+    options: SetOptions,
+    engine: DockerEngine,
+    check_mode: bool,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+) -> dict[str, dict[str, Any]]:
+    """Drain and stop, one at a time and before anything else changes, the engines a cordon holds."""
+    results: dict[str, dict[str, Any]] = {}
+    if cordon is None:
+        return results
+    engine_options = Options(
+        state_dir=options.state_dir, drain_timeout_s=options.drain_timeout_s, drain_grace_s=options.drain_grace_s
+    )
+    for name in held:
+        try:
+            results[name] = hold(name, cordon, engine_options, engine, check_mode, sleep, clock)
+        except EngineInstanceError as exc:
+            results[name] = {**exc.result, "failed": True, "msg": str(exc), "check": exc.check}
+            raise EngineSetError(
+                f"engine {name!r} (check {exc.check}): {exc}",
+                result={"check": exc.check, "engines": dict(results), "pruned": []},
+            ) from exc
+    return results
+
+
+def _with_held(result: dict[str, Any], held: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    if not held:
+        return result
+    result.setdefault("engines", {}).update({name: dict(outcome) for name, outcome in held.items()})
+    diff = result.setdefault("diff", {"before": {}, "after": {}})
+    for name, outcome in held.items():
+        diff["before"][name] = outcome["diff"]["before"]
+        diff["after"][name] = outcome["diff"]["after"]
+    result["changed"] = bool(result.get("changed")) or any(outcome.get("changed") for outcome in held.values())
+    return result
+
+
+def _release_cordon_marks(
+    result: dict[str, Any], runs: Mapping[str, EngineRun], options: SetOptions, *, check_mode: bool
+) -> None:
+    """Engines no cordon holds any more get their cordon's draining mark cleared: back in service."""
+    for name, run in runs.items():
+        if run.options.state != "started":
+            continue
+        try:
+            released = release_cordon_mark(options.state_dir, name, check_mode=check_mode)
+        except DrainStateError as exc:
+            raise EngineSetError(str(exc), result={**result, "check": "drain-state"}) from exc
+        if released:
+            engine_result = result["engines"][name]
+            engine_result["actions"] = [*engine_result.get("actions", []), "unmark"]
+            result["changed"] = True
 
 
 def _load_policy(path: str) -> Policy:
@@ -512,14 +641,18 @@ def _load_policy(path: str) -> Policy:
         raise EngineSetError(str(exc), result={"check": exc.check}) from exc
 
 
-def _prune_order(runs: Mapping[str, EngineRun], containers: Sequence[ContainerInfo], options: SetOptions) -> PruneOrder:
-    """The owner's engines the set does not list, split into those in a listed engine's way and the others."""
+def _prune_order(
+    runs: Mapping[str, EngineRun], containers: Sequence[ContainerInfo], options: SetOptions, *, keep: Sequence[str] = ()
+) -> PruneOrder:
+    """The owner's engines the set does not list, split into those in a listed engine's way and the others.
+    ``keep``: listed engines a cordon holds (not converged with the rest, never pruned)."""
     mine = [
         _held(container)
         for container in containers
         if container.owned
         and container.instance == container.name
         and container.labels.get(LABEL_OWNER) == options.owner
+        and container.name not in keep
     ]
     desired = [_member(run).as_desired() for run in runs.values()]
     return prune_order([held.as_engine() for held in mine], desired)
@@ -529,18 +662,24 @@ def _place(
     runs: Mapping[str, EngineRun],
     containers: Sequence[ContainerInfo],
     order: PruneOrder,
-    gpu_facts: Callable[[], Mapping[str, Any]] | None,
+    gpu_facts: Callable[[], Mapping[str, Any]],
 ) -> list[tuple[str, str, str]]:
-    """Placement of every engine to be created, against the host and the rest of the set; the refusals."""
+    """Placement of every engine to be created, against the host and the rest of the set; the refusals.
+    What placement lets through but must say lands in each run's ``placement_warnings``."""
     members = {name: _member(run) for name, run in runs.items()}
     listed, pruned_first = set(runs), set(order.first)
     outside = [_held(c) for c in containers if c.owned and c.name not in listed and c.name not in pruned_first]
     first = [_held(c) for c in containers if c.owned and c.name in pruned_first]
     creating = [run for run in runs.values() if creates(run.plan) and run.spec is not None]
     facts: Mapping[str, Any] | None = None
-    if any(run.spec is not None and run.spec.gpus and run.settings is not None for run in creating):
+    with_gpus = [run.name for run in creating if run.spec is not None and run.spec.gpus and run.settings is not None]
+    if with_gpus:
         # NVML only when a new engine asks for GPUs: a no-op converge never loads it.
-        facts = (gpu_facts or read_gpu_facts)()
+        try:
+            facts = gpu_facts()
+        except PlacementFactsError as exc:
+            # Which GPUs are held unhealthy cannot be known: no engine asking for GPUs is placed.
+            return [(name, str(exc), "placement-health") for name in with_gpus]
     refusals: list[tuple[str, str, str]] = []
     for port, clashing in port_clashes(list(members.values())):
         refusals.append(
@@ -811,7 +950,7 @@ def _set_result(
     before: dict[str, Any] = {}
     after: dict[str, Any] = {}
     for name, run in runs.items():
-        diff = run.plan.diff()
+        diff = run.diff()
         before[name], after[name] = diff["before"], diff["after"]
     for entry in pruned:
         container = by_name.get(str(entry["name"]))
@@ -826,6 +965,7 @@ def _set_result(
         bool(result.get("done")) or (check_mode and bool(result.get("actions"))) for result in results.values()
     )
     warnings = [f"engine {name!r}: {result['pending']}" for name, result in results.items() if result.get("pending")]
+    warnings += [str(warning) for result in results.values() for warning in result.get("placement_warnings") or []]
     return {
         "changed": changed,
         "engines": {name: dict(result) for name, result in results.items()},

@@ -41,10 +41,18 @@ ARGUMENT_SPEC = {
     "record": {"type": "bool", "default": False},
     "prune": {"type": "bool"},
     "parallel": {"type": "int", "default": 8},
+    "cordon": {
+        "type": "dict",
+        "options": {
+            "gpus": {"type": "list", "elements": "str", "default": []},
+            "drain": {"type": "bool", "default": False},
+            "reason": {"type": "str"},
+        },
+    },
     **RUN_OPTIONS,
 }
 
-MUTUALLY_EXCLUSIVE = [["engines", "envelope"]]
+MUTUALLY_EXCLUSIVE = [["engines", "envelope"], ["cordon", "envelope"]]
 REQUIRED_ONE_OF = [["engines", "envelope"]]
 REQUIRED_TOGETHER = [["envelope", "node_id"]]
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import (
     FieldError,
+    check_bool,
     check_choice,
     check_int,
     check_list,
@@ -93,6 +94,7 @@ _OPTIONAL = (
     "served_model_name",
     "gpus",
     "min_vram_mib",
+    "force",
     "args",
     "env",
     "state",
@@ -145,6 +147,9 @@ class ParsedEngineSpec:
     served_model_name: str | None = None
     gpus: tuple[str, ...] = ()
     min_vram_mib: int = 0
+    # Place on GPUs whose health verdict is unhealthy or unknown (engines.placement), saying so in a warning.
+    # How to place, not what the container is: not in the public spec, nor in the config hash.
+    force: bool = False
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     state: str = "started"
@@ -179,6 +184,7 @@ def parse_engine_spec(data: Any, where: str = "") -> ParsedEngineSpec:
         served_model_name=None if served is None else check_str(served, join(where, "served_model_name")),
         gpus=check_str_list(document.get("gpus", []), join(where, "gpus")),
         min_vram_mib=check_int(document.get("min_vram_mib", 0), join(where, "min_vram_mib"), ge=0),
+        force=check_bool(document.get("force", False), join(where, "force")),
         args=check_str_list(document.get("args", []), join(where, "args")),
         env=check_str_map(document.get("env", {}), join(where, "env")),
         state=check_choice(document.get("state", "started"), join(where, "state"), ENGINE_STATES),

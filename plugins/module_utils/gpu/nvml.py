@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +30,7 @@ __all__ = [
     "PYNVML_IMPORT_ERROR",
     "NvmlSession",
     "NvmlUnavailable",
+    "active_nvlinks",
     "cuda_version_text",
     "error_name",
     "nvml_session",
@@ -103,6 +104,9 @@ class NvmlSession:
     invalid_argument: int
     # Codes after which nothing more can be read from that device this cycle.
     device_gone: frozenset[int] = field(default_factory=frozenset)
+    success: int = 0
+    timeout: int = -1
+    function_not_found: int = -1
 
     _names: dict[int, str] | None = field(default=None, repr=False)
 
@@ -111,6 +115,12 @@ class NvmlSession:
         if self._names is None:
             self._names = _error_names(self.lib)
         return error_name(self.lib, exc, self._names)
+
+    def code_name(self, code: int) -> str:
+        """``NVML_ERROR_NOT_SUPPORTED`` for a bare return code (field values carry one per field)."""
+        if self._names is None:
+            self._names = _error_names(self.lib)
+        return self._names.get(code, f"NVML_ERROR_{code}")
 
 
 def _code(lib: Any, name: str) -> int:
@@ -143,6 +153,9 @@ def nvml_session(lib: Any = None) -> Iterator[NvmlSession]:
         not_supported=_code(lib, "NVML_ERROR_NOT_SUPPORTED"),
         not_found=_code(lib, "NVML_ERROR_NOT_FOUND"),
         invalid_argument=_code(lib, "NVML_ERROR_INVALID_ARGUMENT"),
+        success=_code(lib, "NVML_SUCCESS"),
+        timeout=_code(lib, "NVML_ERROR_TIMEOUT"),
+        function_not_found=_code(lib, "NVML_ERROR_FUNCTION_NOT_FOUND"),
         device_gone=frozenset(
             _code(lib, name)
             for name in (
@@ -161,3 +174,27 @@ def nvml_session(lib: Any = None) -> Iterator[NvmlSession]:
         # A shutdown failure leaves nothing for us to undo, and the facts already read are good.
         with suppress(lib.NVMLError):
             lib.nvmlShutdown()
+
+
+def active_nvlinks(session: NvmlSession, handle: Any, on_error: Callable[[Any, int], bool]) -> list[int]:
+    """The NVLinks of ``handle`` that are trained up, in link order.
+
+    ``on_error(exc, link)`` hears of every error but the two that end the scan quietly, and answers whether
+    the device is gone (the scan stops there). INVALID_ARGUMENT means past this GPU's last link, and
+    NOT_SUPPORTED on link 0 means no NVLink at all: stopping there keeps a PCIe GPU at one call instead of
+    NVML_NVLINK_MAX_LINKS.
+    """
+    lib = session.lib
+    links: list[int] = []
+    for link in range(lib.NVML_NVLINK_MAX_LINKS):
+        try:
+            state = lib.nvmlDeviceGetNvLinkState(handle, link)
+        except lib.NVMLError as exc:
+            if exc.value == session.invalid_argument or (exc.value == session.not_supported and link == 0):
+                break
+            if exc.value != session.not_supported and on_error(exc, link):
+                break
+            continue
+        if state == lib.NVML_FEATURE_ENABLED:
+            links.append(link)
+    return links

@@ -121,4 +121,5 @@ def summarize(verified: VerifiedState, *, applied_before: int) -> dict[str, Any]
         "artifacts": artifacts,
         "engines": engines,
         "in_use": in_use,
+        "cordon": None if state.cordon is None else state.cordon.model_dump(mode="json"),
     }

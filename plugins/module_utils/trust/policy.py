@@ -38,6 +38,9 @@ Choices worth knowing:
   a size like ``max_bytes`` of the store) and ``max_members``; and ``shipped_code`` (``pinned``, the
   default, or ``refuse``): whether a bundle's own playbooks and collection may run, and then only when the
   control-signed state pins their digests (``runbook.py``).
+- ``cordon`` (optional; docs/GPU_HEALTH.md) lists ``gpus`` (uuid, index or MIG uuid, at least one) that take
+  no new engine, with ``drain`` (stop and hold the engines there too) and a ``reason``. It is read together
+  with the host's cordon file and the signed state's cordon (``engines.cordon_file.merge_cordons``).
 - YAML mappings with a duplicated key are refused: two ``trust:`` blocks would otherwise keep the last.
 - ``load_policy(path, keys=False)`` validates the whole file but reads no key: the engine modules check
   images, drivers and ports and verify no signature, and loading keys means importing ``cryptography``,
@@ -93,6 +96,7 @@ __all__ = [
     "ROLES",
     "SHIPPED_CODE",
     "AirGapPolicy",
+    "CordonPolicy",
     "Policy",
     "PolicyError",
     "Role",
@@ -202,7 +206,7 @@ def format_duration(value: timedelta) -> str:
 # Checked with plain_checks rather than pydantic: every engine task loads the policy, and pydantic's
 # import alone would be a third of that task's start-up.
 
-_SECTIONS = ("images", "engines", "store", "agent", "air_gap")
+_SECTIONS = ("images", "engines", "store", "agent", "air_gap", "cordon")
 
 
 @dataclass(frozen=True)
@@ -388,6 +392,34 @@ def _air_gap(data: Any) -> AirGapPolicy:
     return AirGapPolicy(scratch, size, members, shipped)
 
 
+# --- cordoned GPUs (docs/GPU_HEALTH.md) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CordonPolicy:
+    """GPUs the host's owner keeps out of placement for good (a card known bad, one kept for other work):
+    no new engine lands there; with ``drain`` the engines there are stopped and held too. Node-wide cordons
+    are the ``meridian.node.cordon`` module's (maintenance) or the signed state's, never the policy's."""
+
+    gpus: tuple[str, ...] = ()
+    drain: bool = False
+    reason: str | None = None
+
+
+def _cordon(data: Any) -> CordonPolicy:
+    document = check_mapping(data, "cordon", required=("gpus",), optional=("drain", "reason"))
+    gpus = check_str_list(document["gpus"], "cordon.gpus", min_items=1)
+    for index, gpu in enumerate(gpus):
+        if not gpu.strip() or len(gpu) > 128:
+            raise FieldError(join("cordon.gpus", index), f"must name a GPU by uuid, index or MIG uuid (got {gpu!r})")
+    reason = document.get("reason")
+    return CordonPolicy(
+        gpus=gpus,
+        drain=check_bool(document.get("drain", False), "cordon.drain"),
+        reason=None if reason is None else check_str(reason, "cordon.reason"),
+    )
+
+
 # --- the loaded policy ----------------------------------------------------------------------------------
 
 
@@ -471,6 +503,7 @@ class Policy:
     agent: AgentPolicy
     _roles: Mapping[str, _RoleTrust] | None = field(repr=False)
     air_gap: AirGapPolicy = field(default_factory=AirGapPolicy)
+    cordon: CordonPolicy | None = None
 
     def trusted_keys(self, role: Role) -> dict[str, Ed25519PublicKey]:
         """keyid -> public key trusted for ``role``; empty when the policy configures no such role."""
@@ -565,6 +598,7 @@ def parse_policy(text: str, base_dir: Path, *, source: str = "<text>", keys: boo
         images, engines = _images(data.get("images", {})), _engines(data.get("engines", {}))
         store, agent = _store(data.get("store", {})), _agent(data.get("agent", {}))
         air_gap = _air_gap(data.get("air_gap", {}))
+        cordon = _cordon(data["cordon"]) if "cordon" in data else None
     except FieldError as exc:
         raise PolicyError(f"{prefix}: {exc}") from exc
 
@@ -572,7 +606,14 @@ def parse_policy(text: str, base_dir: Path, *, source: str = "<text>", keys: boo
         {role: _load_role(spec, f"{prefix}: trust.{role}", base_dir) for role, spec in trust.items()} if keys else None
     )
     return Policy(
-        source=source, images=images, engines=engines, store=store, agent=agent, _roles=roles, air_gap=air_gap
+        source=source,
+        images=images,
+        engines=engines,
+        store=store,
+        agent=agent,
+        _roles=roles,
+        air_gap=air_gap,
+        cordon=cordon,
     )
 
 

@@ -223,3 +223,68 @@ def test_status_says_backing_off_and_how_long_the_backoff_is_until_it_is_due(
         assert shown["next_repair_in_seconds"] == expected_backoff - 1
         clock.now += expected_backoff - 1
         assert supervisor.status()["chat"]["state"] == "repair-due"
+
+
+# --- engines on a GPU that turned unhealthy ---------------------------------------------------------------
+
+_FACTS: dict[str, Any] = {
+    "gpus": [
+        {"index": 0, "uuid": "GPU-good", "mig_instances": [], "health": {"verdict": "healthy", "reasons": []}},
+        {
+            "index": 1,
+            "uuid": "GPU-bad",
+            "mig_instances": [{"uuid": "MIG-bad-1"}],
+            "health": {
+                "verdict": "unhealthy",
+                "reasons": [{"code": "xid-critical", "source": "nvmlEventSetWait", "value": 79}],
+            },
+        },
+        {"index": 2, "uuid": "GPU-slow", "mig_instances": [], "health": {"verdict": "degraded", "reasons": []}},
+    ]
+}
+
+
+def test_engines_on_an_unhealthy_gpu_are_found_by_uuid_index_or_mig_instance() -> None:
+    from meridian_node_agent.agent_side.supervise import engines_on_unhealthy_gpus
+
+    trouble = engines_on_unhealthy_gpus(
+        [
+            {"name": "by-uuid", "gpus": ["GPU-bad"]},
+            {"name": "by-index", "gpus": ["0", "1"]},
+            {"name": "by-mig", "gpus": ["MIG-bad-1"]},
+            {"name": "fine", "gpus": ["0"]},
+            {"name": "degraded-only", "gpus": ["2"]},
+            {"name": "cpu", "gpus": []},
+        ],
+        _FACTS,
+    )
+
+    assert set(trouble) == {"by-uuid", "by-index", "by-mig"}
+    assert trouble["by-mig"] == "on unhealthy GPU GPU-bad (xid-critical)"
+
+
+def test_a_running_engine_on_an_unhealthy_gpu_is_reported_never_repaired(supervisor: Supervisor, clock: Clock) -> None:
+    trouble = {"chat": "on unhealthy GPU GPU-bad (xid-critical)"}
+
+    assert supervisor.assess([_engine()], trouble) is None
+    clock.now += 3600
+    assert supervisor.assess([_engine()], trouble) is None, "a repair cannot move it: the state pins its GPUs"
+    report = supervisor.status()["chat"]
+    assert report["state"] == "reported"
+    assert report["problem"] == "on unhealthy GPU GPU-bad (xid-critical)"
+    assert report["for_seconds"] == 3600.0
+    assert report["repairs"] == 0
+
+
+def test_a_stopped_engine_on_an_unhealthy_gpu_is_still_repaired_and_a_healed_gpu_clears_the_report(
+    supervisor: Supervisor, clock: Clock
+) -> None:
+    trouble = {"chat": "on unhealthy GPU GPU-bad (xid-critical)"}
+    supervisor.assess([_engine(state="exited", ready=False)], trouble)
+    clock.now += 10
+
+    drift = supervisor.assess([_engine(state="exited", ready=False)], trouble)
+    assert drift is not None and drift.engines == (("chat", "not running (exited)"),)
+    supervisor.repaired(drift)
+    supervisor.assess([_engine()], {})
+    assert supervisor.status()["chat"]["state"] == "healthy"

@@ -16,7 +16,7 @@ from ansible_collections.meridian.node.tests.system.packaging.packaging_env impo
 PRIVATE_COLLECTION = "meridian_node_agent/collection/ansible_collections/meridian/node"
 # The devserver's web stack (the `devserver` extra) and the Prometheus client (the `metrics` extra). Not h11:
 # uvicorn uses it, but so does the agent's control-plane link (control_http), so the agent depends on it.
-EXTRAS_ONLY = {"fastapi", "starlette", "uvicorn", "anyio", "prometheus-client"}
+EXTRAS_ONLY = {"fastapi", "starlette", "uvicorn", "anyio", "prometheus-client", "grpcio", "protobuf"}
 
 pytestmark = pytest.mark.slow
 

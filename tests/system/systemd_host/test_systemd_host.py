@@ -58,7 +58,7 @@ def test_put_file_sets_mode_and_owner(installed_host: SystemdHost) -> None:
 def test_the_project_units_get_a_security_score(installed_host: SystemdHost) -> None:
     scores = {
         unit: installed_host.unit_security_score(unit)
-        for unit in ("meridian-node.service", "meridian-node-apply.service")
+        for unit in ("meridian-node.service", "meridian-node-apply.service", "meridian-node-apply-observe.service")
     }
     print(f"systemd-analyze security exposure levels: {scores}")
     assert all(0.0 <= score <= 10.0 for score in scores.values())

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,7 +18,6 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuFacts
 from ansible_collections.meridian.node.plugins.module_utils.gpu import nvml as seam
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
-from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
 
 REPO = Path(__file__).resolve().parents[4]
 FAKES = REPO / "tests" / "support" / "fakes"
@@ -27,23 +25,13 @@ VENV_BIN = REPO / ".venv" / "bin"
 SWITCHES = {f"00000000:0{n}:00.0" for n in range(5, 9)}
 
 
-@pytest.fixture(scope="module")
-def fake_module() -> ModuleType:
-    return load_fake_pynvml()
-
-
-@pytest.fixture
-def fake(fake_module: ModuleType) -> Iterator[ModuleType]:
-    yield fake_module
-    fake_module.use_scenario(None)
-
-
-def collect(fake: ModuleType, scenario: dict[str, Any] | str, **options: bool) -> dict[str, Any]:
+def collect(fake: ModuleType, scenario: dict[str, Any] | str, **options: Any) -> dict[str, Any]:
     fake.use_scenario(scenario)
-    facts = collect_gpu_facts(fake, **options)
+    facts = collect_gpu_facts(fake, machine_type_path=None, **options)
     GpuFacts.model_validate(facts)
-    # Whatever happened in between, NVML was shut down again.
+    # Whatever happened in between, NVML was shut down again and no event set was left behind.
     assert fake.init_count() == 0
+    assert fake.open_event_sets() == 0
     return facts
 
 
@@ -280,11 +268,31 @@ def test_nvml_is_shut_down_when_a_read_crashes(fake: ModuleType, monkeypatch: py
 
 
 def test_processes_and_nvlink_can_be_skipped(fake: ModuleType) -> None:
-    facts = collect(fake, "eight-gpus", processes=False, nvlink=False)
+    facts = collect(fake, "eight-gpus", processes=False, nvlink=False, health=False)
 
     assert all(gpu["processes"] == [] and gpu["nvlink_peers"] == [] for gpu in facts["gpus"])
+    assert all(gpu["health"] is None for gpu in facts["gpus"])
     assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 0
     assert fake.calls["nvmlDeviceGetNvLinkState"] == 0
+
+
+def test_health_without_nvlink_peers_scans_the_link_states_only(fake: ModuleType) -> None:
+    facts = collect(fake, "eight-gpus", processes=False, nvlink=False)
+
+    assert all(gpu["nvlink_peers"] == [] for gpu in facts["gpus"])
+    # The error counters need the trained links, so health scans their states (18 links, then the
+    # INVALID_ARGUMENT past the last), but no peer is asked for.
+    assert fake.calls["nvmlDeviceGetNvLinkState"] == 8 * 19
+    assert fake.calls["nvmlDeviceGetNvLinkRemotePciInfo"] == 0
+    assert facts["gpus"][0]["health"]["readings"]["nvlink_error_count"] == 0
+
+
+def test_nvlink_peers_and_health_share_one_scan_of_the_link_states(fake: ModuleType) -> None:
+    collect(fake, "eight-gpus")
+
+    assert fake.calls["nvmlDeviceGetNvLinkState"] == 8 * 19
+    # GPU 5's link 7 is down: its error counters are not read.
+    assert fake.calls["nvmlDeviceGetNvLinkErrorCounter"] == (8 * 18 - 1) * 4
 
 
 def test_sixty_four_generated_gpus_are_distinct_and_valid(fake: ModuleType) -> None:
@@ -326,7 +334,15 @@ def test_public_api_is_pinned() -> None:
     from ansible_collections.meridian.node.plugins.module_utils.gpu import facts as gpu_inventory
 
     assert sorted(seam.__all__) == sorted(
-        ["PYNVML_IMPORT_ERROR", "NvmlSession", "NvmlUnavailable", "cuda_version_text", "error_name", "nvml_session"]
+        [
+            "PYNVML_IMPORT_ERROR",
+            "NvmlSession",
+            "NvmlUnavailable",
+            "active_nvlinks",
+            "cuda_version_text",
+            "error_name",
+            "nvml_session",
+        ]
     )
     assert sorted(gpu_inventory.__all__) == ["MIB", "collect_gpu_facts", "unavailable_facts"]
 
@@ -401,12 +417,18 @@ def test_module_reports_eight_gpus_through_ansible() -> None:
     assert len(facts["gpus"][0]["nvlink_peers"]) == 18
 
 
+def without_read_times(facts: dict[str, Any]) -> dict[str, Any]:
+    """The facts less what each read stamps with its own time (when a verdict began)."""
+    gpus = [{**gpu, "health": {**gpu["health"], "since": None}} for gpu in facts["meridian_gpus"]["gpus"]]
+    return {"meridian_gpus": {**facts["meridian_gpus"], "gpus": gpus}}
+
+
 def test_module_in_check_mode_reports_the_same_facts() -> None:
     checked = run_module("eight-gpus", "--check")
     applied = run_module("eight-gpus")
 
     assert checked["changed"] is False
-    assert checked["ansible_facts"] == applied["ansible_facts"]
+    assert without_read_times(checked["ansible_facts"]) == without_read_times(applied["ansible_facts"])
 
 
 def test_module_reports_lost_gpu_through_ansible() -> None:
@@ -427,6 +449,24 @@ def test_module_without_driver_library_succeeds_with_reason() -> None:
     assert result["changed"] is False
     assert facts["nvml_available"] is False
     assert "NVML_ERROR_LIBRARY_NOT_FOUND" in facts["reason"]
+
+
+def test_module_reports_health_and_labels_through_ansible() -> None:
+    facts = run_module("wedged-reset")["ansible_facts"]["meridian_gpus"]
+
+    GpuFacts.model_validate(facts)
+    readings = facts["gpus"][0]["health"]["readings"]
+    assert readings["recovery_action"] == "reset"
+    assert readings["read_errors"] == []
+    assert facts["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+
+
+def test_module_option_switches_off_health() -> None:
+    facts = run_module("wedged-reset", "-a", "gather_health=false")["ansible_facts"]["meridian_gpus"]
+
+    assert facts["gpus"][0]["health"] is None
+    # The feature facts are not health: they stay.
+    assert facts["gpus"][0]["compute_capability"] == "9.0"
 
 
 def test_module_options_switch_off_processes_and_nvlink() -> None:
@@ -463,5 +503,6 @@ def test_ansible_doc_renders_the_module() -> None:
 
     assert proc.returncode == 0, proc.stderr
     assert "gather_processes" in proc.stdout
+    assert "gather_health" in proc.stdout
     assert "idempotent" in proc.stdout
     assert "[WARNING]" not in proc.stderr

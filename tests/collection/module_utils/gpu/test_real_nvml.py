@@ -8,37 +8,22 @@ import csv
 import io
 import shutil
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuFacts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
+from ansible_collections.meridian.node.tests.support.real_nvml import real_gpu_count
 
 pytestmark = pytest.mark.gpu
 
 pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed")
 
-FAKES = Path(__file__).resolve().parents[3] / "support" / "fakes"
-
 
 @pytest.fixture(scope="module")
-def gpu_count() -> Iterator[int]:
-    if Path(pynvml.__file__).resolve().parent == FAKES:
-        pytest.skip("pynvml resolves to the fake (tests/support/fakes is on PYTHONPATH); these tests need the real one")
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        pytest.skip(f"no usable NVIDIA driver: nvmlInit failed: {exc}")
-    try:
-        count = int(pynvml.nvmlDeviceGetCount())
-    finally:
-        pynvml.nvmlShutdown()
-    if count == 0:
-        pytest.skip("NVML works but sees no GPU")
-    yield count
+def gpu_count() -> int:
+    return real_gpu_count(pynvml)
 
 
 @pytest.fixture(scope="module")

@@ -540,3 +540,27 @@ def test_max_lifetime_belongs_to_control_only(policy_dir: Path) -> None:
 def test_policy_without_keys_still_checks_max_lifetime(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match=r"trust\.control\.max_lifetime: must be a duration"):
         parse_policy("trust: {control: {public_keys: [k.pem], max_lifetime: soon}}", tmp_path, keys=False)
+
+
+# --- cordon --------------------------------------------------------------------------------------------
+
+
+def test_cordon_section_names_gpus_drain_and_reason(policy_dir: Path) -> None:
+    loaded = load_policy(write(policy_dir, with_control('cordon: {gpus: ["3", GPU-abc], drain: true, reason: fan}\n')))
+    assert loaded.cordon == policy.CordonPolicy(gpus=("3", "GPU-abc"), drain=True, reason="fan")
+    assert load_policy(write(policy_dir, with_control())).cordon is None
+
+
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        ("cordon: {gpus: []}", "cordon.gpus"),
+        ("cordon: {drain: true}", "gpus"),
+        ('cordon: {gpus: [" "]}', "cordon.gpus[0]"),
+        ("cordon: {gpus: [3]}", "cordon.gpus[0]"),
+        ('cordon: {gpus: ["3"], drain: "yes"}', "cordon.drain"),
+        ('cordon: {gpus: ["3"], node: true}', "node"),
+    ],
+)
+def test_a_malformed_cordon_section_is_refused_by_field(policy_dir: Path, section: str, words: str) -> None:
+    assert words in error_for(policy_dir, with_control(section + "\n"))

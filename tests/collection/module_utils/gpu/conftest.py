@@ -1,0 +1,21 @@
+"""The fake pynvml (tests/support/fakes/pynvml.py), loaded once per module and reset after each test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
+
+
+@pytest.fixture(scope="module")
+def fake_module() -> ModuleType:
+    return load_fake_pynvml()
+
+
+@pytest.fixture
+def fake(fake_module: ModuleType) -> Iterator[ModuleType]:
+    yield fake_module
+    fake_module.use_scenario(None)

@@ -10,7 +10,6 @@ operator has enrolled it again.
 from __future__ import annotations
 
 import itertools
-import logging
 import socket
 import ssl
 import threading
@@ -25,6 +24,7 @@ import pytest
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
 from ansible_collections.meridian.node.tests.support.node_env import make_node
+from ansible_collections.meridian.node.tests.support.recorded_events import recording_logger
 from meridian_node_agent.agent_side.control_client import (
     CertificateExpired,
     ControlClient,
@@ -34,7 +34,6 @@ from meridian_node_agent.agent_side.control_client import (
 from meridian_node_agent.agent_side.cycle import read_status
 from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.devserver.tls import server_ssl_context
-from meridian_node_agent.logs import EventLogger
 
 LIFETIME_SECONDS = 4
 
@@ -42,29 +41,6 @@ LIFETIME_SECONDS = 4
 @pytest.fixture(scope="module")
 def devserver_options() -> DevServerOptions:
     return DevServerOptions(extra=["--certificate-seconds", str(LIFETIME_SECONDS)])
-
-
-class _Events(logging.Handler):
-    """The agent's structured events (name and fields), as the loop logged them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.events.append((record.getMessage(), dict(getattr(record, "fields", {}))))
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [fields for event, fields in self.events if event == name]
-
-
-def _event_logger(name: str) -> tuple[EventLogger, _Events]:
-    handler = _Events()
-    logger = logging.getLogger(f"test-certificate-expiry.{name}")
-    logger.handlers = [handler]
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    return EventLogger(logger), handler
 
 
 def _wait_until_expired(identity: NodeIdentity) -> datetime:
@@ -85,7 +61,7 @@ def test_expired_certificate_is_a_refusal_with_a_hint_and_the_agent_backs_off_wi
 ) -> None:
     node = make_node(server, tmp_path / "node", node_id, mode="observe-only")
     identity = NodeIdentity(node.config.identity_dir)
-    log, events = _event_logger(node_id)
+    log, events = recording_logger(node_id)
     sleeps: list[float] = []
     agent = node.agent(log=log, sleep=sleeps.append)
     try:

@@ -4,8 +4,6 @@ in-process, an operator's clear, and the NVML event set given back when the agen
 
 from __future__ import annotations
 
-import copy
-import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -16,7 +14,7 @@ import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HOLD_FILE, HealthHolds
-from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
+from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
 from ansible_collections.meridian.node.tests.support.recorded_events import RecordedEvents, recording_logger
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 
@@ -37,18 +35,9 @@ class WallClock:
 @pytest.fixture
 def fake() -> Iterator[ModuleType]:
     module = load_fake_pynvml()
-    module.use_scenario(two_gpus())
+    module.use_scenario(two_healthy_gpus())
     yield module
     module.use_scenario(None)
-
-
-def two_gpus(**gpu1: Any) -> dict[str, Any]:
-    """Two healthy H100s (the xid-79 scenario without its XID); ``gpu1``: keys changed on GPU 1."""
-    scenario: dict[str, Any] = json.loads((load_fake_pynvml().SCENARIO_DIR / "xid-79.json").read_text())
-    for gpu in scenario["gpus"]:
-        gpu.pop("events", None)
-    scenario["gpus"][1].update(copy.deepcopy(gpu1))
-    return scenario
 
 
 def watch(
@@ -102,13 +91,15 @@ def test_an_xid_between_two_reads_is_seen_and_the_verdict_holds_after_it_leaves_
 def test_a_verdict_root_holds_shows_at_once_and_the_agent_never_writes_roots_file(
     fake: ModuleType, tmp_path: Path
 ) -> None:
-    fake.use_scenario(two_gpus(remapped_rows={"correctable": 0, "uncorrectable": 3, "pending": False, "failure": True}))
+    fake.use_scenario(
+        two_healthy_gpus(remapped_rows={"correctable": 0, "uncorrectable": 3, "pending": False, "failure": True})
+    )
     faulty = collect_gpu_facts(fake, processes=False, nvlink=False, previous={}, now=START)
     assert health(faulty, 1)["verdict"] == "unhealthy"
     HealthHolds(tmp_path).hold(uuid(faulty, 1), health(faulty, 1), gpu=faulty["gpus"][1])
     path = tmp_path / HOLD_FILE
     before = (path.read_bytes(), path.stat().st_mtime_ns)
-    fake.use_scenario(two_gpus())  # the rows look fine now: no reset was seen, the verdict holds
+    fake.use_scenario(two_healthy_gpus())  # the rows look fine now: no reset was seen, the verdict holds
     clock = WallClock()
     reader, _ = watch(fake, tmp_path, clock, writes=False)
 
@@ -163,11 +154,13 @@ def test_an_operator_clear_in_process_drops_a_hold_for_an_xid_still_in_the_windo
 
 
 def test_under_the_split_roots_clear_drops_the_agents_copy_too(fake: ModuleType, tmp_path: Path) -> None:
-    fake.use_scenario(two_gpus(remapped_rows={"correctable": 0, "uncorrectable": 3, "pending": False, "failure": True}))
+    fake.use_scenario(
+        two_healthy_gpus(remapped_rows={"correctable": 0, "uncorrectable": 3, "pending": False, "failure": True})
+    )
     faulty = collect_gpu_facts(fake, processes=False, nvlink=False, previous={}, now=START)
     holds = HealthHolds(tmp_path)
     holds.hold(uuid(faulty, 1), health(faulty, 1), gpu=faulty["gpus"][1])
-    fake.use_scenario(two_gpus())
+    fake.use_scenario(two_healthy_gpus())
     clock = WallClock()
     reader, _ = watch(fake, tmp_path, clock, writes=False)
     assert health(reader(), 1)["verdict"] == "unhealthy"
@@ -193,14 +186,14 @@ def test_under_the_split_an_xid_only_the_agent_saw_stays_held_by_the_agent(fake:
 
 
 def test_a_reset_nvml_shows_releases_the_hold_in_process(fake: ModuleType, tmp_path: Path) -> None:
-    fake.use_scenario(two_gpus(ecc={"corrected": 0, "uncorrected": 2}))
+    fake.use_scenario(two_healthy_gpus(ecc={"corrected": 0, "uncorrected": 2}))
     clock = WallClock()
     reader, _ = watch(fake, tmp_path, clock, writes=True)
     bad = reader()
     assert ("ecc-volatile-dbe", 2) in codes(bad, 1)
     assert HealthHolds(tmp_path).held(uuid(bad, 1)) is not None
 
-    fake.change_scenario(two_gpus())  # the volatile count went back to 0: the GPU was reset
+    fake.change_scenario(two_healthy_gpus())  # the volatile count went back to 0: the GPU was reset
     clock.advance(seconds=30)
     reset = reader()
 

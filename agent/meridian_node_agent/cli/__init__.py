@@ -7,6 +7,7 @@ pay about a second of imports on every start. ``--help`` and unknown verbs load 
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -77,9 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(arguments)
     try:
         status: int = args.handler(args)
+        # Inside the try: piped output is block-buffered, so a reader that went away shows here, not at exit.
+        sys.stdout.flush()
     except UsageError as exc:
         print(f"meridian-node {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C is the person's own doing: a traceback tells them nothing.
+        print(f"meridian-node {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`check-config | head`): what is left has nowhere to go. Python flushes stdout once
+        # more at exit and would fail again, so it is pointed at /dev/null first (the recipe of Python's signal
+        # docs); 141 is what a shell reports for a writer killed by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return status
 
 

@@ -600,19 +600,7 @@ class Agent:
             # asked and nothing is recorded. The callers above stop earlier; this holds if one of them does not.
             self.log.error("apply-refused", generation=state.generation, mode=self.config.mode, reason=reason)
             now = self.clock()
-            return ApplyResult(
-                ident="",
-                generation=state.generation,
-                status="failed",
-                rc=None,
-                changed=0,
-                failed=0,
-                journal=Path(),
-                started_at=now,
-                finished_at=now,
-                wall_s=0.0,
-                failures=[f"mode {self.config.mode} never applies"],
-            )
+            return _not_run(state.generation, now, now, f"mode {self.config.mode} never applies")
         secrets = [value for engine in state.engines for value in engine.env.values()]
         self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch, reason=reason)
         started_at = self.clock()
@@ -632,18 +620,11 @@ class Agent:
                     lists_artifacts=bool(state.artifacts),
                 )
         except Exception as exc:  # noqa: BLE001 - any failure to apply is reported as one, never a crash loop
-            result = ApplyResult(
-                ident="",
-                generation=state.generation,
-                status="failed",
-                rc=None,
-                changed=0,
-                failed=0,
-                journal=Path(),
-                started_at=started_at,
-                finished_at=self.clock(),
-                wall_s=0.0,
-                failures=[f"the apply could not be run: {type(exc).__name__}: {exc}"],
+            result = _not_run(
+                state.generation,
+                started_at,
+                self.clock(),
+                f"the apply could not be run: {type(exc).__name__}: {exc}",
             )
         self.last_run = result
         self.observer.forget()  # the apply changed what there is to observe
@@ -1043,3 +1024,20 @@ def _run_summary(result: ApplyResult | None) -> dict[str, Any] | None:
         "failed": result.failed,
         "finished_at": format_rfc3339(result.finished_at),
     }
+
+
+def _not_run(generation: int, started_at: datetime, finished_at: datetime, why: str) -> ApplyResult:
+    """A failed apply whose playbook never ran: no journal, nothing changed, ``why`` as its one failure."""
+    return ApplyResult(
+        ident="",
+        generation=generation,
+        status="failed",
+        rc=None,
+        changed=0,
+        failed=0,
+        journal=Path(),
+        started_at=started_at,
+        finished_at=finished_at,
+        wall_s=0.0,
+        failures=[why],
+    )

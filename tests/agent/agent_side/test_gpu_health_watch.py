@@ -5,7 +5,7 @@ in-process, an operator's clear, and the NVML event set given back when the agen
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -16,20 +16,10 @@ from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import col
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HOLD_FILE, HealthHolds
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
 from ansible_collections.meridian.node.tests.support.recorded_events import RecordedEvents, recording_logger
+from ansible_collections.meridian.node.tests.support.wall_clock import WallClock
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 
 START = datetime(2026, 12, 5, 8, 0, tzinfo=UTC)
-
-
-class WallClock:
-    def __init__(self) -> None:
-        self.now = START
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, **delta: float) -> None:
-        self.now += timedelta(**delta)
 
 
 @pytest.fixture
@@ -63,7 +53,7 @@ def uuid(facts: dict[str, Any], index: int) -> str:
 def test_an_xid_between_two_reads_is_seen_and_the_verdict_holds_after_it_leaves_the_window(
     fake: ModuleType, tmp_path: Path
 ) -> None:
-    clock = WallClock()
+    clock = WallClock(START)
     reader, events = watch(fake, tmp_path, clock, writes=True)
 
     first = reader()
@@ -100,7 +90,7 @@ def test_a_verdict_root_holds_shows_at_once_and_the_agent_never_writes_roots_fil
     path = tmp_path / HOLD_FILE
     before = (path.read_bytes(), path.stat().st_mtime_ns)
     fake.use_scenario(two_healthy_gpus())  # the rows look fine now: no reset was seen, the verdict holds
-    clock = WallClock()
+    clock = WallClock(START)
     reader, _ = watch(fake, tmp_path, clock, writes=False)
 
     first = reader()
@@ -116,7 +106,7 @@ def test_a_verdict_root_holds_shows_at_once_and_the_agent_never_writes_roots_fil
 
 def test_an_unreadable_hold_file_is_said_once_and_observation_goes_on(fake: ModuleType, tmp_path: Path) -> None:
     (tmp_path / HOLD_FILE).write_text("{not json")
-    clock = WallClock()
+    clock = WallClock(START)
     reader, events = watch(fake, tmp_path, clock, writes=False)
 
     reads = [reader(), reader()]
@@ -128,7 +118,7 @@ def test_an_unreadable_hold_file_is_said_once_and_observation_goes_on(fake: Modu
 
 
 def test_a_missing_hold_directory_is_no_problem(fake: ModuleType, tmp_path: Path) -> None:
-    reader, events = watch(fake, tmp_path / "not-there", WallClock(), writes=False)
+    reader, events = watch(fake, tmp_path / "not-there", WallClock(START), writes=False)
 
     assert health(reader(), 1)["verdict"] == "healthy"
     assert events.events == []
@@ -137,7 +127,7 @@ def test_a_missing_hold_directory_is_no_problem(fake: ModuleType, tmp_path: Path
 def test_an_operator_clear_in_process_drops_a_hold_for_an_xid_still_in_the_window(
     fake: ModuleType, tmp_path: Path
 ) -> None:
-    clock = WallClock()
+    clock = WallClock(START)
     reader, _ = watch(fake, tmp_path, clock, writes=True)
     reader()
     fake.raise_xid(1, 79)
@@ -161,7 +151,7 @@ def test_under_the_split_roots_clear_drops_the_agents_copy_too(fake: ModuleType,
     holds = HealthHolds(tmp_path)
     holds.hold(uuid(faulty, 1), health(faulty, 1), gpu=faulty["gpus"][1])
     fake.use_scenario(two_healthy_gpus())
-    clock = WallClock()
+    clock = WallClock(START)
     reader, _ = watch(fake, tmp_path, clock, writes=False)
     assert health(reader(), 1)["verdict"] == "unhealthy"
 
@@ -172,7 +162,7 @@ def test_under_the_split_roots_clear_drops_the_agents_copy_too(fake: ModuleType,
 
 
 def test_under_the_split_an_xid_only_the_agent_saw_stays_held_by_the_agent(fake: ModuleType, tmp_path: Path) -> None:
-    clock = WallClock()
+    clock = WallClock(START)
     reader, _ = watch(fake, tmp_path, clock, writes=False)
     reader()
     fake.raise_xid(1, 79)
@@ -187,7 +177,7 @@ def test_under_the_split_an_xid_only_the_agent_saw_stays_held_by_the_agent(fake:
 
 def test_a_reset_nvml_shows_releases_the_hold_in_process(fake: ModuleType, tmp_path: Path) -> None:
     fake.use_scenario(two_healthy_gpus(ecc={"corrected": 0, "uncorrected": 2}))
-    clock = WallClock()
+    clock = WallClock(START)
     reader, _ = watch(fake, tmp_path, clock, writes=True)
     bad = reader()
     assert ("ecc-volatile-dbe", 2) in codes(bad, 1)
@@ -202,7 +192,7 @@ def test_a_reset_nvml_shows_releases_the_hold_in_process(fake: ModuleType, tmp_p
 
 
 def test_close_gives_the_event_set_and_nvml_back(fake: ModuleType, tmp_path: Path) -> None:
-    reader, _ = watch(fake, None, WallClock(), writes=False)
+    reader, _ = watch(fake, None, WallClock(START), writes=False)
     reader()
     reader()
     assert fake.open_event_sets() == 1  # one set for the agent's life, not one per read

@@ -18,6 +18,7 @@ from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold impo
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
 from ansible_collections.meridian.node.tests.support.node_env import make_node
+from ansible_collections.meridian.node.tests.support.wall_clock import WallClock
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 from meridian_node_agent.agent_side.systemd_applier import GpuRelay, SystemdApplier
 from meridian_node_agent.boundary.spool import REQUEST_FILE, SPOOL_DIR, GpuReport
@@ -27,17 +28,6 @@ from meridian_node_agent.root_side.root_dir import read_request
 
 START = datetime(2026, 12, 5, 8, 0, tzinfo=UTC)
 GPU1 = "GPU-a1b2c301-51d0-4e7a-9c3f-6b0e2d4f1a01"
-
-
-class WallClock:
-    def __init__(self) -> None:
-        self.now = START
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, **delta: float) -> None:
-        self.now += timedelta(**delta)
 
 
 @pytest.fixture
@@ -50,7 +40,7 @@ def fake() -> Iterator[ModuleType]:
 
 @pytest.fixture
 def clock() -> WallClock:
-    return WallClock()
+    return WallClock(START)
 
 
 @pytest.fixture

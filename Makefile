@@ -126,6 +126,11 @@ pytest: venv
 schemas: venv
 	$(BIN)/python -m meridian_node_agent.dev.schemas --write
 
+# docs/CONFIG.md from the agent's config model (tests/agent/test_config_doc.py fails while it is stale).
+.PHONY: config-doc
+config-doc: venv
+	$(BIN)/python -m meridian_node_agent.dev.config_doc --write
+
 # The molecule scenarios (molecule/) on systemd-booting Debian containers, with the images, wheelhouses,
 # collections and devserver they need: tests/support/molecule_site.py. `make molecule SCENARIOS=node_agent`
 # runs one.

@@ -114,10 +114,19 @@ class _Section(BaseModel):
 
 
 class ControlPlaneConfig(_Section):
-    url: AnyHttpUrl
-    timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 10.0
-    long_poll_seconds: Annotated[int, Field(ge=0, le=300)] = 30
-    heartbeat_seconds: Annotated[int, Field(ge=1, le=3600)] = 15
+    url: AnyHttpUrl = Field(description="the control plane's base URL; https:// only (mutual TLS)")
+    timeout_seconds: Annotated[
+        float, Field(gt=0, le=300, description="bounds connecting and each read (a long-poll adds its wait)")
+    ] = 10.0
+    long_poll_seconds: Annotated[
+        int,
+        Field(
+            ge=0, le=300, description="how long one fetch waits for a new state (at most heartbeat_seconds); 0 polls"
+        ),
+    ] = 30
+    heartbeat_seconds: Annotated[
+        int, Field(ge=1, le=3600, description="how often the lease is renewed; also the pause between cycles")
+    ] = 15
 
     @model_validator(mode="after")
     def _tls_only(self) -> "ControlPlaneConfig":
@@ -127,8 +136,10 @@ class ControlPlaneConfig(_Section):
 
 
 class BackoffConfig(_Section):
-    initial_seconds: Annotated[float, Field(gt=0)] = 1.0
-    max_seconds: Annotated[float, Field(gt=0)] = 60.0
+    initial_seconds: Annotated[
+        float, Field(gt=0, description="the first wait after the control plane could not be reached; doubles")
+    ] = 1.0
+    max_seconds: Annotated[float, Field(gt=0, description="the longest wait (with jitter) between retries")] = 60.0
 
     @model_validator(mode="after")
     def _ordered(self) -> "BackoffConfig":
@@ -142,10 +153,13 @@ class CertificateRenewalConfig(_Section):
 
     # Renew once less than this fraction of the certificate's lifetime is left: a third of a 30-day
     # certificate is 10 days of retries before it lapses.
-    remaining_fraction: Annotated[float, Field(gt=0, lt=1)] = 1 / 3
-    # A failed renewal is retried after this, doubling (with jitter) up to the maximum.
-    retry_initial_seconds: Annotated[float, Field(gt=0, le=86400)] = 60.0
-    retry_max_seconds: Annotated[float, Field(gt=0, le=86400)] = 3600.0
+    remaining_fraction: Annotated[
+        float, Field(gt=0, lt=1, description="renew once less than this fraction of the certificate's lifetime is left")
+    ] = 1 / 3
+    retry_initial_seconds: Annotated[
+        float, Field(gt=0, le=86400, description="the wait before retrying a failed renewal; doubles with jitter")
+    ] = 60.0
+    retry_max_seconds: Annotated[float, Field(gt=0, le=86400, description="the longest wait between retries")] = 3600.0
 
     @model_validator(mode="after")
     def _ordered(self) -> "CertificateRenewalConfig":
@@ -158,43 +172,63 @@ class CertificateRenewalConfig(_Section):
 
 
 class Journal(_Section):
-    keep_runs: Annotated[int, Field(ge=1, le=10000)] = 20
+    """The journal: each apply's ansible-runner artifacts directory, kept on the side that applies."""
+
+    keep_runs: Annotated[int, Field(ge=1, le=10000, description="how many runs' directories are kept; older go")] = 20
 
 
 class AirGap(_Section):
     """``mode: air-gapped`` (docs/AIR_GAP.md): bundles arrive in ``inbox``, signed records leave by ``outbox``."""
 
-    inbox: str
-    outbox: str
+    inbox: str = Field(description="where bundles arrive; root's own directory under apply.via systemd")
+    outbox: str = Field(description="where signed observations and journal summaries are written")
     # The inbox is re-scanned this often even without an inotify event (one may be lost: removable media
     # mounted over the inbox, a replaced directory).
-    poll_seconds: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    poll_seconds: Annotated[
+        float, Field(gt=0, le=3600, description="how often the inbox is re-scanned without an inotify event")
+    ] = 5.0
 
 
 class Apply(_Section):
     """How the agent applies: ``in-process`` (ansible-runner in the agent, for dev and tests) or ``systemd``
     (the agent spools a request; ``meridian-node-apply.path`` starts the root unit that runs it)."""
 
-    via: Literal["in-process", "systemd"] = "in-process"
+    via: Literal["in-process", "systemd"] = Field(
+        default="in-process",
+        description="in-process: ansible-runner inside the agent; systemd: root's meridian-node-apply unit applies",
+    )
     # The root apply unit's own directory (its StateDirectory=): its record of the applied generation and
     # highest epoch, its journal and ansible-runner dirs, the draining marks, and ``public/`` where it
     # answers. Root-owned; the agent only reads ``public/`` and ``draining/`` there.
-    state_dir: str = DEFAULT_APPLY_STATE_DIR
+    state_dir: str = Field(
+        default=DEFAULT_APPLY_STATE_DIR,
+        description="root's directory under apply.via systemd (record, journal, public/ answers); apart from state_dir",
+    )
     # Large model downloads run inside one apply: generous by default, never unbounded.
-    timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 3600.0
+    timeout_seconds: Annotated[
+        float, Field(gt=0, le=86400, description="how long one apply may take (under the split: the wait for root)")
+    ] = 3600.0
 
 
 class Supervision(_Section):
     """How the agent keeps the applied engines running (``supervise``): graces and the crash-loop backoff."""
 
     # Missing, not running or lost readiness this long is drift (Docker's restart policy goes first).
-    settle_seconds: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    settle_seconds: Annotated[
+        float, Field(ge=0, le=3600, description="missing, stopped or unready this long is drift, repaired")
+    ] = 10.0
     # Never ready this long after the apply is drift: engines load models for minutes.
-    startup_grace_seconds: Annotated[float, Field(ge=0, le=86400)] = 600.0
+    startup_grace_seconds: Annotated[
+        float, Field(ge=0, le=86400, description="a new engine never ready this long after the apply is drift")
+    ] = 600.0
     # kubelet's CrashLoopBackOff: 10 s doubling to 5 min, forgotten after 10 min healthy.
-    backoff_initial_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0
-    backoff_max_seconds: Annotated[float, Field(gt=0, le=86400)] = 300.0
-    healthy_reset_seconds: Annotated[float, Field(ge=0, le=86400)] = 600.0
+    backoff_initial_seconds: Annotated[
+        float, Field(gt=0, le=3600, description="an engine's first wait between repairs; doubles per repair")
+    ] = 10.0
+    backoff_max_seconds: Annotated[float, Field(gt=0, le=86400, description="the longest wait between repairs")] = 300.0
+    healthy_reset_seconds: Annotated[
+        float, Field(ge=0, le=86400, description="healthy this long, an engine's backoff starts again from the first")
+    ] = 600.0
 
     @model_validator(mode="after")
     def _ordered(self) -> "Supervision":
@@ -211,38 +245,61 @@ class KubernetesConfig(_Section):
     PodResources API. Read in that mode only."""
 
     # The kubelet's PodResources socket; relative paths resolve against the config file's directory.
-    pod_resources_socket: Annotated[str, Field(min_length=1)] = DEFAULT_POD_RESOURCES_SOCKET
+    pod_resources_socket: Annotated[str, Field(min_length=1, description="the kubelet's PodResources unix socket")] = (
+        DEFAULT_POD_RESOURCES_SOCKET
+    )
     # Each call's deadline: the kubelet answers from memory, in milliseconds.
-    timeout_seconds: Annotated[float, Field(gt=0, le=60)] = 2.0
+    timeout_seconds: Annotated[float, Field(gt=0, le=60, description="each call's deadline")] = 2.0
     # The pods' devices are re-read at most this often (and at once after a failed read's next cycle); pods are
     # scheduled in seconds, and the observation is re-sent only when what it says changed.
-    refresh_seconds: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    refresh_seconds: Annotated[
+        float, Field(ge=0, le=3600, description="the pods' devices are re-read at most this often")
+    ] = 10.0
 
 
 class MetricsConfig(_Section):
-    listen: Annotated[str, Field(pattern=r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$")] = "127.0.0.1:9464"
+    listen: Annotated[
+        str,
+        Field(pattern=r"^[0-9A-Za-z.:\[\]-]+:[0-9]{1,5}$", description="HOST:PORT of the Prometheus /metrics endpoint"),
+    ] = "127.0.0.1:9464"
 
 
 class Log(_Section):
-    format: Literal["json", "text"] = "json"
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    """The agent's log on stderr (the journal under systemd)."""
+
+    format: Literal["json", "text"] = Field(
+        default="json", description="json: one object per line, for collectors; text: for a terminal"
+    )
+    level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="the lowest level written")
 
 
 class AgentConfig(_Section):
-    node_id: NodeId
-    mode: Mode = "observe-only"
-    policy: str = DEFAULT_POLICY_PATH
-    state_dir: str = DEFAULT_STATE_DIR
-    control_plane: ControlPlaneConfig | None = None
-    backoff: BackoffConfig = Field(default_factory=BackoffConfig)
-    certificate_renewal: CertificateRenewalConfig = Field(default_factory=CertificateRenewalConfig)
-    journal: Journal = Field(default_factory=Journal)
-    apply: Apply = Field(default_factory=Apply)
-    supervision: Supervision = Field(default_factory=Supervision)
-    air_gap: AirGap | None = None
-    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
-    metrics: MetricsConfig | None = None
-    log: Log = Field(default_factory=Log)
+    node_id: NodeId = Field(description="this host's id at the control plane; its certificate is bound to it")
+    mode: Mode = Field(default="observe-only", description="what the agent may do; the policy must allow it")
+    policy: str = Field(default=DEFAULT_POLICY_PATH, description="the root-owned policy file the agent runs under")
+    state_dir: str = Field(
+        default=DEFAULT_STATE_DIR, description="the agent's own directory: identity, spool, status, oplog"
+    )
+    control_plane: ControlPlaneConfig | None = Field(
+        default=None, description="where desired state comes from; required in every mode but air-gapped"
+    )
+    backoff: BackoffConfig = Field(
+        default_factory=BackoffConfig, description="retries while the control plane cannot be reached"
+    )
+    certificate_renewal: CertificateRenewalConfig = Field(
+        default_factory=CertificateRenewalConfig, description="when the client certificate is renewed"
+    )
+    journal: Journal = Field(default_factory=Journal, description="how many apply runs are kept")
+    apply: Apply = Field(default_factory=Apply, description="who applies a verified desired state")
+    supervision: Supervision = Field(
+        default_factory=Supervision, description="repairing engines that died or were changed by hand"
+    )
+    air_gap: AirGap | None = Field(default=None, description="inbox and outbox; required in mode air-gapped")
+    kubernetes: KubernetesConfig = Field(
+        default_factory=KubernetesConfig, description="the kubelet's PodResources API, mode kubernetes-integrated"
+    )
+    metrics: MetricsConfig | None = Field(default=None, description="a Prometheus endpoint; absent, none is served")
+    log: Log = Field(default_factory=Log, description="the agent's log")
 
     @model_validator(mode="after")
     def _mode_needs(self) -> "AgentConfig":

@@ -39,6 +39,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_rules import 
     ULIMIT_MAX,
     label_problem,
     paths_overlap,
+    secret_env_problem,
     ulimit_problem,
     volume_problem,
 )
@@ -87,6 +88,8 @@ __all__ = [
     "DRIVERS",
     "INT64_MAX",
     "MAX_SIGNATURES",
+    "OBSERVED_LOG_LINES",
+    "OBSERVED_LOG_LINE_CHARS",
     "PYDANTIC_IMPORT_ERROR",
     "RFC3339_UTC_PATTERN",
     "ArtifactManifest",
@@ -99,6 +102,7 @@ __all__ = [
     "EnrollmentRequest",
     "EnrollmentResponse",
     "Envelope",
+    "FormatOne",
     "GpuFacts",
     "JsonError",
     "Lease",
@@ -520,7 +524,14 @@ class EngineSpec(StrictModel):
     )
     port: Annotated[int, Field(ge=1, le=65535)]
     args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict, description="environment variables, shown whole in diffs, results and the journal"
+    )
+    secret_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variables whose values only the container sees: diffs and results show the "
+        "names, the config hash a digest of each value; a name may not also be in env",
+    )
     state: Literal["started", "stopped", "absent"] = "started"
     replace_strategy: Literal["drain-then-replace", "stop-then-start"] = "drain-then-replace"
     restart_policy: Literal["no", "on-failure", "unless-stopped"] = Field(
@@ -566,7 +577,22 @@ class EngineSpec(StrictModel):
             problem = label_problem(key, value)
             if problem is not None:
                 raise ValueError(problem)
+        both = secret_env_problem(self.env, self.secret_env)
+        if both is not None:
+            raise ValueError(both)
         return self
+
+
+def _exact_integer(value: Any) -> Any:
+    # pydantic matches a Literal by equality, strict or not: 1.0 and True would pass as 1 (and the schema,
+    # whose integers exclude booleans, would refuse True): the same signed bytes read two ways.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be an integer written without a fraction or exponent (got {short_repr(value)})")
+    return value
+
+
+# A document format number: exactly the integer 1 (not 1.0, not true), for every versioned file on either side.
+FormatOne = Annotated[Literal[1], BeforeValidator(_exact_integer)]
 
 
 class Runbook(StrictModel):
@@ -574,7 +600,7 @@ class Runbook(StrictModel):
     ``collection/``: their digests, pinned by the control keys (``runbook.py`` defines them). Without it a
     bundle's shipped code never runs; online it is not consulted (nothing is shipped there)."""
 
-    format: Literal[1]
+    format: FormatOne
     playbooks_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="the playbooks/ tree digest")]
     collection_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the tarball")]
 
@@ -884,6 +910,11 @@ class GpuFacts(StrictModel):
     )
 
 
+# An observation carries at most this much of a failing engine's log (its tail is kept on the host: docs/LOGS.md).
+OBSERVED_LOG_LINES = 20
+OBSERVED_LOG_LINE_CHARS = 600
+
+
 class EngineObservation(StrictModel):
     name: str
     managed: bool
@@ -900,6 +931,12 @@ class EngineObservation(StrictModel):
     exit_code: Optional[int] = None
     exit_reason: Optional[Annotated[str, Field(max_length=200)]] = None
     ready_since: Optional[UtcTimestamp] = None
+    last_lines: Optional[list[Annotated[str, Field(max_length=OBSERVED_LOG_LINE_CHARS)]]] = Field(
+        default=None,
+        max_length=OBSERVED_LOG_LINES,
+        description="for one of ours that is failing (not running, or not ready): the last lines of its log, "
+        "scrubbed of its environment's values (docs/LOGS.md); None otherwise, or when no log is kept yet",
+    )
 
 
 class ArtifactObservation(StrictModel):

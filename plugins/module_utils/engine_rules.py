@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Iterable
 
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import short_repr
 
@@ -29,12 +30,14 @@ __all__ = [
     "RESERVED_HOST_PATHS",
     "RESERVED_LABEL_PREFIXES",
     "RESTART_POLICIES",
+    "SECRET_SHOWN",
     "SHM_SIZE_MAX_MIB",
     "ULIMIT_MAX",
     "ULIMIT_NAMES",
     "label_problem",
     "path_within",
     "paths_overlap",
+    "secret_env_problem",
     "ulimit_problem",
     "volume_problem",
     "volume_targets_problem",
@@ -174,3 +177,21 @@ def ulimit_problem(name: str, soft: int, hard: int) -> str | None:
     if hard != -1 and (soft == -1 or soft > hard):
         return f"ulimit {name}: soft limit {soft} is above hard limit {hard} (-1 is unlimited)"
     return None
+
+
+# What a diff, a result or a label shows for a secret_env value: the key is said, the value never.
+SECRET_SHOWN = "<secret>"  # noqa: S105 - the placeholder shown instead of a secret, not one
+
+
+def secret_env_problem(env_keys: Iterable[str], secret_keys: Iterable[str]) -> str | None:
+    """None unless a variable is named in both ``env`` and ``secret_env``; then which, and what to do.
+
+    Refused rather than merged: either winner would silently put a secret where it is shown or a shown
+    value where it is hidden."""
+    both = sorted(set(env_keys) & set(secret_keys))
+    if not both:
+        return None
+    return (
+        f"{', '.join(repr(key) for key in both)} set in both env and secret_env; keep each variable in one "
+        "of them (secret_env for values that must never be shown)"
+    )

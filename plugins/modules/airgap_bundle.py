@@ -23,7 +23,9 @@ description:
     or with C(ansible-playbook) from the unpacked tree yourself.
   - With O(state=absent), removes a work directory an earlier run returned (only a C(bundle-*) directory
     directly inside C(air_gap.scratch_dir), compared after resolving symlinks).
-  - In check mode the bundle is verified completely (every member read and hashed) and nothing is written.
+  - In check mode the bundle is verified completely (every member read and hashed) and nothing is written;
+    the policy's C(air_gap.scratch_dir) is checked as the real run needs it (it can be made, it would be
+    trusted, it has room), so check mode fails where the real run would.
 requirements:
   - pydantic, cryptography and PyYAML on the managed host.
 options:

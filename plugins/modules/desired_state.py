@@ -17,7 +17,7 @@ description:
   - Fails with the rejection code and message when the state is for another node, expired, not yet
     valid, replayed (a lower generation, or the applied generation with different content), from a
     fenced (older) lease epoch, signed by too few trusted keys, or malformed.
-  - Returns what a reconcile playbook needs (artifacts, engines without environment values, artifact
+  - Returns what a reconcile playbook needs (artifacts, engines without their C(secret_env) values, artifact
     names in use).
   - With O(record=true), records the generation as applied; recording the same generation again changes
     nothing.
@@ -41,7 +41,7 @@ options:
     default: false
   secrets:
     description:
-      - Also return C(engine_env), the engines' environment values. Run such a task with C(no_log).
+      - Also return C(engine_secret_env), the engines' C(secret_env) values. Run such a task with C(no_log).
     type: bool
     default: false
 extends_documentation_fragment:
@@ -104,7 +104,8 @@ artifacts:
   type: list
   elements: dict
 engines:
-  description: The engine specs, with C(env) replaced by C(env_keys), the variable names only.
+  description: The engine specs, C(env) whole, with C(secret_env) replaced by C(secret_env_keys), the variable
+    names only.
   returned: success
   type: list
   elements: dict
@@ -117,8 +118,8 @@ cordon:
   description: The state's cordon (GPUs, drain, reason); V(null) when it has none. See M(meridian.node.cordon).
   returned: success
   type: dict
-engine_env:
-  description: Environment values per engine name.
+engine_secret_env:
+  description: The C(secret_env) values per engine name.
   returned: when O(secrets=true)
   type: dict
 rejection:

@@ -22,7 +22,7 @@ description:
     address.
   - Never changes anything on the host.
 requirements:
-  - PyYAML on the managed host (to read the policy).
+  - PyYAML on the managed host, when a policy file exists (to read it).
   - A Docker Engine (API 1.41 or newer), reached through its socket or E(DOCKER_HOST); the Docker SDK is not
     needed.
   - nvidia-ml-py on the managed host for VRAM capacity; without it (or without a GPU) no VRAM is reported.
@@ -65,6 +65,9 @@ attributes:
 notes:
   - Recognising someone else's engine is a heuristic that errs towards "not an engine" - a container whose
     image name and ports say nothing is left out of the list.
+  - Listing needs no policy. Without a file at O(policy) the engines are listed all the same; only
+    C(capacity.free_ports) needs one (the policy's C(engines.port_range) and C(engines.bind_address)) and is
+    V(null), with a warning when O(capacity=true). A policy file that exists must be valid, or the task fails.
 seealso:
   - module: meridian.node.engine_instance
   - module: meridian.node.drain
@@ -160,7 +163,7 @@ capacity:
       sample: {"GPU-2f1b7c2e-8d3a-4c51-b0e6-1a9e4f7d3c01": 40960}
     free_ports:
       description: The lowest (up to 100) ports of the policy's range that no container publishes and that
-        can be bound on the policy's bind address.
+        can be bound on the policy's bind address; V(null) when the host has no policy file.
       type: list
       elements: int
       sample: [8002, 8003, 8004]

@@ -122,8 +122,24 @@ options:
     default: []
   env:
     description:
-      - Environment variables for the engine. Values are treated as secrets - never logged, never put into
-        a label or the diff (only the names are).
+      - Environment variables for the engine, shown whole in the diff and the result (RV(diff)). Put a value
+        that must stay secret in O(secret_env) instead.
+      - Values are strings; quote V(1), V(0) and V(true) in YAML.
+      - Part of the container's settings - changing one replaces the container.
+    type: dict
+    default: {}
+  secret_env:
+    description:
+      - Environment variables whose values only the container sees. The option is C(no_log), the diff and
+        the result show each name beside V(<secret>), labels carry the names only, and the config hash covers
+        a sha256 of each value, so that changing a secret replaces the container and RV(diff) shows it as a
+        changed C(config_hash).
+      - A name may not be in both O(env) and O(secret_env).
+      - Ansible masks a C(no_log) value wherever it occurs in the task's output, so a very short secret stars
+        that text elsewhere too; from a signed desired state (C(reconcile.yml)) the values never pass through
+        task arguments and nothing is masked by content below 6 characters.
+      - The hash of a guessable value (a short word, a small number) can be guessed back from the config hash;
+        use secrets with real entropy (tokens, keys).
     type: dict
     default: {}
   restart_policy:
@@ -281,6 +297,8 @@ EXAMPLES = r"""
     min_vram_mib: 70000
     port: 8001
     env:
+      VLLM_LOGGING_LEVEL: INFO
+    secret_env:
       HF_TOKEN: "{{ vault_hf_token }}"
 
 - name: Serve SGLang on four GPUs with a larger /dev/shm, a read-only tokenizer directory and a team label
@@ -398,7 +416,8 @@ check:
   type: str
   sample: placement-port
 diff:
-  description: Running state, config hash and the non-secret spec, before and after; and the drifted
+  description: Running state, config hash and the spec, before and after - C(env) values whole, each
+    O(secret_env) name beside V(<secret>) (a changed secret shows as a changed C(config_hash)); the drifted
     settings under C(settings) when RV(drifted) is not empty, and RV(placement_warnings) in C(after).
   returned: always
   type: dict

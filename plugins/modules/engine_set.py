@@ -16,8 +16,8 @@ description:
     and optionally prunes the engines of O(owner) the set no longer lists.
   - The engines come from O(engines), or from a signed desired state (O(envelope) and O(node_id)) that this
     module verifies itself against the host policy and the durable applied state, as
-    M(meridian.node.desired_state) does. In that form the engines' environment values never pass through task
-    arguments, registered variables or the run's journal.
+    M(meridian.node.desired_state) does. In that form the engines' C(secret_env) values never pass through
+    task arguments, registered variables or the run's journal.
   - The whole set is planned before anything changes, read-only - every spec, the policy, ownership, and for
     every engine to be created the image, the GPUs (not cordoned, and not of C(unhealthy) or C(unknown) health
     unless the engine says O(engines[].force) - see C(docs/GPU_HEALTH.md)), the VRAM and the port, with the
@@ -117,7 +117,14 @@ options:
         default: []
       env:
         description:
-          - Environment variables; the values are secrets, never logged or returned.
+          - Environment variables, shown whole in the diff and the result.
+        type: dict
+        default: {}
+      secret_env:
+        description:
+          - Environment variables whose values only the container sees, as
+            O(meridian.node.engine_instance#module:secret_env) - C(no_log); the diff and results show the names
+            beside V(<secret>) and a changed value as a changed config hash. A name may not also be in O(engines[].env).
         type: dict
         default: {}
       restart_policy:
@@ -188,7 +195,7 @@ options:
         type: int
   envelope:
     description:
-      - Path to a desired-state DSSE envelope, byte for byte as signed; the engines are its engines, environment
+      - Path to a desired-state DSSE envelope, byte for byte as signed; the engines are its engines, C(secret_env)
         values included. Verified here as M(meridian.node.desired_state) verifies it. Needs O(node_id).
       - Every artifact the state lists must already be in the store as its signed manifest says - recorded with the
         manifest's files, intact, and the promoted version (M(meridian.node.verified_artifact) makes it so);
@@ -356,7 +363,8 @@ engines:
   description: Per engine name, the result M(meridian.node.engine_instance) returns for it - C(actions), C(done),
     C(config_hash), C(container), C(drifted), C(ready), C(probe), C(diff), C(placement_warnings) when
     placement has something to say, C(held) (by, reason, gpus) for an engine a draining cordon holds stopped,
-    and on failure C(failed), C(msg) and C(check). Environment values never appear.
+    and on failure C(failed), C(msg) and C(check). C(env) values are shown whole; C(secret_env) values never
+    appear (the diff shows each name beside V(<secret>)).
   returned: always
   type: dict
   sample:

@@ -287,6 +287,7 @@ def test_public_api_of_the_protocol_client_is_pinned() -> None:
         "CERTIFICATE_EXPIRED",
         "DEFAULT_MAX_RESPONSE_BYTES",
         "CertificateExpired",
+        "ControlCallStopped",
         "ControlClient",
         "ControlPlaneError",
         "ControlPlaneRejected",

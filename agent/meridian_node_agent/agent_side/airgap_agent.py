@@ -11,8 +11,11 @@ differs from the last one written, or when ``OBSERVATION_REFRESH_S`` after the l
 then still sees a live node, without an unchanged record every few seconds piling up between two trips of
 the removable media).
 Between passes the loop sleeps on inotify on the inbox (under the split: on root's ``public/``), at most
-``air_gap.poll_seconds``. Each pass rewrites ``status.json`` (the inbox's last bundle, root's record, the
-outbox's sequence) for ``meridian-node status``.
+``air_gap.poll_seconds``, or until the agent stops (``stop``: SIGTERM or SIGINT). A stop in the middle of an
+in-process bundle's run kills the playbook and leaves the bundle in the inbox, unfiled, with its oplog entry started:
+the next start closes that entry as interrupted and takes the bundle again (``inbox.close_interrupted``). Under the
+split root's inbox unit runs on by itself. Each pass rewrites ``status.json`` (the inbox's last bundle, root's
+record, the outbox's sequence) for ``meridian-node status``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import for
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
 from meridian_node_agent.agent_side.identity import NodeIdentity
+from meridian_node_agent.agent_side.stop import StopSignal
+from meridian_node_agent.apply.applier import Applier, ApplyAbandoned
 from meridian_node_agent.apply.inbox import BundleResult, InboxProcessor, close_interrupted
 from meridian_node_agent.boundary.outbox import JournalSummary, Outbox, keyid_of
 from meridian_node_agent.boundary.outcomes import OutcomesError, read_outcomes
@@ -99,8 +104,10 @@ class AirGapAgent:
         sleep: Callable[[float], None] | None = None,
         applier: Callable[..., Any] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        stop: StopSignal | None = None,
     ) -> None:
         assert config.air_gap is not None  # the config's validator requires it in this mode
+        self.stop = stop
         self.config = config
         self.air_gap = config.air_gap
         self.log = log or EventLogger()
@@ -142,8 +149,13 @@ class AirGapAgent:
         watched = self.root_public if self.split else Path(self.air_gap.inbox)
         with watch_directory(watched) as watch:
             while True:
+                if self.stop is not None and self.stop.stopping:
+                    return self._stopped("between-passes")
                 try:
                     result = self.run_pass()
+                except ApplyAbandoned as exc:
+                    self.log.warning("apply-abandoned", run_ident=exc.ident, generation=exc.generation, detail=str(exc))
+                    return self._stopped("apply")
                 except LockTimeout as exc:
                     # Another process (a second ``run``) holds the inbox: busy, said as such, and a failed pass.
                     self.log.error("inbox-busy", error=str(exc))
@@ -159,8 +171,14 @@ class AirGapAgent:
                 if self.sleep is not None:
                     self.sleep(self.air_gap.poll_seconds)
                 else:
-                    # Wakes on a rename into the inbox; the poll interval is the backstop for a lost event.
-                    watch.wait(self.air_gap.poll_seconds)
+                    # Wakes on a rename into the inbox (or a stop); the poll interval is the backstop for a lost event.
+                    watch.wait(self.air_gap.poll_seconds, interrupt=None if self.stop is None else self.stop.fileno())
+
+    def _stopped(self, during: str) -> int:
+        """Say that the loop stops, why and what it was doing; the exit status for ``meridian-node run``."""
+        assert self.stop is not None
+        self.log.info("agent-stopping", signal=self.stop.reason, during=during)
+        return self.stop.exit_status
 
     def close(self) -> None:
         """The agent stops: give back what the observer holds open (its NVML event set)."""
@@ -443,8 +461,11 @@ def node_signing_key(config: AgentConfig) -> ec.EllipticCurvePrivateKey:
     return key
 
 
-def build_airgap_agent(config: AgentConfig, *, log: EventLogger | None = None) -> AirGapAgent:
-    """The air-gapped agent as ``meridian-node run`` builds it: refused with every problem named first."""
+def build_airgap_agent(
+    config: AgentConfig, *, log: EventLogger | None = None, stop: StopSignal | None = None
+) -> AirGapAgent:
+    """The air-gapped agent as ``meridian-node run`` builds it: refused with every problem named first. ``stop``
+    ends its waits and kills an in-process bundle's playbook (``Applier``'s cancel callback)."""
     from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, DockerEngineError
     from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
     from meridian_node_agent.agent_side.observe import DockerEngines, InventoryEngines, Observer, no_engines
@@ -479,7 +500,14 @@ def build_airgap_agent(config: AgentConfig, *, log: EventLogger | None = None) -
     )
     Path(config.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
     outbox = Outbox(Path(config.air_gap.outbox), Path(config.state_dir), config.node_id, node_signing_key(config))
-    return AirGapAgent(config, policy, observer, outbox, log=log)
+    if stop is None:
+        return AirGapAgent(config, policy, observer, outbox, log=log)
+    cancel = stop.is_stopping
+
+    def applier(**options: Any) -> Applier:
+        return Applier(**options, cancel=cancel)
+
+    return AirGapAgent(config, policy, observer, outbox, log=log, applier=applier, stop=stop)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -7,6 +7,8 @@ Two error families, so the caller can tell "try again later" from "the control p
 - ``ControlPlaneUnavailable``: the transfer failed. Connection refused or reset, TLS handshake failure,
   timeout, a 5xx, a response over the size cap or one that is not what the protocol promises. The agent
   backs off and retries; engines keep serving.
+- ``ControlCallStopped``: the agent is stopping (``interrupt``, its stop pipe, is readable): the call was not
+  made, or its answer not waited for. Neither the control plane's fault nor a reason to back off.
 - ``ControlPlaneRejected``: the control plane answered with a 4xx and a reason (``status``, ``reason``,
   ``detail`` from its ``{"reason", "detail"}`` body). Retrying the same request will not help.
   ``CertificateExpired`` is one: reason ``certificate-expired``, raised when the node's own client
@@ -85,6 +87,7 @@ from meridian_node_agent.agent_side.control_link import (
     AnswerTooLarge,
     ClosedBeforeAnswer,
     HttpExchangeError,
+    Interrupted,
     Link,
     Reply,
 )
@@ -93,6 +96,7 @@ __all__ = [
     "CERTIFICATE_EXPIRED",
     "DEFAULT_MAX_RESPONSE_BYTES",
     "CertificateExpired",
+    "ControlCallStopped",
     "ControlClient",
     "ControlPlaneError",
     "ControlPlaneRejected",
@@ -116,6 +120,10 @@ class ControlPlaneError(MeridianError):
 
 class ControlPlaneUnavailable(ControlPlaneError):
     """The request did not complete: back off and retry."""
+
+
+class ControlCallStopped(ControlPlaneError):
+    """The agent is stopping: the call was not made, or its answer was not waited for."""
 
 
 class ControlPlaneRejected(ControlPlaneError):
@@ -171,6 +179,8 @@ class ControlClient:
     ``cert``/``key`` are the node's client certificate and key; without them only ``enroll`` works.
     ``timeout_s`` bounds connecting and each read; a long-poll adds its ``wait_s`` to the read bound.
     ``clock`` is what "now" is when the certificate's end is compared with it (this host's UTC clock).
+    ``interrupt`` is a descriptor that turns readable when the agent stops (``agent_side.stop.StopSignal``): from
+    then on each call raises ``ControlCallStopped`` instead of connecting, sending or waiting.
     """
 
     def __init__(
@@ -183,6 +193,7 @@ class ControlClient:
         *,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         clock: Callable[[], datetime] | None = None,
+        interrupt: int | None = None,
     ) -> None:
         if not base_url.startswith("https://"):
             raise ValueError(f"control plane URL {base_url!r} must start with https:// (mutual TLS is required)")
@@ -209,6 +220,7 @@ class ControlClient:
         # The client certificate's serial and end, read with the files the context was built from.
         self._certificate: tuple[int, datetime] | None = None
         self._link: Link | None = None
+        self._interrupt = interrupt
 
     def close(self) -> None:
         if self._link is not None:
@@ -316,6 +328,9 @@ class ControlClient:
         except ControlPlaneError:
             self.close()
             raise
+        except Interrupted as exc:
+            self.close()
+            raise ControlCallStopped(f"{method} {url}: {exc}") from exc
         except ssl.SSLError as exc:
             self.close()
             self._raise_if_expired(exc)
@@ -393,6 +408,8 @@ class ControlClient:
 
         Refuses (``CertificateExpired``) before touching the network when the client certificate has ended.
         """
+        if self._interrupt is not None and select.select([self._interrupt], [], [], 0)[0]:
+            raise ControlCallStopped("the agent is stopping: no new call to the control plane")
         context = self._ssl_context()
         if self._certificate is not None and self._clock() > self._certificate[1]:
             raise self._expired("the control plane refuses it, so nothing was sent")
@@ -403,7 +420,7 @@ class ControlClient:
         if self._link is None:
             raw = socket.create_connection((self._host, self._port), timeout=self.timeout_s)
             try:
-                self._link = Link(context.wrap_socket(raw, server_hostname=self._host))
+                self._link = Link(context.wrap_socket(raw, server_hostname=self._host), interrupt=self._interrupt)
             except BaseException:
                 raw.close()
                 raise

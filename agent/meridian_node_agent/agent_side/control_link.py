@@ -21,11 +21,17 @@ sides finished their message, neither asked to close, and nothing arrived that n
 
 Socket errors (``OSError``, ``ssl.SSLError``, ``TimeoutError``) pass through unchanged: the caller
 knows what they mean for its peer (an expired client certificate, for one).
+
+A link given an ``interrupt`` descriptor (the agent's stop pipe, ``agent_side.stop``) waits for each read on
+that descriptor too, and raises ``Interrupted`` as soon as it is readable: a stopping agent does not sit out a
+30-second long-poll, and starts no exchange at all once it is stopping.
 """
 
 from __future__ import annotations
 
+import select
 import socket
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +44,7 @@ __all__ = [
     "AnswerTooLarge",
     "ClosedBeforeAnswer",
     "HttpExchangeError",
+    "Interrupted",
     "Link",
     "MalformedAnswer",
     "Reply",
@@ -63,6 +70,10 @@ class MalformedAnswer(HttpExchangeError):
     """What the peer sent is not a complete HTTP/1.1 answer (``h11`` says why)."""
 
 
+class Interrupted(HttpExchangeError):
+    """The ``interrupt`` descriptor became readable (the agent is stopping): the exchange was given up."""
+
+
 class AnswerTooLarge(HttpExchangeError):
     """The answer's body is larger than the cap; the rest of it was not read."""
 
@@ -84,9 +95,12 @@ class Reply:
 class Link:
     """One HTTP/1.1 connection over ``sock`` (connected, TLS already wrapped): requests one at a time."""
 
-    def __init__(self, sock: socket.socket, *, max_head_bytes: int = MAX_HEAD_BYTES) -> None:
+    def __init__(
+        self, sock: socket.socket, *, max_head_bytes: int = MAX_HEAD_BYTES, interrupt: int | None = None
+    ) -> None:
         self.sock = sock
         self.max_head_bytes = max_head_bytes
+        self.interrupt = interrupt
         self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_head_bytes)
         # Completed exchanges: a connection that has carried one is "kept alive", and a close before the
         # next answer is the server ending an idle connection, not a refusal of the request.
@@ -126,6 +140,8 @@ class Link:
         except h11.LocalProtocolError as exc:
             raise ValueError(f"cannot send {method} {target}: {exc}") from exc
         self.answer_started = False
+        if self.interrupt is not None and _readable(self.interrupt, 0):
+            raise Interrupted(f"{method} {target} not sent: the agent is stopping")
         self.sock.sendall(data)
         try:
             reply = self._read(max_body, bodiless=method == "HEAD")
@@ -149,6 +165,8 @@ class Link:
         while True:
             event = connection.next_event()
             if event is h11.NEED_DATA:
+                if self.interrupt is not None:
+                    self._await_data()
                 data = self.sock.recv(_RECV_BYTES)
                 if not data and not self.answer_started:
                     raise ClosedBeforeAnswer("the connection closed before any answer")
@@ -169,6 +187,23 @@ class Link:
                 return Reply(head.status_code, head.reason.decode("latin-1"), _fields(head.headers), b"".join(parts))
             elif not isinstance(event, h11.InformationalResponse):  # a 1xx: the final answer follows
                 raise MalformedAnswer(f"the answer ended unexpectedly ({type(event).__name__})")
+
+    def _await_data(self) -> None:
+        """Wait for the socket as ``recv`` would (its timeout), or for ``interrupt``, which wins."""
+        assert self.interrupt is not None
+        # Bytes TLS has already decrypted are not on the descriptor any more: select would not see them.
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return
+        readable, _, _ = select.select([self.sock.fileno(), self.interrupt], [], [], self.sock.gettimeout())
+        if self.interrupt in readable:
+            raise Interrupted("the answer was not waited for: the agent is stopping")
+        if not readable:
+            raise TimeoutError("timed out")  # what recv would have raised after the same wait
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    readable, _, _ = select.select([fd], [], [], timeout_s)
+    return bool(readable)
 
 
 def _announced_length(response: h11.Response) -> int | None:

@@ -32,6 +32,11 @@ Rules the loop keeps:
   by supervision (``engines_on_unhealthy_gpus``), logged once per change (``engine-on-unhealthy-gpu``), and never
   repaired: the signed state pins its GPUs, so a reconcile would change nothing. ``status`` shows each GPU's
   verdict and the cordons.
+- SIGTERM and SIGINT stop the loop within a few seconds whatever it is doing (``stop``, ``agent_side.stop``): the
+  pause between cycles and a backoff are waits on the stop, the control client gives up its long-poll, and an apply
+  in flight is abandoned (in-process: ansible-runner kills the playbook; under the split: the request stays with
+  root) with its oplog entry left started, so the next start resumes it as after a crash (``recover``). The log
+  says ``agent-stopping`` (the signal, and what the loop was doing) and ``cmd_run`` says ``agent-stopped``.
 - The client certificate is renewed once less than ``certificate_renewal.remaining_fraction`` of its
   lifetime is left, at the start of a cycle, so the rest of the cycle already uses the new pair. A failed
   renewal is logged and retried after a backoff of its own; it never fails the cycle, because the old
@@ -40,6 +45,7 @@ Rules the loop keeps:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -63,13 +69,16 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.verify import 
     verify_desired_state,
 )
 from meridian_node_agent.agent_side.control_client import (
+    ControlCallStopped,
     ControlPlaneError,
     ControlPlaneRejected,
     DesiredStateFetch,
     FetchStatus,
 )
+from meridian_node_agent.agent_side.counters import restore_counters
 from meridian_node_agent.agent_side.gpu_health import verdict_summary
 from meridian_node_agent.agent_side.identity import CertificateIssuer, CertificateRenewal, IdentityError, NodeIdentity
+from meridian_node_agent.agent_side.stop import StopSignal
 from meridian_node_agent.agent_side.supervise import Supervisor, engines_on_unhealthy_gpus
 from meridian_node_agent.agent_side.supervision_record import (
     Remembered,
@@ -77,7 +86,7 @@ from meridian_node_agent.agent_side.supervision_record import (
     RememberedState,
     SupervisionRecord,
 )
-from meridian_node_agent.apply.applier import ApplyResult
+from meridian_node_agent.apply.applier import ApplyAbandoned, ApplyResult
 from meridian_node_agent.apply.oplog import ABANDONED, OpLog
 from meridian_node_agent.config import READ_ONLY_MODES, AgentConfig
 from meridian_node_agent.logs import EventLogger
@@ -220,18 +229,6 @@ class ApplyRetry:
     error: str
 
 
-@dataclass
-class Counters:
-    cycles: int = 0
-    applies: int = 0
-    apply_failures: int = 0
-    unavailable: int = 0
-    refused: int = 0  # the control plane answered and said no (403 revoked, 404 unknown node...)
-    repairs: int = 0  # reconciles of the applied generation because engines drifted from it
-    states_refused: int = 0  # verified states this node's mode does not apply (kubernetes-integrated)
-    rejections: dict[str, int] = field(default_factory=dict)
-
-
 class Agent:
     def __init__(
         self,
@@ -243,10 +240,11 @@ class Agent:
         *,
         log: EventLogger | None = None,
         clock: Callable[[], datetime] | None = None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], object] = time.sleep,
         rng: random.Random | None = None,
         metrics: Any = None,
         monotonic: Callable[[], float] = time.monotonic,
+        stop: StopSignal | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
@@ -255,7 +253,9 @@ class Agent:
         self.observer = observer
         self.log = log or EventLogger()
         self.clock = clock or (lambda: datetime.now(UTC))
+        # ``meridian-node run`` passes its stop's ``wait`` as the sleep, so a signal ends a pause or a backoff.
         self.sleep = sleep
+        self.stop = stop
         self.metrics = metrics
         # Intervals (heartbeat due, observation refresh) run on this clock; a test or a benchmark can
         # stand in a clock that moves as a long-poll of ``wait_s`` seconds would.
@@ -265,7 +265,10 @@ class Agent:
         self.store = StateStore(self.state_dir)
         self.oplog = OpLog(self.state_dir / "oplog.jsonl")
         self.spool = self.state_dir / SPOOL_FILE
-        self.counters = Counters()
+        # Taken back from the status file the last run wrote: ``status`` counts across restarts (``counters``).
+        carried = restore_counters(self.state_dir / STATUS_FILE, log=self.log)
+        self.counters = carried.counters
+        self.last_applied_at = carried.last_applied_at
         self.lease: Lease | None = None
         self.etag: str | None = None
         self.last_run: ApplyResult | None = None
@@ -314,13 +317,20 @@ class Agent:
     # The loop
 
     def run(self, *, once: bool = False, max_cycles: int | None = None) -> int:
-        """Cycle until stopped (or once). Returns 0 when the last cycle succeeded, 1 otherwise."""
+        """Cycle until stopped (or once). Returns 0 when the last cycle succeeded, 1 otherwise; after a stop by
+        signal, the stop's exit status (0 for SIGTERM, 130 for SIGINT)."""
         # What earlier runs knew first: an interrupted apply that fails again then counts on its backoff.
         self.resume_supervision()
-        self.recover()
+        try:
+            self.recover()
+        except ApplyAbandoned as exc:
+            return self._stopped("resuming-interrupted-apply", exc)
         failures = 0
         attempts = 0
+        waiting = "starting"
         while True:
+            if self.stop is not None and self.stop.stopping:
+                return self._stopped(waiting)
             attempts += 1
             ok = True
             try:
@@ -335,6 +345,10 @@ class Agent:
                     CycleStatus.REFUSED,
                 )
                 failed_call = outcome.outcome == CycleStatus.APPLY_FAILED
+            except ApplyAbandoned as exc:
+                return self._stopped("apply", exc)
+            except ControlCallStopped:
+                return self._stopped("control-plane-call")
             except ControlPlaneRejected as exc:
                 # Not an outage: retrying will not help until an operator acts (re-enroll a revoked node, fix
                 # the node id). Keep backing off, so that the agent recovers on its own once they have.
@@ -361,11 +375,27 @@ class Agent:
                 failures += 1
                 delay_s = self.backoff.delay(failures)
                 self.log.info("backing-off", seconds=round(delay_s, 3), attempt=failures)
+                waiting = "backoff"
                 self.sleep(delay_s)
                 continue
             failures = 0
+            waiting = "between-cycles"
             if self.wait_s == 0:
                 self.sleep(self.pause_s)
+
+    def _stopped(self, during: str, abandoned: ApplyAbandoned | None = None) -> int:
+        """Say that the loop stops, why and what it was doing; the exit status for ``meridian-node run``."""
+        reason = self.stop.reason if self.stop is not None else None
+        if abandoned is not None:
+            self.log.warning(
+                "apply-abandoned", run_ident=abandoned.ident, generation=abandoned.generation, detail=str(abandoned)
+            )
+        self.log.info("agent-stopping", signal=reason, during=during)
+        # What supervision and a retry knew is already in the record (``cycle`` keeps it); the status file says
+        # where the loop stood, for ``meridian-node status`` while the agent is down.
+        with contextlib.suppress(OSError, StateStoreError):
+            self.write_status()
+        return self.stop.exit_status if self.stop is not None else 1
 
     def close(self) -> None:
         """The agent stops: give back what the observer holds open (its NVML event set) and the metrics port."""
@@ -485,6 +515,8 @@ class Agent:
         except OSError as exc:
             # A full disk or a broken state dir: this apply did not happen, and the next cycle tries again.
             self.counters.apply_failures += 1
+            if self.metrics is not None:
+                self.metrics.apply_not_spooled()
             self.log.error("desired-state-not-spooled", generation=state.generation, error=str(exc))
             return CycleOutcome(CycleStatus.APPLY_FAILED, state.generation)
         if self.config.mode == "observe-only":
@@ -601,7 +633,7 @@ class Agent:
             self.log.error("apply-refused", generation=state.generation, mode=self.config.mode, reason=reason)
             now = self.clock()
             return _not_run(state.generation, now, now, f"mode {self.config.mode} never applies")
-        secrets = [value for engine in state.engines for value in engine.env.values()]
+        secrets = [value for engine in state.engines for value in engine.secret_env.values()]
         self.log.info("apply-started", generation=state.generation, epoch=state.lease_epoch, reason=reason)
         started_at = self.clock()
         try:
@@ -619,6 +651,8 @@ class Agent:
                     reason=reason,
                     lists_artifacts=bool(state.artifacts),
                 )
+        except ApplyAbandoned:
+            raise  # the agent is stopping: not a failed apply, the oplog keeps it for the next start (``recover``)
         except Exception as exc:  # noqa: BLE001 - any failure to apply is reported as one, never a crash loop
             result = _not_run(
                 state.generation,
@@ -630,6 +664,7 @@ class Agent:
         self.observer.forget()  # the apply changed what there is to observe
         if result.ok:
             self.counters.applies += 1
+            self.last_applied_at = result.finished_at
             self._record(state.generation, state.lease_epoch, verified.payload_sha256)
             self._supervise_state(envelope, verified)
         else:
@@ -672,6 +707,8 @@ class Agent:
                 try:
                     self.observer.forget()
                     self._report()
+                except ControlCallStopped:
+                    return  # the agent is stopping: the apply is being abandoned, there is nothing to report
                 except Exception as exc:  # noqa: BLE001 - reporting mid-apply is a courtesy, the apply is the job
                     if not failed:
                         self.log.warning("apply-report-failed", reason=f"{type(exc).__name__}: {exc}")
@@ -793,7 +830,11 @@ class Agent:
         # starts again, and backs off instead of repairing at once, start after start.
         self._remember()
         self.counters.repairs += 1
-        self.log.warning("engines-drifted", generation=drift.generation, engines=drift.describe())
+        if self.metrics is not None:
+            self.metrics.repaired([name for name, _why in drift.engines])
+        self.log.warning(
+            "engines-drifted", generation=drift.generation, engines=drift.describe(), last_lines=drift.engine_lines()
+        )
         try:
             verified = self._verify(envelope)  # time passes: an expired state is not applied again
         except (Rejection, StateStoreError) as exc:
@@ -836,8 +877,12 @@ class Agent:
         now = self.clock()
         try:
             info = self.renewal.renew(issuer, self.config.node_id, now)
+        except ControlCallStopped:
+            raise  # the agent is stopping: not a failed renewal, and nothing to retry
         except (ControlPlaneError, IdentityError, OSError) as exc:
             retry_at = self.renewal.failed(now, str(exc), self.renewal_backoff.delay(self.renewal.failures + 1))
+            if self.metrics is not None:
+                self.metrics.renewal_failed()
             old = self.renewal.info
             self.log.warning(
                 "certificate-renewal-failed",
@@ -896,6 +941,7 @@ class Agent:
                 "draining": e.draining,
                 "restarts": e.restarts,
                 "exit_reason": e.exit_reason,
+                "last_lines": e.last_lines,
                 "ready_since": None if e.ready_since is None else format_rfc3339(e.ready_since),
                 "drifted": list(drifted.get(e.name, ())),
             }
@@ -948,6 +994,8 @@ class Agent:
             "applied_generation": applied.generation,
             "applied_epoch": applied.epoch,
             "last_run": _run_summary(self.last_run),
+            # Kept with the counters across restarts: a failed apply never moves it.
+            "last_applied_at": format_rfc3339(self.last_applied_at) if self.last_applied_at else None,
             "counters": asdict(self.counters),
             "engines": self._engines,
             "supervision": self._supervision_status(),
@@ -960,6 +1008,10 @@ class Agent:
             "gpus": self._gpus,
             "cordons": self._cordons,
         }
+        if self.metrics is not None:
+            # Its gauges are this document as the cycle composed it: the scrape (another thread) reads no state
+            # the cycle may be changing, and the endpoint agrees with ``status``.
+            self.metrics.status_written(document)
         # Rewritten when something in it changed, or STATUS_REFRESH_S after the last write so that
         # 'updated_at' still shows a live agent: an unchanged cycle would otherwise cost a file write.
         counters = document["counters"]

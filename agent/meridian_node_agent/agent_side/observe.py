@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    OBSERVED_LOG_LINES,
     GpuFacts,
     Observation,
     format_rfc3339,
@@ -58,6 +59,8 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.probes impor
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import CordonPolicy
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 from meridian_node_agent.agent_side.kubernetes_observer import KubernetesView
+from meridian_node_agent.boundary.engine_log_keeper import keep_engine_logs
+from meridian_node_agent.boundary.engine_logs_file import LOGS_DIR, EngineLogError, EngineLogTail, read_log_tail
 from meridian_node_agent.boundary.engines_file import (
     INVENTORY_FILE,
     FileIdentity,
@@ -90,6 +93,11 @@ class DockerEngines:
     marks are the files ``<state_dir>/draining/<name>.json`` the drain path writes. The listing is
     re-read at most every ``refresh_s``. While the Docker Engine does not answer, the engines of its
     last listing are reported with state ``unknown`` and not ready.
+
+    With ``owner``, it also keeps the tail of each of its engines' logs in ``<state_dir>/logs``
+    (``boundary.engine_log_keeper``: what root's observe unit does under the split), at most every
+    ``log_refresh_s``, and at each listing while one of them is failing; a failing engine is reported with the
+    last lines of its kept tail (``last_lines``).
     """
 
     def __init__(
@@ -101,16 +109,23 @@ class DockerEngines:
         monotonic: Callable[[], float] = time.monotonic,
         owner: str | None = None,
         log: EventLogger | None = None,
+        log_refresh_s: float = 30.0,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.engine = engine
         self.owner = owner  # "agent:<node id>": only this agent's engines are reported as ours
         self.state_dir = Path(state_dir)
         self.refresh_s = refresh_s
+        self.log_refresh_s = log_refresh_s
         self._monotonic = monotonic
+        self._clock = clock
         self._log = log or EventLogger()
         self._cache: tuple[float, list[dict[str, Any]]] | None = None
         self._last: list[dict[str, Any]] = []  # the last listing Docker answered, kept across forget()
         self._unavailable: str | None = None
+        self._tails: Mapping[str, EngineLogTail] = {}
+        self._logs_at: float | None = None
+        self._logs_problem: str | None = None
 
     def __call__(self) -> list[dict[str, Any]]:
         now = self._monotonic()
@@ -131,6 +146,7 @@ class DockerEngines:
         if self._unavailable is not None:
             self._log.info("docker-engine-available-again", engines=len(engines))
             self._unavailable = None
+        engines = self._with_last_lines(engines, now)
         self._cache = (now, engines)
         self._last = engines
         return engines
@@ -138,6 +154,27 @@ class DockerEngines:
     def forget(self) -> None:
         """Drop the cached list: the next call asks Docker (after an apply changed the engines)."""
         self._cache = None
+
+    def _with_last_lines(self, engines: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+        if self.owner is None:
+            return engines  # whose engines' logs to keep is not known: none are
+        failing = [engine for engine in engines if _failing(engine)]
+        if failing or self._logs_at is None or now - self._logs_at >= self.log_refresh_s:
+            self._logs_at = now
+            try:
+                kept = keep_engine_logs(
+                    self.engine,
+                    owner=self.owner,
+                    directory=self.state_dir / LOGS_DIR,
+                    read_at=format_rfc3339(self._clock()),
+                )
+                self._tails, problem = kept.tails, "; ".join(kept.problems) or None
+            except (DockerEngineError, EngineLogError, OSError) as exc:
+                problem = str(exc)  # the tails read last stay what a failing engine is reported with
+            if problem is not None and problem != self._logs_problem:
+                self._log.warning("engine-logs-not-kept", reason=problem)
+            self._logs_problem = problem
+        return [_with_tail(engine, self._tails.get(str(engine.get("name")))) for engine in engines]
 
     def capacity(self, gpu_facts: Mapping[str, Any], port_range: Sequence[int], bind_address: str) -> dict[str, Any]:
         """What is left for new engines, as ``engine_info`` computes it; an empty room when Docker is down."""
@@ -158,6 +195,8 @@ class InventoryEngines:
     ``DockerEngines`` gives for our engines, so the observation and the serving projection read the same;
     foreign containers are not listed (root lists only this node's engines). A missing or invalid file is
     logged once per change of the file and gives no engines: nothing is routed to what cannot be vouched for.
+    A failing engine carries the last lines of the log root keeps for it (``<apply.state_dir>/public/logs``,
+    ``root_side.observe_unit``), when there is one the agent may read.
     """
 
     def __init__(
@@ -232,6 +271,18 @@ class InventoryEngines:
     def _observe(
         self, engine: InventoryEngine, draining: Mapping[str, DrainMark], marks_readable: bool
     ) -> dict[str, Any]:
+        observed = self._listed(engine, draining, marks_readable)
+        if not _failing(observed):
+            return observed
+        try:
+            tail: EngineLogTail | None = read_log_tail(self.root_dir / PUBLIC_DIR / LOGS_DIR, engine.name)
+        except EngineLogError:
+            tail = None  # none kept yet, or not readable by this user: the observation goes without
+        return _with_tail(observed, tail)
+
+    def _listed(
+        self, engine: InventoryEngine, draining: Mapping[str, DrainMark], marks_readable: bool
+    ) -> dict[str, Any]:
         return {
             "name": engine.name,
             "managed": True,
@@ -257,6 +308,17 @@ class InventoryEngines:
         if driver is None:
             return False
         return probe_readiness(driver, engine.host, engine.port, timeout_s=self.probe_timeout_s).ready
+
+
+def _failing(engine: Mapping[str, Any]) -> bool:
+    """One of ours that is not running, or running but not ready: whose last lines an observation carries."""
+    return bool(engine.get("managed")) and (engine.get("state") != "running" or not engine.get("ready"))
+
+
+def _with_tail(engine: dict[str, Any], tail: EngineLogTail | None) -> dict[str, Any]:
+    if tail is None or not _failing(engine):
+        return engine
+    return {**engine, "last_lines": tail.lines(OBSERVED_LOG_LINES)}
 
 
 def _driver(name: str, health_path: str) -> Driver | None:

@@ -88,13 +88,20 @@ class EngineTrack:
 
 @dataclass(frozen=True)
 class Drift:
-    """The engines a repair is for, each with why, and the generation it re-applies."""
+    """The engines a repair is for, each with why, and the generation it re-applies. ``last_lines``: per engine
+    of them whose observation carried it, the last lines of its kept log (scrubbed: docs/LOGS.md), so that the
+    agent's log line for the failure says what the engine last said."""
 
     generation: int
     engines: tuple[tuple[str, str], ...]
+    last_lines: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def describe(self) -> str:
         return "; ".join(f"{name}: {why}" for name, why in self.engines)
+
+    def engine_lines(self) -> dict[str, list[str]]:
+        """``last_lines`` as the log event's field: engine -> its lines."""
+        return {name: list(lines) for name, lines in self.last_lines}
 
 
 @dataclass
@@ -184,7 +191,12 @@ class Supervisor:
                 due.append((track.name, problem))
         if not due:
             return None
-        return Drift(generation=self.generation, engines=tuple(due))
+        lines = tuple(
+            (name, tuple(str(line) for line in by_name[name].get("last_lines") or ()))
+            for name, _why in due
+            if name in by_name and by_name[name].get("last_lines")
+        )
+        return Drift(generation=self.generation, engines=tuple(due), last_lines=lines)
 
     def repaired(self, drift: Drift) -> None:
         """A repair for ``drift`` was made (whatever its result): those engines back off before the next."""

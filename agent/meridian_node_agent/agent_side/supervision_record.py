@@ -56,6 +56,7 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     INT64_MAX,
+    FormatOne,
     JsonError,
     Sha256Hex,
     StrictModel,
@@ -124,7 +125,7 @@ class _RetryEntry(StrictModel):
 
 class _RecordDocument(StrictModel):
     format: Literal["meridian.node/supervision-record"]
-    version: Literal[1]
+    version: FormatOne
     clock: Literal["monotonic"]
     boot_id: Annotated[str, Field(max_length=64)] | None
     supervised: _StateEntry | None

@@ -22,6 +22,11 @@ root's hold file again, so it knows what root holds now.
 The oplog here is the agent's: ``started`` before the request is written, the result when the answer
 arrives. No answer within the timeout leaves the operation unfinished in the oplog, so start-up
 re-applies it, exactly like a crash in the middle of an in-process apply. Root keeps its own oplog.
+
+A stop (``stop``, the agent's ``StopSignal``) ends the wait at once: the request stays in the spool for root, whose
+apply unit systemd has already started and which finishes it whatever the agent does; the agent's oplog keeps the
+operation unfinished and ``ApplyAbandoned`` is raised. The next start asks for the same envelope again, which root
+answers from its own record (an equal generation with the same bytes changes nothing).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
-from meridian_node_agent.apply.applier import APPLY_OP, ApplyResult, run_ident
+from meridian_node_agent.agent_side.stop import StopSignal
+from meridian_node_agent.apply.applier import APPLY_OP, ApplyAbandoned, ApplyResult, run_ident
 from meridian_node_agent.apply.oplog import STARTED, Operation, OpLog
 from meridian_node_agent.boundary.spool import (
     PUBLIC_DIR,
@@ -84,8 +90,10 @@ class SystemdApplier:
         clock: Callable[[], datetime] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         gpu_relay: GpuRelay | None = None,
+        stop: StopSignal | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.stop = stop
         self.spool = self.state_dir / SPOOL_DIR
         self.public = Path(apply_state_dir) / PUBLIC_DIR
         self.timeout_s = timeout_s
@@ -126,6 +134,13 @@ class SystemdApplier:
             answer = self._await(watch, ident, begin + self.timeout_s)
         if reports and self.gpu_relay is not None:
             self.gpu_relay.note_holds()
+        if answer is None and self.stop is not None and self.stop.stopping:
+            raise ApplyAbandoned(
+                f"the agent stopped waiting for root's answer to request {ident} (generation {generation}); the "
+                f"request stays in {self.spool / REQUEST_FILE} for root, and the next start asks again",
+                ident=ident,
+                generation=generation,
+            )
         if answer is None:
             # No result line: the oplog keeps the operation unfinished, so start-up applies it again.
             return ApplyResult(
@@ -192,6 +207,6 @@ class SystemdApplier:
             if answer is not None and answer.request == ident:
                 return answer
             remaining_s = deadline - self.monotonic()
-            if remaining_s <= 0:
+            if remaining_s <= 0 or (self.stop is not None and self.stop.stopping):
                 return None
-            watch.wait(remaining_s)
+            watch.wait(remaining_s, interrupt=None if self.stop is None else self.stop.fileno())

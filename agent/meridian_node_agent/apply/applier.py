@@ -7,12 +7,18 @@ its state dir; under the privilege split inside the root apply unit (``root_side
 Layout under that directory::
 
     runs/<ident>/       the run's private_data_dir (inventory, project link, the envelope); removed after
-                        the run, because the envelope's payload carries engine environment values
+                        the run, because the envelope's payload carries engines' secret_env values
     journal/<ident>/    the run's ansible-runner artifacts (events, stdout, status, rc, command): the
                         journal, the last ``keep_runs`` kept, secrets scrubbed
     oplog.jsonl         generation → run ident → result (see ``oplog``)
 
 The playbook verifies the envelope again itself; the agent's verification only decides whether to run.
+
+A ``cancel`` callback (the agent's ``StopSignal.stopping``, in-process) is handed to ansible-runner, which then
+installs no signal handlers of its own and kills the playbook's process group once the callback says so. Such a
+run is abandoned, not finished: its ``started`` line stays the last word in the oplog and ``ApplyAbandoned`` is
+raised, so the next start applies it again exactly as after a crash mid-apply (``Agent.recover``,
+``inbox.close_interrupted``). Without a callback (root's apply unit) ansible-runner's own handlers stay.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
 from ansible_collections.meridian.node.plugins.module_utils.trust import verify as _trust_module
 from meridian_node_agent.apply.oplog import STARTED, OpLog
@@ -39,6 +46,7 @@ __all__ = [
     "RUN_IDENT_PATTERN",
     "SCRUBBED",
     "Applier",
+    "ApplyAbandoned",
     "ApplyResult",
     "collection_paths",
     "latest_run",
@@ -55,6 +63,17 @@ _KEEP_ENV = re.compile(r"^(ANSIBLE_[A-Z0-9_]+|PATH|HOME|LANG|LC_ALL|PWD|USER|SHE
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH)", re.IGNORECASE)
 # Shorter values are not scrubbed by content: replacing "1" or "true" everywhere would wreck the journal.
 _MIN_SECRET_LENGTH = 6
+# How often ansible-runner asks ``cancel`` while the playbook is quiet (its default is 5 s): a stop within a second.
+_CANCEL_CHECK_S = 1
+
+
+class ApplyAbandoned(MeridianError):
+    """The apply was given up because the agent is stopping; the oplog keeps it started, so start-up resumes it."""
+
+    def __init__(self, message: str, *, ident: str, generation: int) -> None:
+        super().__init__(message)
+        self.ident = ident
+        self.generation = generation
 
 
 def collection_paths() -> tuple[Path, Path]:
@@ -76,18 +95,22 @@ def run_ident(generation: int, now: datetime) -> str:
 
 
 class _Counter:
-    """ansible-runner event handler: changed/failed task results and the first failure messages."""
+    """ansible-runner event handler: changed/failed task results, the first failure messages, and the bytes
+    verified_artifact brought into the store (the agent's meridian_node_artifact_fetched_bytes_total)."""
 
     def __init__(self) -> None:
         self.changed = 0
         self.failed = 0
         self.failures: list[str] = []
+        self.fetched_bytes = 0
 
     def __call__(self, event: dict[str, Any]) -> bool:
         kind = event.get("event")
         data = event.get("event_data") or {}
         res = data.get("res")
         result: dict[str, Any] = res if isinstance(res, dict) else {}
+        if kind == "runner_on_ok" and str(data.get("task_action", "")).endswith("verified_artifact"):
+            self.fetched_bytes += _fetched_bytes(result)
         if kind in ("runner_on_ok", "runner_item_on_ok") and result.get("changed"):
             # Loop tasks report per item and once for the whole task; count the task, not the items.
             if kind == "runner_on_ok":
@@ -98,6 +121,20 @@ class _Counter:
                 message = _failure_message(result)
                 self.failures.append(f"{data.get('task', '?')}: {message}")
         return True  # keep every event in the journal
+
+
+def _fetched_bytes(result: dict[str, Any]) -> int:
+    """What one verified_artifact task added to the store: each fetched file's size less the offset its download
+    resumed from. A loop task's result lists its items' results (the per-item events carry the same ones again,
+    so only the task's own event is counted)."""
+    items = result.get("results")
+    total = 0
+    for item in items if isinstance(items, list) else [result]:
+        fetched = item.get("fetched") if isinstance(item, dict) else None
+        for entry in fetched if isinstance(fetched, list) else []:
+            if isinstance(entry, dict) and isinstance(entry.get("size"), int):
+                total += max(0, entry["size"] - int(entry.get("resumed_from") or 0))
+    return total
 
 
 def _failure_message(result: dict[str, Any]) -> str:
@@ -130,8 +167,10 @@ class Applier:
         playbook: Path | None = None,
         collections_path: Path | None = None,
         extravars: dict[str, str] | None = None,
+        cancel: Callable[[], bool] | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.cancel = cancel
         self.node_id = node_id
         self.policy_path = policy_path
         self.keep_runs = keep_runs
@@ -197,6 +236,12 @@ class Applier:
         self.journal_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         envelope_path = private / "desired-state.json"
         atomic_write(envelope_path, envelope, mode=0o600)
+        runner_options: dict[str, Any] = {}
+        if self.cancel is not None:
+            runner_options["cancel_callback"] = self.cancel
+            # ansible-runner reads its settings from this file only (a ``settings`` argument is dropped without it).
+            (private / "env").mkdir(mode=0o700)
+            atomic_write(private / "env" / "settings", json.dumps({"pexpect_timeout": _CANCEL_CHECK_S}).encode())
         counter = _Counter()
         begin = time.monotonic()
         status, rc = "failed", None
@@ -236,6 +281,7 @@ class Applier:
                 event_handler=counter,
                 quiet=True,
                 suppress_env_files=True,
+                **runner_options,
             )
             status, rc = str(runner.status), runner.rc
         finally:
@@ -245,8 +291,17 @@ class Applier:
                 scrub_journal(journal, secrets)
             shutil.rmtree(private, ignore_errors=True)
             finished_at = self.clock()
-            record(status, finished_at)
+            abandoned = status == "canceled" and self.cancel is not None and self.cancel()
+            if not abandoned:
+                record(status, finished_at)
             rotate_journal(self.journal_dir, self.keep_runs)
+        if abandoned:
+            raise ApplyAbandoned(
+                f"run {ident} of generation {generation} was stopped with the agent; the oplog keeps it started, "
+                "so the next start applies it again",
+                ident=ident,
+                generation=generation,
+            )
         return ApplyResult(
             ident=ident,
             generation=generation,
@@ -259,6 +314,7 @@ class Applier:
             finished_at=finished_at,
             wall_s=wall_s,
             failures=counter.failures,
+            fetched_bytes=counter.fetched_bytes,
         )
 
 
@@ -267,7 +323,7 @@ def scrub_journal(journal: Path, secrets: Iterable[str] = ()) -> None:
 
     ansible-runner records the whole process environment, values included, in ``command``: every value
     not on a short allow-list (or whose name looks secret) is replaced. Then any file still holding one
-    of ``secrets`` (engine environment values) verbatim has it replaced, as a second line of defence
+    of ``secrets`` (engines' secret_env values) verbatim has it replaced, as a second line of defence
     behind ``no_log``.
     """
     command = journal / "command"

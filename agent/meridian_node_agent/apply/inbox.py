@@ -39,7 +39,7 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout imp
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
-from meridian_node_agent.apply.applier import Applier, ApplyResult
+from meridian_node_agent.apply.applier import Applier, ApplyAbandoned, ApplyResult
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.logs import EventLogger
 
@@ -343,9 +343,11 @@ class InboxProcessor:
                 generation=state.generation,
                 epoch=state.lease_epoch,
                 payload_sha256=desired.payload_sha256,
-                secrets=[value for engine in state.engines for value in engine.env.values()],
+                secrets=[value for engine in state.engines for value in engine.secret_env.values()],
                 reason=f"bundle {bundle.bundle_id}",
             )
+        except ApplyAbandoned:
+            raise  # the agent is stopping: the bundle stays in the inbox, unfiled, and is taken again at start-up
         except Exception as exc:  # noqa: BLE001 - a run that cannot even start is a failed apply, as online
             return outcome(BundleResult.APPLY_FAILED, "apply-failed", f"the run could not be started: {exc}")
         if not result.ok:

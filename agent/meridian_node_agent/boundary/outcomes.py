@@ -19,6 +19,7 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
     read_capped,
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    FormatOne,
     NodeId,
     StrictModel,
     describe_validation_error,
@@ -93,7 +94,7 @@ class RootApplied(StrictModel):
 
 
 class RootOutcomes(StrictModel):
-    format: Literal[1]
+    format: FormatOne
     node_id: NodeId
     written_at: Annotated[str, Field(max_length=64)]
     applied: RootApplied

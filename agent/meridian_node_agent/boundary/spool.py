@@ -41,6 +41,7 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
     read_capped,
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    FormatOne,
     StrictModel,
     UtcTimestamp,
     describe_validation_error,
@@ -101,6 +102,7 @@ class ApplyResult:
     finished_at: datetime
     wall_s: float  # the answer's ``wall_seconds``
     failures: list[str] = field(default_factory=list)
+    fetched_bytes: int = 0  # what verified_artifact brought into the store (the agent's metrics)
 
     @property
     def ok(self) -> bool:
@@ -121,7 +123,7 @@ class GpuReport(StrictModel):
 
 
 class ApplyRequest(StrictModel):
-    format: Literal[1] = 1
+    format: FormatOne = 1
     request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
     envelope: str  # base64 of the envelope bytes: the signature covers exact bytes, JSON re-encoding would not
     # The agent's word, never the signed state's: root may only add holds from it (root_side.gpu_reports).
@@ -138,7 +140,7 @@ Status = Literal["successful", "failed", "canceled", "timeout"]
 
 
 class ApplyAnswer(StrictModel):
-    format: Literal[1] = 1
+    format: FormatOne = 1
     request: Annotated[str, Field(pattern=RUN_IDENT_PATTERN)]
     payload_sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")]  # empty when the envelope was refused
     generation: Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -153,6 +155,8 @@ class ApplyAnswer(StrictModel):
     started_at: str
     finished_at: str
     wall_seconds: Annotated[float, Field(ge=0)]
+    # A default, so that an answer of the release before (an apply in flight across an upgrade) still reads.
+    fetched_bytes: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
 
     def to_result(self) -> ApplyResult:
         return ApplyResult(
@@ -167,6 +171,7 @@ class ApplyAnswer(StrictModel):
             finished_at=datetime.fromisoformat(self.finished_at),
             wall_s=self.wall_seconds,
             failures=list(self.failures),
+            fetched_bytes=self.fetched_bytes,
         )
 
     @classmethod
@@ -185,6 +190,7 @@ class ApplyAnswer(StrictModel):
             started_at=format_rfc3339(result.started_at),
             finished_at=format_rfc3339(result.finished_at),
             wall_seconds=result.wall_s,
+            fetched_bytes=result.fetched_bytes,
         )
 
 

@@ -55,15 +55,21 @@ class DirectoryWatch:
             return
         self.fd = fd
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, *, interrupt: int | None = None) -> None:
+        """Until something arrives or ``timeout_s``; at once when ``interrupt`` (a stopping agent's pipe) is
+        readable, so a stop never waits out an answer."""
         if timeout_s <= 0:
             return
+        others = [] if interrupt is None else [interrupt]
         if self.fd is None:
-            time.sleep(min(timeout_s, _FALLBACK_S))
+            if others:
+                select.select(others, [], [], min(timeout_s, _FALLBACK_S))
+            else:
+                time.sleep(min(timeout_s, _FALLBACK_S))
             self._start()
             return
-        ready, _, _ = select.select([self.fd], [], [], min(timeout_s, _BACKSTOP_S))
-        if ready:
+        ready, _, _ = select.select([self.fd, *others], [], [], min(timeout_s, _BACKSTOP_S))
+        if self.fd in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(self.fd, 65536):
                     pass

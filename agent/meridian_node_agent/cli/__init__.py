@@ -1,8 +1,13 @@
+# PYTHON_ARGCOMPLETE_OK (argcomplete's global completion looks for this line in a console script's module)
 """``meridian-node``: the agent's command line. Each verb lives in a module of its own.
 
 Only the module of the verb being run is imported: the long-running ``run`` would otherwise carry the
 artifact downloader and the signing tools in memory for nothing, and the root ``apply-spooled`` unit would
 pay about a second of imports on every start. ``--help`` and unknown verbs load them all.
+
+Shell completion (argcomplete's protocol: the shell calls the program with ``_ARGCOMPLETE``, ``COMP_LINE`` and
+``COMP_POINT`` set) loads argcomplete only then, and the verbs the same way: all of them while the verb is
+being typed, only its own module once it is there.
 """
 
 import argparse
@@ -10,6 +15,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from meridian_node_agent import VersionAction
 from meridian_node_agent.config import default_config_path
@@ -30,6 +36,7 @@ VERB_MODULES = {
     "run": "cli.agent",
     "status": "cli.agent",
     "gpu-health": "cli.gpu_health",
+    "logs": "cli.logs",
     "apply-spooled": "root_side.apply_unit",
     "airgap-inbox": "root_side.inbox_unit",
     "observe-engines": "root_side.observe_unit",
@@ -72,7 +79,21 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def complete() -> NoReturn:
+    """Answer one TAB of the shell's completion (``_ARGCOMPLETE`` is set) and exit."""
+    import argcomplete
+    from argcomplete.lexers import split_line
+
+    line, point = os.environ.get("COMP_LINE", ""), int(os.environ.get("COMP_POINT", "0"))
+    # The words before the one under the cursor, less the program (and the interpreter, `python -m`).
+    words = split_line(line, point)[3][int(os.environ["_ARGCOMPLETE"]) :]
+    argcomplete.autocomplete(build_parser(verb_of(words)))
+    sys.exit(1)  # autocomplete() exits itself once it has answered; here it did not
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and "_ARGCOMPLETE" in os.environ:
+        complete()
     arguments = sys.argv[1:] if argv is None else argv
     parser = build_parser(verb_of(arguments))
     args = parser.parse_args(arguments)

@@ -15,6 +15,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import for
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneError
 from meridian_node_agent.agent_side.identity import CertificateInfo, IdentityError, NodeIdentity
+from meridian_node_agent.agent_side.stop import StopSignal
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.config import (
     AgentConfig,
@@ -67,7 +68,9 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "and a published state is verified and refused (exit 1 with --once). In mode air-gapped: take the bundles "
         "in air_gap.inbox, apply them, and write signed observations and journal summaries to air_gap.outbox "
         "(docs/AIR_GAP.md). Exit status with --once: 0 when the cycle succeeded, 1 when the control plane was "
-        "unreachable or the state (or a bundle) was rejected or failed.",
+        "unreachable or the state (or a bundle) was rejected or failed. SIGTERM and SIGINT stop it within a few "
+        "seconds whatever it is doing (an apply in flight is abandoned and resumed at the next start; "
+        "docs/SUPERVISION.md, 'Stopping'): exit status 0 after SIGTERM, 130 after SIGINT.",
     )
     run.add_argument("--once", action="store_true", help="run one cycle (no long-poll) and exit")
     run.set_defaults(handler=cmd_run)
@@ -119,8 +122,9 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
-    """The agent wired with the real client, applier and observer."""
+def build_agent(config: AgentConfig, *, log: EventLogger | None = None, stop: StopSignal | None = None) -> Any:
+    """The agent wired with the real client, applier and observer; ``stop`` (``meridian-node run``'s signals) ends
+    its waits, its control-plane calls and an apply in flight."""
     from meridian_node_agent.agent_side.cycle import Agent
     from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
     from meridian_node_agent.agent_side.observe import Observer, no_engines
@@ -137,12 +141,13 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         identity.cert_path,
         identity.key_path,
         timeout_s=config.control_plane.timeout_seconds,
+        interrupt=None if stop is None else stop.fileno(),
     )
     # Held verdicts are in the directory placement reads them from: root's under the split (root's observe timer
     # writes them there, and root adds the XIDs this watch relays in each apply request), the agent's own
     # in-process (where the agent applies, and so writes them).
     gpu_health = GpuHealthWatch(config.record_dir, writes_holds=config.apply.via == "in-process", log=log)
-    applier = build_applier(config, gpu_relay=gpu_health)
+    applier = build_applier(config, gpu_relay=gpu_health, stop=stop)
     kubernetes = _kubernetes_source(config, log) if config.mode == "kubernetes-integrated" else None
     observer = Observer(
         store_path=policy.store.path,
@@ -156,7 +161,9 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None) -> Any:
         log=log,
     )
     metrics = None if config.metrics is None else serve_metrics(config.metrics.listen)
-    return Agent(config, policy, client, applier, observer, log=log, metrics=metrics)
+    if stop is None:
+        return Agent(config, policy, client, applier, observer, log=log, metrics=metrics)
+    return Agent(config, policy, client, applier, observer, log=log, metrics=metrics, sleep=stop.wait, stop=stop)
 
 
 def serve_metrics(listen: str) -> Any:
@@ -166,12 +173,19 @@ def serve_metrics(listen: str) -> Any:
         raise UsageError(missing)
     from meridian_node_agent.agent_side.metrics import Metrics
 
-    return Metrics.serve(listen)
+    try:
+        return Metrics.serve(listen)
+    except OSError as exc:
+        raise UsageError(
+            f"metrics.listen is {listen!r} but the agent cannot listen there: {exc.strerror or exc}; choose a free "
+            "address and port (docs/METRICS.md) or remove the metrics section from the config"
+        ) from exc
 
 
-def build_applier(config: AgentConfig, *, gpu_relay: Any = None) -> Any:
+def build_applier(config: AgentConfig, *, gpu_relay: Any = None, stop: StopSignal | None = None) -> Any:
     """``apply.via``: ansible-runner in this process, or a request to the root unit through the spool, which
-    relays what ``gpu_relay`` (the agent's ``GpuHealthWatch``) holds unhealthy by XID to root."""
+    relays what ``gpu_relay`` (the agent's ``GpuHealthWatch``) holds unhealthy by XID to root. With ``stop`` an
+    apply in flight is abandoned when the agent stops (the playbook killed, or root's answer no longer waited for)."""
     if config.apply.via == "systemd":
         from meridian_node_agent.agent_side.systemd_applier import SystemdApplier
 
@@ -180,6 +194,7 @@ def build_applier(config: AgentConfig, *, gpu_relay: Any = None) -> Any:
             apply_state_dir=Path(config.apply.state_dir),
             timeout_s=config.apply.timeout_seconds,
             gpu_relay=gpu_relay,
+            stop=stop,
         )
     from meridian_node_agent.apply.applier import Applier
 
@@ -188,6 +203,7 @@ def build_applier(config: AgentConfig, *, gpu_relay: Any = None) -> Any:
         node_id=config.node_id,
         policy_path=config.policy,
         keep_runs=config.journal.keep_runs,
+        cancel=None if stop is None else stop.is_stopping,
     )
 
 
@@ -225,13 +241,25 @@ def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     config = _config(args)
     configure_logging(config.log.level, config.log.format)
-    if config.mode == "air-gapped":
-        return _run_air_gapped(config, once=args.once)
-    agent = build_agent(config)
+    # The agent's handlers for the whole run, before anything is built: ansible-runner, given the stop as its cancel
+    # callback, installs none of its own (agent_side.stop).
+    stop = StopSignal().install()
     try:
-        status: int = agent.run(once=args.once)
-    except KeyboardInterrupt:
-        return 130
+        if config.mode == "air-gapped":
+            status = _run_air_gapped(config, once=args.once, stop=stop)
+        else:
+            status = _run_online(config, once=args.once, stop=stop)
+    finally:
+        stop.close()
+    if stop.stopping:
+        EventLogger().info("agent-stopped", signal=stop.reason, exit_status=status)
+    return status
+
+
+def _run_online(config: AgentConfig, *, once: bool, stop: StopSignal) -> int:
+    agent = build_agent(config, stop=stop)
+    try:
+        status: int = agent.run(once=once)
     except StateStoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -241,15 +269,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return status
 
 
-def _run_air_gapped(config: AgentConfig, *, once: bool) -> int:
+def _run_air_gapped(config: AgentConfig, *, once: bool, stop: StopSignal) -> int:
     """No control plane: bundles from the inbox, signed records to the outbox (``agent_side.airgap_agent``)."""
     from meridian_node_agent.agent_side.airgap_agent import build_airgap_agent
 
-    agent = build_airgap_agent(config)
+    agent = build_airgap_agent(config, stop=stop)
     try:
         return agent.run(once=once)
-    except KeyboardInterrupt:
-        return 130
     except StateStoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

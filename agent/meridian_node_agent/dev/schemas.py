@@ -13,10 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 from pydantic import BaseModel
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from meridian_node_agent.boundary.outbox import OutboxRecord
+from meridian_node_agent.devserver.json_schema import (
+    INTEGER_COMMENT,
+    INTEGER_FORMAT,
+    ContractJsonSchema,
+    is_integer_literal,
+)
 
 CONTRACTS_DIR = Path(__file__).resolve().parents[3] / "contracts" / "v1"
 SCHEMA_BASE_URI = "https://meridian.node/contracts/v1/"
@@ -27,12 +34,28 @@ SCHEMAS: dict[str, type[BaseModel]] = {**contracts.SCHEMAS, "outbox-record": Out
 
 def render(stem: str) -> str:
     """The schema text for one kind, exactly as it is checked in."""
+    body = SCHEMAS[stem].model_json_schema(mode="validation", schema_generator=ContractJsonSchema)
     schema: dict[str, Any] = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": f"{SCHEMA_BASE_URI}{stem}.schema.json",
-        **SCHEMAS[stem].model_json_schema(mode="validation"),
+        **body,
     }
+    if f'"format": "{INTEGER_FORMAT}"' in json.dumps(body):
+        # Said where a reader meets the format, since most validators only annotate it.
+        schema["$comment"] = INTEGER_COMMENT
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def format_checker() -> jsonschema.FormatChecker:
+    """python-jsonschema's format checker for the one format the schemas define (``integer-literal``).
+
+    ``Draft202012Validator(schema, format_checker=format_checker())`` then refuses ``1.0`` where the schema
+    says integer, as the models do (see ``devserver/json_schema.py``). Other formats stay annotations, as
+    the schemas' patterns already say what ``date-time`` means here.
+    """
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checks(INTEGER_FORMAT)(is_integer_literal)
+    return checker
 
 
 def schema_path(stem: str, directory: Path = CONTRACTS_DIR) -> Path:

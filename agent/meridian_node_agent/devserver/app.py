@@ -11,6 +11,7 @@ rather than in a thread pool because the only slow operation, the long-poll, wai
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import TypeVar
 
 from fastapi import FastAPI, Request, Response
@@ -28,6 +29,13 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     parse_document,
 )
 from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
+from meridian_node_agent.devserver.openapi import (
+    GENERATION_HEADER,
+    OPENAPI_PATH,
+    HealthAnswer,
+    ProtocolErrorBody,
+    openapi_document,
+)
 from meridian_node_agent.devserver.store import PublishedState
 from meridian_node_agent.devserver.tls import peer_certificate_der
 
@@ -37,27 +45,36 @@ __all__ = ["MAX_REQUEST_BYTES", "POLL_INTERVAL_S", "create_app"]
 MAX_REQUEST_BYTES = 1024 * 1024
 # How often a long-poll looks at the database's change counter (a header read, not a query).
 POLL_INTERVAL_S = 0.05
-GENERATION_HEADER = "X-Meridian-Generation"
 
 Model = TypeVar("Model", bound=BaseModel)
 
 
 def create_app(control: ControlPlane) -> FastAPI:
+    # FastAPI's own document would show bodies as untyped (the handlers read them): ours is served instead.
     app = FastAPI(title="meridian-node devserver", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    document = openapi_document(control.settings.max_wait_s)
 
     @app.exception_handler(ProtocolError)
-    async def protocol_error(_request: Request, exc: ProtocolError) -> JSONResponse:
-        return JSONResponse({"reason": exc.reason, "detail": exc.detail}, status_code=exc.status)
+    async def protocol_error(_request: Request, exc: ProtocolError) -> Response:
+        return _json(ProtocolErrorBody(reason=exc.reason, detail=exc.detail), exc.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         reason = "not-found" if exc.status_code == 404 else "http-error"
         detail = f"no such endpoint: {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
-        return JSONResponse({"reason": reason, "detail": detail}, status_code=exc.status_code)
+        # A 405 names the methods the path takes in Allow (RFC 9110, 15.5.6): keep Starlette's headers.
+        return _json(ProtocolErrorBody(reason=reason, detail=detail), exc.status_code, exc.headers)
 
     @app.get("/v1/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> Response:
+        return _json(HealthAnswer(status="ok"))
+
+    @app.get(OPENAPI_PATH)
+    async def openapi(request: Request) -> JSONResponse:
+        # Behind the node certificate like /v1/serving: the unauthenticated surface stays what enrollment
+        # needs, and the same schemas are public in contracts/v1 for a node that has none yet.
+        _authenticate(control, request, None)
+        return JSONResponse(document)
 
     @app.post("/v1/enroll")
     async def enroll(request: Request) -> Response:
@@ -182,5 +199,5 @@ async def _read_model(request: Request, model: type[Model]) -> Model:
         ) from exc
 
 
-def _json(model: BaseModel) -> Response:
-    return Response(content=model.model_dump_json(), media_type="application/json")
+def _json(model: BaseModel, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(content=model.model_dump_json(), status_code=status, headers=headers, media_type="application/json")

@@ -159,10 +159,23 @@ class CertificateAuthority:
         valid_for = lifetime if lifetime is not None else dt.timedelta(days=days or 0)
         if valid_for <= dt.timedelta(0):
             raise ValueError(f"a certificate lifetime must be positive, got {valid_for}")
+        # Found by schemathesis: the codec's and cryptography's own words ("'ascii' codec can't encode",
+        # "see the FAQ") told a client nothing it could act on.
         try:
-            csr = x509.load_pem_x509_csr(csr_pem.encode("ascii"))
-        except (ValueError, UnicodeEncodeError) as exc:
-            raise CsrError(f"csr_pem is not a PEM certificate signing request: {exc}") from exc
+            csr_bytes = csr_pem.encode("ascii")
+        except UnicodeEncodeError as exc:
+            raise CsrError(
+                f"csr_pem holds {csr_pem[exc.start]!r} at position {exc.start}: PEM is ASCII text; send the "
+                "CSR file as written ('-----BEGIN CERTIFICATE REQUEST-----' ...)"
+            ) from exc
+        try:
+            csr = x509.load_pem_x509_csr(csr_bytes)
+        except ValueError as exc:
+            raise CsrError(
+                f"csr_pem is not a PEM certificate signing request (got {csr_pem[:40]!r}"
+                f"{'...' if len(csr_pem) > 40 else ''}): send the CSR file as written, from "
+                "'-----BEGIN CERTIFICATE REQUEST-----' to its END line"
+            ) from exc
         if not csr.is_signature_valid:
             raise CsrError("the CSR's self-signature does not verify: it was not made with the key it carries")
         public = csr.public_key()

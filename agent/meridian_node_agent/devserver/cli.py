@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="validity of issued client certs in seconds, overriding --certificate-days (to see renewal in "
         "tests and demos)",
     )
+    serve.add_argument(
+        "--max-wait-seconds",
+        type=float,
+        default=Settings.max_wait_s,
+        metavar="N",
+        help=f"the longest long-poll a node may ask for (desired-state's wait; default {Settings.max_wait_s:g})",
+    )
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=cmd_serve)
 
@@ -228,6 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             lease_s=args.lease_seconds,
             certificate_days=args.certificate_days,
             certificate_s=args.certificate_seconds,
+            max_wait_s=args.max_wait_seconds,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

@@ -103,6 +103,8 @@ class Settings:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.certificate_s is not None and self.certificate_s < 1:
             raise ValueError(f"certificate_seconds must be at least 1, got {self.certificate_s}")
+        if not 0 <= self.max_wait_s <= 3600:
+            raise ValueError(f"max_wait_seconds must be from 0 to 3600, got {self.max_wait_s:g}")
 
     @property
     def certificate_lifetime(self) -> timedelta:

@@ -321,7 +321,7 @@ def answer_one(
         generation=state.generation,
         epoch=state.lease_epoch,
         payload_sha256=verified.payload_sha256,
-        secrets=[value for engine in state.engines for value in engine.env.values()],
+        secrets=[value for engine in state.engines for value in engine.secret_env.values()],
         ident=ident,
         # From root's verification above, never from the request: the agent's word skips nothing here.
         lists_artifacts=bool(state.artifacts),

@@ -28,6 +28,11 @@ what it sees in its observations and relays the GPUs it holds unhealthy by XID i
 apply unit adds to this file (``root_side.gpu_reports``); the agent never writes it under the split. A hold added
 that way is kept here like any other, until a reset this read shows or an operator's clear. While an apply runs
 the holds are still synced: the file has its own lock, and the apply's placement reads it whole or not at all.
+
+**Engine logs.** Each run also keeps the tail of each engine's log, scrubbed of the container's environment, in
+``<apply.state_dir>/public/logs/<engine>.json`` (``boundary.engine_log_keeper``; mode 0640, the agent's group), where
+``meridian-node logs`` and the agent's observations read it without Docker access; the previous container's last
+lines are kept when an engine is recreated. Also while an apply runs (no apply writes there). docs/LOGS.md.
 """
 
 from __future__ import annotations
@@ -38,13 +43,18 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngineError
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HealthHoldError, HealthHolds
+from meridian_node_agent.boundary.engine_log_keeper import keep_engine_logs
+from meridian_node_agent.boundary.engine_logs_file import LOGS_DIR, EngineLogError
+from meridian_node_agent.boundary.engines_file import INVENTORY_FILE, InventoryError, read_inventory
 from meridian_node_agent.root_side.apply_unit import open_root_side, refresh_inventory
 from meridian_node_agent.root_side.read_only_docker import connect_read_only
 from meridian_node_agent.root_side.root_dir import RootDir, apply_lock
 
-__all__ = ["VERB", "add_parsers", "cmd_observe_engines", "sync_gpu_holds"]
+__all__ = ["VERB", "add_parsers", "cmd_observe_engines", "keep_logs", "sync_gpu_holds"]
 
 VERB = "observe-engines"
 
@@ -57,9 +67,10 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "node's engines now (state, restarts, last exit, settings changed by hand), so that an agent under "
         "apply.via: systemd sees drift without Docker access, and sync <apply.state_dir>/gpu-health-holds.json "
         "from one read of the GPUs' health (unhealthy verdicts held until a reset or 'meridian-node gpu-health "
-        "clear'; placement refuses held GPUs). Only reads Docker (any other call is refused) and NVML, reads "
-        "nothing of the agent's, and leaves engines.json alone while an apply runs. Exit 0 when both were "
-        "written (or an apply was running), 1 when either could not be.",
+        "clear'; placement refuses held GPUs), and keep the tail of each engine's log, scrubbed of its "
+        "environment, in <apply.state_dir>/public/logs/ for 'meridian-node logs'. Only reads Docker (any other "
+        "call is refused) and NVML, reads nothing of the agent's, and leaves engines.json alone while an apply "
+        "runs. Exit 0 when all three were written (or an apply was running), 1 when one could not be.",
     )
     verb.set_defaults(handler=cmd_observe_engines)
 
@@ -84,16 +95,56 @@ def cmd_observe_engines(
     print(said)
     if health_problem is not None:
         print(f"error: {health_problem}", file=sys.stderr)
+    problem: str | None = None
     with apply_lock(root, wait=False) as held:
-        if not held:
-            print("an apply is running; it rewrites engines.json when it answers")
-            return 0 if health_problem is None else 1
-        problem = refresh_inventory(config, root, clock=clock, connect=connect)
-    if problem is not None:
+        if held:
+            problem = refresh_inventory(config, root, clock=clock, connect=connect)
+    if not held:
+        print("an apply is running; it rewrites engines.json when it answers")
+    elif problem is not None:
         print(f"error: {problem}", file=sys.stderr)
-        return 1
-    print(f"wrote {root.public / 'engines.json'}")
-    return 0 if health_problem is None else 1
+    else:
+        print(f"wrote {root.public / 'engines.json'}")
+    # Also while an apply runs: it only reads Docker and writes logs/, which no apply touches, and an engine that
+    # fails its startup during a long apply is exactly the one whose log an operator wants.
+    said, logs_problem = keep_logs(config.node_id, root, connect=connect, clock=clock)
+    print(said)
+    if logs_problem is not None:
+        print(f"error: {logs_problem}", file=sys.stderr)
+    failed = (held and problem is not None) or health_problem is not None or logs_problem is not None
+    return 1 if failed else 0
+
+
+def keep_logs(
+    node_id: str, root: RootDir, *, connect: Callable[[], Any], clock: Callable[[], datetime]
+) -> tuple[str, str | None]:
+    """Keep the tail of each engine's log in ``<apply.state_dir>/public/logs`` (``boundary.engine_log_keeper``);
+    what was done, in a line for the unit's journal, and what went wrong (None: nothing).
+
+    Docker is asked only when engines.json lists an engine: a host with none (or a policy allowing no image)
+    needs no Docker Engine for this unit, as it needs none for the listing.
+    """
+    directory = root.public / LOGS_DIR
+    try:
+        listed = read_inventory(root.public / INVENTORY_FILE, node_id=node_id).engines
+    except InventoryError:
+        listed = ()
+    if not listed:
+        return f"engine logs: no engine listed in {root.public / INVENTORY_FILE}; nothing kept", None
+    try:
+        engine = connect()
+    except DockerEngineError as exc:
+        return "engine logs: not kept", f"{exc}; the logs kept in {directory} stay as they are"
+    try:
+        kept = keep_engine_logs(
+            engine, owner=f"agent:{node_id}", directory=directory, read_at=format_rfc3339(clock()), group=root.group
+        )
+    except (DockerEngineError, EngineLogError, OSError) as exc:
+        return "engine logs: not kept", f"{exc}; the logs kept in {directory} stay as they are"
+    finally:
+        engine.close()
+    said = f"engine logs: kept {len(kept.tails)} in {directory}"
+    return said, "; ".join(kept.problems) or None
 
 
 def sync_gpu_holds(

@@ -16,6 +16,7 @@ from ansible_collections.meridian.node.plugins.module_utils._module import HOST_
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader import (
     BundleRefused,
     check_bundle,
+    check_scratch,
     unpack_bundle,
 )
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_stage import (
@@ -68,6 +69,9 @@ def _unpacked_outcome(params: Mapping[str, Any], policy: Policy, *, check_mode: 
             refused = _refuse_playbooks(bundle, [entry.path for entry in checked.verified.bundle.files])
             if refused is not None:
                 return refused
+            # What the real run needs beyond a good bundle: without this, --check passed and the run then
+            # failed on a scratch directory it could not make.
+            check_scratch(policy.air_gap.scratch_dir, checked.verified.bundle.total_bytes)
             return {
                 "changed": not checked.verified.desired.already_applied,
                 "bundle_id": checked.verified.bundle.bundle_id,

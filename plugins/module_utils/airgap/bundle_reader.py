@@ -63,6 +63,7 @@ __all__ = [
     "BundleRefused",
     "UnpackedBundle",
     "check_bundle",
+    "check_scratch",
     "unpack_bundle",
 ]
 
@@ -713,6 +714,41 @@ def _payload_sha256(payload: str) -> str:
 # --- scratch ---------------------------------------------------------------------------------------------
 
 
+def check_scratch(path: str, needed_bytes: int) -> None:
+    """Refuse, without writing anything, what ``unpack_bundle`` would refuse about the scratch directory at
+    ``path``: one it cannot make (its parent missing or not writable by this user), one it would not trust,
+    or too little free space for ``needed_bytes`` of members. Check mode calls this, so that a run that
+    passes ``--check`` does not then fail on its scratch directory."""
+    try:
+        status: Optional[os.stat_result] = os.lstat(path)
+    except FileNotFoundError:
+        status = None
+    except OSError as exc:
+        raise _scratch_error(exc, path, "reading it") from None
+    if status is None:
+        # The real run makes it with os.mkdir: the parent must exist and be writable by this user.
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise _scratch_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), path, "creating it")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise _scratch_error(OSError(errno.EACCES, os.strerror(errno.EACCES)), path, "creating it")
+        where = parent
+    else:
+        _refuse_untrusted_scratch(path, status)
+        where = path
+    try:
+        space = os.statvfs(where)
+    except OSError as exc:
+        raise _scratch_error(exc, path, "reading its free space") from None
+    free = space.f_bavail * space.f_frsize
+    if free < needed_bytes:
+        raise BundleRefused(
+            BundleProblem.SCRATCH_FULL,
+            f"the bundle needs {needed_bytes} bytes in air_gap.scratch_dir {path}, which has {free} free: free "
+            "space there or point air_gap.scratch_dir at a larger filesystem",
+        )
+
+
 def _scratch_dir(path: str) -> str:
     """The policy's scratch directory, made if missing (mode 0700): a real directory (not a symlink),
     owned by this user and writable by no one else, so no one else can swap a file in it."""
@@ -726,6 +762,11 @@ def _scratch_dir(path: str) -> str:
         status = os.lstat(path)
     except OSError as exc:
         raise _scratch_error(exc, path, "reading it") from None
+    _refuse_untrusted_scratch(path, status)
+    return path
+
+
+def _refuse_untrusted_scratch(path: str, status: os.stat_result) -> None:
     problem = None
     if not stat.S_ISDIR(status.st_mode):
         problem = f"is {_file_kind(status.st_mode)}, not a directory"
@@ -738,7 +779,6 @@ def _scratch_dir(path: str) -> str:
             BundleProblem.SCRATCH,
             f"air_gap.scratch_dir {path} {problem}: it must be a directory only the reader's user can write",
         )
-    return path
 
 
 def _scratch_error(exc: OSError, scratch: str, doing: str) -> BundleRefused:
@@ -748,7 +788,13 @@ def _scratch_error(exc: OSError, scratch: str, doing: str) -> BundleRefused:
             f"air_gap.scratch_dir {scratch} is full ({exc.strerror}) while {doing}: free space there or point "
             "air_gap.scratch_dir at a larger filesystem",
         )
-    return BundleRefused(BundleProblem.SCRATCH, f"air_gap.scratch_dir {scratch}: {doing} failed: {exc.strerror}")
+    message = f"air_gap.scratch_dir {scratch}: {doing} failed: {exc.strerror}"
+    if doing == "creating it":
+        message += (
+            f"; the directory above it ({os.path.dirname(os.path.abspath(scratch))}) must exist and be writable by "
+            f"this user (uid {os.geteuid()}): create it, or point air_gap.scratch_dir in the policy at such a place"
+        )
+    return BundleRefused(BundleProblem.SCRATCH, message)
 
 
 def _materialise(work: str, incoming: str, seen: Mapping[str, int]) -> dict[str, str]:

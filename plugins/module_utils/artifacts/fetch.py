@@ -89,6 +89,7 @@ __all__ = [
     "ArtifactTransferError",
     "DiskFullError",
     "FetchConfig",
+    "FetchProgress",
     "FetchResult",
     "check_manifest_location",
     "fetch_file",
@@ -145,6 +146,22 @@ def new_sha256() -> Any:
 
 
 @dataclass(frozen=True)
+class FetchProgress:
+    """Where one file's download stands, reported after every chunk written (``FetchConfig.progress``).
+
+    ``done`` counts the bytes of the file now in staging, a resumed download's earlier bytes included, so
+    ``done <= size`` always; ``received`` counts only what this ``fetch_file`` call read from the source (all
+    its attempts), which is what a transfer rate is made of. A download the server made start over (it
+    ignored the Range) reports ``done`` from 0 again; ``received`` only grows.
+    """
+
+    path: str  # the manifest path
+    size: int  # the whole file's size, as the manifest says
+    done: int
+    received: int
+
+
+@dataclass(frozen=True)
 class FetchConfig:
     """How hard to try. ``sleep`` and ``jitter`` are injectable so tests do not wait and stay repeatable.
 
@@ -161,7 +178,7 @@ class FetchConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     jitter: Callable[[], float] = field(default=random.random, repr=False)
-    progress: Callable[[int, int], None] | None = field(default=None, repr=False)
+    progress: Callable[[FetchProgress], None] | None = field(default=None, repr=False)
     user_agent: str = "meridian-node"
     # A mirror needs one or two hops (mirror -> object store -> signed URL); 10 is urllib's own bound.
     max_redirects: int = 10
@@ -529,9 +546,13 @@ class _Job:
 
     def _write_stream(self, handle: BinaryIO, hasher: Any, source: Any, offset: int) -> int:
         """Copy ``source`` to the end of ``handle`` up to the size cap; the new offset."""
-        start = offset
+        start, received = offset, self.received
         progress = self.config.progress
-        report = None if progress is None else (lambda done: progress(start + done, self.size))
+        report = (
+            None
+            if progress is None
+            else (lambda done: progress(FetchProgress(self.path, self.size, start + done, received + done)))
+        )
         copied = _pump(source, hasher, self.config.chunk_size, self.size - offset, sink=handle, progress=report)
         offset += copied
         self.received += copied

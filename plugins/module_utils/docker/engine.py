@@ -126,6 +126,10 @@ class NvidiaRuntimeMissingError(DockerEngineError):
     """GPUs were requested on an engine without the NVIDIA runtime; nothing was created."""
 
 
+def _value_digest(value: str) -> str:
+    return "sha256:" + hashlib.sha256(value.encode("utf-8")).hexdigest()
+
+
 def config_hash(data: Any) -> str:
     """``sha256:<hex>`` of the canonical JSON of ``data`` (sorted keys, no spaces): stable across runs,
     Python versions and dict ordering, so an unchanged spec gives an unchanged label."""
@@ -166,6 +170,10 @@ class ContainerSettings:
     port) carries the same config hash as one created in its place, so once it has taken over it is the
     engine as asked, and is not replaced again.
 
+    ``secret_env`` joins ``env`` in the container's environment (a name in both is refused); ``canonical`` and
+    so the config hash hold a sha256 of each of its values, never a value, so that a changed secret replaces
+    the container while no hash input or label can print one.
+
     ``ulimits`` are ``(name, soft, hard)``, -1 unlimited. ``ipc_mode`` is always sent (the daemon's own default
     may be ``shareable``); ``shm_size_mib`` None is Docker's 64 MiB and must be None with ``ipc_mode`` host,
     where Docker would silently ignore it.
@@ -178,6 +186,7 @@ class ContainerSettings:
     command: tuple[str, ...] = ()
     entrypoint: tuple[str, ...] | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    secret_env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     port: PortBinding | None = None
     mounts: tuple[BindMount, ...] = ()
@@ -195,6 +204,9 @@ class ContainerSettings:
         reserved = sorted(set(self.labels) & set(RESERVED_LABELS))
         if reserved:
             raise ValueError(f"labels {reserved} are set by DockerEngine.create itself; remove them from settings")
+        both = sorted(set(self.env) & set(self.secret_env))
+        if both:
+            raise ValueError(f"env names {both} are in both env and secret_env; keep each name in one of them")
         if self.restart_policy not in RESTART_POLICIES:
             raise ValueError(f"restart_policy {self.restart_policy!r} is not one of {', '.join(RESTART_POLICIES)}")
         if self.stop_timeout_s < 0:
@@ -261,10 +273,20 @@ class ContainerSettings:
             # Only when set, so that a container created before these settings existed keeps its hash.
             **({} if self.ipc_mode == "private" else {"ipc_mode": self.ipc_mode}),
             **({"ulimits": [list(limit) for limit in self.ulimits]} if self.ulimits else {}),
+            **({"secret_env": self.secret_digests()} if self.secret_env else {}),
         }
 
     def config_hash(self) -> str:
         return config_hash(self.canonical())
+
+    def secret_digests(self) -> dict[str, str]:
+        """Each secret_env name with a sha256 of its value: what the config hash covers of a secret."""
+        return {key: _value_digest(value) for key, value in sorted(self.secret_env.items())}
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """The container's whole environment, secret values included: for Docker's create request only."""
+        return {**self.env, **self.secret_env}
 
 
 @dataclass(frozen=True)
@@ -747,7 +769,7 @@ def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str
     }
     body: dict[str, Any] = {
         "Image": image_id,
-        "Env": [f"{key}={value}" for key, value in sorted(settings.env.items())],
+        "Env": [f"{key}={value}" for key, value in sorted(settings.environment.items())],
         "Labels": dict(labels),
         "StopSignal": settings.stop_signal,
         "StopTimeout": settings.stop_timeout_s,

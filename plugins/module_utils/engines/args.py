@@ -33,7 +33,10 @@ ENGINE_SPEC_OPTIONS: dict[str, Any] = {
     "force": {"type": "bool", "default": False},
     "port": {"type": "int"},
     "args": {"type": "list", "elements": "str", "default": []},
-    "env": {"type": "dict", "default": {}, "no_log": True},
+    # Only secret_env is no_log: Ansible masks a no_log value wherever it occurs in the output, so a plain
+    # value such as "1" or "tgi" would star every digit of a hash and every engine name holding it.
+    "env": {"type": "dict", "default": {}},
+    "secret_env": {"type": "dict", "default": {}, "no_log": True},
     "restart_policy": {"type": "str", "default": "unless-stopped", "choices": ["no", "on-failure", "unless-stopped"]},
     "shm_size_mib": {"type": "int"},
     "ipc_mode": {"type": "str", "default": "private", "choices": ["private", "host"]},

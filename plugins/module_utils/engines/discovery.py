@@ -202,16 +202,19 @@ def capacity(
     engine: DockerEngine,
     *,
     gpu_facts: Mapping[str, Any] | None,
-    port_range: Sequence[int],
+    port_range: Sequence[int] | None,
     bind_address: str,
     max_ports: int = MAX_PORTS,
 ) -> dict[str, Any]:
-    """Free VRAM per GPU / MIG uuid after our reservations, and free ports in the policy range."""
+    """Free VRAM per GPU / MIG uuid after our reservations, and free ports in the policy range (None without a
+    ``port_range``: no policy says which ports engines may take)."""
     containers = engine.list_containers()
     reservations = reservations_from(containers)
     vram: dict[str, int] = {}
     if gpu_facts is not None and gpu_facts.get("nvml_available"):
         vram = vram_left(gpu_facts, reservations)
+    if port_range is None:
+        return {"vram_free_mib": vram, "free_ports": None}
     published = {
         p.host_port
         for container in containers
@@ -290,7 +293,7 @@ def _placement(container: ContainerInfo | None) -> dict[str, Any]:
 def engine_info(
     connect: Callable[[], DockerEngine],
     *,
-    policy_path: str,
+    policy_path: str | None,
     state_dir: str,
     managed_only: bool = False,
     owner: str | None = None,
@@ -313,12 +316,16 @@ def engine_info(
     that allows some image; under a policy that allows none, the list is empty and Docker is not asked, so a
     host that runs no engines (artifacts only) needs no Docker Engine to reconcile.
 
+    ``policy_path`` None means the host has no policy: the listing needs none, so engines are listed all the
+    same, and only what the policy decides is left out - ``capacity``'s ``free_ports`` is None (the port range
+    and bind address are the policy's) and the no-image shortcut for ``owner`` does not apply.
+
     Raises ``PolicyError`` for a bad policy and ``DockerEngineError`` when Docker fails, both with messages
     meant for the operator.
     """
-    # Read first even when capacity is not asked for: a wrong policy path fails the same way every time.
-    policy = load_policy(policy_path, keys=False)
-    if owner is not None and not policy.images.allowed_repositories and gpu_facts is None:
+    # Read first even when capacity is not asked for: a wrong policy fails the same way every time.
+    policy = None if policy_path is None else load_policy(policy_path, keys=False)
+    if owner is not None and policy is not None and not policy.images.allowed_repositories and gpu_facts is None:
         return {"engines": [], "capacity": None}
     engine = connect()
     try:
@@ -334,8 +341,8 @@ def engine_info(
             room = capacity(
                 engine,
                 gpu_facts=gpu_facts(),
-                port_range=policy.engines.port_range,
-                bind_address=policy.engines.bind_address,
+                port_range=None if policy is None else policy.engines.port_range,
+                bind_address="" if policy is None else policy.engines.bind_address,
             )
     finally:
         engine.close()

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
@@ -126,6 +126,7 @@ class LaunchSettings:
     ``entrypoint`` None keeps the image's own; ``command`` is then passed to it as arguments.
     ``gpu_device_ids`` become one NVIDIA device request; empty means no GPU at all. ``ulimits`` are
     ``(name, soft, hard)`` by name, -1 unlimited; ``shm_size_mib`` None is Docker's 64 MiB.
+    ``secret_environment`` reaches the container beside ``environment``, never sharing a name with it.
     """
 
     image: str
@@ -142,6 +143,7 @@ class LaunchSettings:
     ipc_mode: str = "private"
     shm_size_mib: int | None = None
     ulimits: tuple[tuple[str, int, int], ...] = ()
+    secret_environment: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,7 @@ class Driver:
             entrypoint=self._entrypoint(),
             command=tuple(command),
             environment=environment,
+            secret_environment=dict(spec.secret_env),
             container_port=self.facts.container_port,
             host_port=spec.port,
             mounts=mounts,
@@ -291,12 +294,13 @@ class Driver:
                 f"engine {spec.name!r}: args set {taken}, which the {self.name} driver sets itself from the "
                 "spec (port, model, served_model_name); remove it from args"
             )
-        reserved = sorted(set(spec.env) & set(self.reserved_env))
-        if reserved:
-            raise DriverError(
-                f"engine {spec.name!r}: env sets {', '.join(reserved)}, which the {self.name} driver owns "
-                "(GPUs are chosen with 'gpus', the port with 'port'); remove it from env"
-            )
+        for option, names in (("env", spec.env), ("secret_env", spec.secret_env)):
+            reserved = sorted(set(names) & set(self.reserved_env))
+            if reserved:
+                raise DriverError(
+                    f"engine {spec.name!r}: {option} sets {', '.join(reserved)}, which the {self.name} driver "
+                    f"owns (GPUs are chosen with 'gpus', the port with 'port'); remove it from {option}"
+                )
 
     def _parallel_args(self, spec: ParsedEngineSpec) -> list[str]:
         # Several whole GPUs mean one model split across them; MIG devices are never combined this way.
@@ -323,6 +327,9 @@ class Driver:
     def _environment(self, spec: ParsedEngineSpec) -> dict[str, str]:
         environment = self._engine_environment(spec)
         environment.update(spec.env)
+        # A secret overrides a driver default as env would; it travels apart (secret_environment), so drop it here.
+        for key in spec.secret_env:
+            environment.pop(key, None)
         environment["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpus) if spec.gpus else "void"
         return environment
 

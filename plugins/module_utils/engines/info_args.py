@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,14 +34,22 @@ def _gpu_facts() -> Mapping[str, Any]:
 
 def engine_info_outcome(params: Mapping[str, Any], *, check_mode: bool) -> dict[str, Any]:
     """What ``engine_info`` found, never a change (the same in check mode); ``failed`` and ``msg`` (and
-    ``exception`` for a missing library) when the policy, the draining marks or Docker could not be read."""
+    ``exception`` for a missing library) when the policy, the draining marks or Docker could not be read.
+
+    Listing needs no policy: an operator looks at a host before (or without) installing one. With no file at
+    ``policy`` the engines are listed all the same; only ``capacity.free_ports`` needs the policy (its port
+    range and bind address) and is null, with a warning when capacity was asked for. A policy file that
+    exists is read and must be valid: a broken one fails as it would for every other module.
+    """
     del check_mode  # read-only
-    if YAML_IMPORT_ERROR is not None:
+    # lexists: a dangling symlink is a policy someone meant to install; reading it fails, naming the file.
+    policy_path = params["policy"] if os.path.lexists(params["policy"]) else None
+    if policy_path is not None and YAML_IMPORT_ERROR is not None:
         return {"failed": True, "msg": missing_required_lib("PyYAML"), "exception": YAML_IMPORT_ERROR}
     try:
         result = engine_info(
             docker_engine.DockerEngine.from_env,
-            policy_path=params["policy"],
+            policy_path=policy_path,
             state_dir=params["state_dir"],
             managed_only=params["managed_only"],
             owner=params["owner"],
@@ -54,4 +63,10 @@ def engine_info_outcome(params: Mapping[str, Any], *, check_mode: bool) -> dict[
     except docker_engine.DockerEngineError as exc:
         # from_env's message already names the connection; listing errors name their action too.
         return {"failed": True, "msg": str(exc)}
+    if policy_path is None and params["capacity"]:
+        result["warnings"] = [
+            f"no policy at {params['policy']}: the engines are listed without one, but capacity.free_ports is null "
+            "because the free ports come from the policy's engines.port_range and bind_address; pass policy= "
+            "(the policy file's path) to get them, or capacity=false to skip capacity"
+        ]
     return {"changed": False, **result}

@@ -64,6 +64,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     address_overlaps,
     port_bind_problem,
 )
+from ansible_collections.meridian.node.plugins.module_utils.docker.log_scrub import EnvScrubber
 from ansible_collections.meridian.node.plugins.module_utils.engines.cordon import (
     CordonError,
     cordon_refusal,
@@ -99,7 +100,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import (
     engine_labels,
     label_spec,
-    public_spec,
+    shown_spec,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
     PlacementFactsError,
@@ -445,7 +446,7 @@ def prepare_engine(
         observed = dataclasses.replace(
             observed, drifted=engine.settings_drift(current, _as_placed(settings, current, port_range))
         )
-    plan = _plan(name, options, config_hash, public_spec(spec), observed, leftovers)
+    plan = _plan(name, options, config_hash, shown_spec(spec), observed, leftovers)
     return EngineRun(
         name,
         options,
@@ -493,7 +494,7 @@ def _pending_artifact_run(
     part of its settings. Placement is not checked: it needs the settings. The result says so.
     """
     observed, current, leftovers = _observe(engine, name, containers)
-    plan = _plan(name, options, _PENDING, public_spec(spec), observed, leftovers)
+    plan = _plan(name, options, _PENDING, shown_spec(spec), observed, leftovers)
     return EngineRun(
         name,
         options,
@@ -620,7 +621,7 @@ def replan_with_room(run: EngineRun, room: Room) -> None:
     if run.spec is None:
         return
     run.room = room
-    run.plan = _plan(run.name, run.options, run.config_hash, public_spec(run.spec), run.observed, run.leftovers, room)
+    run.plan = _plan(run.name, run.options, run.config_hash, shown_spec(run.spec), run.observed, run.leftovers, room)
 
 
 def _look_for_room(run: EngineRun, spec: ParsedEngineSpec, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
@@ -1007,6 +1008,11 @@ def _wait_ready(run: EngineRun, sleep: Callable[[float], None], clock: Callable[
         run.engine.stop(container, timeout_s=driver_of(container).facts.stop_timeout_s)
     # Read after stopping: the tail then also says how the engine took the stop.
     logs = run.engine.logs_tail(container, _LOG_LINES)
+    if run.spec is not None:
+        # The tail goes into the failure message, so the task's output and the journal: what the engine printed
+        # of a secret goes first. Ansible masks only task arguments, and a signed state's secrets are none.
+        secrets = (f"{name}={value}" for name, value in run.spec.secret_env.items())
+        logs = EnvScrubber.from_env(secrets).scrub(logs)
     run.current = run.engine.container(container.id)
     raise EngineInstanceError(
         f"engine {run.name!r} {why}; last probe: {verdict.detail}. The container is left "

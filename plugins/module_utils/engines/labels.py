@@ -1,7 +1,7 @@
 """The labels meridian.node writes on an engine's container, and how they are read back.
 
 Docker keeps labels with the container, so they are the record that survives the module's process: which
-spec an engine was created from (``LABEL_SPEC``, without secrets), the VRAM it reserves on its GPUs
+spec an engine was created from (``LABEL_SPEC``, without any env value), the VRAM it reserves on its GPUs
 (``LABEL_MIN_VRAM``, read by ``engines.placement``), and who converges it (``LABEL_OWNER``). Ownership and
 the config hash are the Docker layer's (``docker.engine``).
 """
@@ -12,9 +12,18 @@ import json
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import ContainerInfo
+from ansible_collections.meridian.node.plugins.module_utils.engine_rules import SECRET_SHOWN
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec
 
-__all__ = ["LABEL_MIN_VRAM", "LABEL_OWNER", "LABEL_SPEC", "engine_labels", "label_spec", "public_spec"]
+__all__ = [
+    "LABEL_MIN_VRAM",
+    "LABEL_OWNER",
+    "LABEL_SPEC",
+    "engine_labels",
+    "label_spec",
+    "public_spec",
+    "shown_spec",
+]
 
 LABEL_SPEC = "meridian.node/spec"
 LABEL_MIN_VRAM = "meridian.node/min-vram-mib"
@@ -24,7 +33,10 @@ LABEL_OWNER = "meridian.node/owner"
 
 
 def public_spec(spec: ParsedEngineSpec) -> dict[str, Any]:
-    """The spec without secrets, for the label and the diff: env keys only, never their values.
+    """The spec without any env value, for the label (and so the config hash): env keys only.
+
+    Its form is the one v0.1.0 wrote: the label is hashed, and a new form would replace every engine on
+    upgrade. ``secret_env_keys`` is added only where there are secrets, which replace the engine anyway.
 
     The generic driver's health path is left out: it changes how the engine is probed, not the
     container, so changing it must not replace a serving engine.
@@ -50,7 +62,18 @@ def public_spec(spec: ParsedEngineSpec) -> dict[str, Any]:
         },
         "volumes": [{"source": volume.source, "target": volume.target} for volume in spec.volumes],
         "labels": dict(spec.labels),
+        **({"secret_env_keys": sorted(spec.secret_env)} if spec.secret_env else {}),
     }
+
+
+def shown_spec(spec: ParsedEngineSpec) -> dict[str, Any]:
+    """The spec as diffs and results show it: the label's, with ``env`` values whole and each ``secret_env``
+    key beside ``SECRET_SHOWN``. A changed secret shows as a changed ``config_hash`` (it hashes the values)."""
+    shown = public_spec(spec)
+    shown["env"] = dict(spec.env)
+    if spec.secret_env:
+        shown["secret_env"] = {key: SECRET_SHOWN for key in sorted(spec.secret_env)}
+    return shown
 
 
 def engine_labels(spec: ParsedEngineSpec, owner: str | None) -> dict[str, str]:

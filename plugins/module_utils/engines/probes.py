@@ -40,6 +40,7 @@ def container_settings(*, name: str, driver: str, launch: LaunchSettings, bind_a
         command=launch.command,
         entrypoint=launch.entrypoint,
         env=dict(launch.environment),
+        secret_env=dict(launch.secret_environment),
         port=PortBinding(container_port=launch.container_port, host_port=launch.host_port, host_ip=bind_address),
         mounts=tuple(BindMount(m.source, m.target, m.read_only) for m in launch.mounts),
         gpus=launch.gpu_device_ids,

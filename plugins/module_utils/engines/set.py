@@ -24,7 +24,9 @@ everything was checked.
    verified it.
 
 An engine that fails does not stop the others under way; the engines that wait on it are not started.
-Environment values never leave: they are masked in every string of the result.
+``secret_env`` values never leave: nothing puts one in a result (diffs show ``<secret>``, the config hash
+covers a digest of each), and a value long enough to tell apart is masked in every string of the result as
+a second line, for text from outside such as Docker's error messages. ``env`` values are shown whole.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     address_overlaps,
     port_bind_problem,
 )
+from ansible_collections.meridian.node.plugins.module_utils.docker.log_scrub import MIN_SCRUBBED_CHARS
 from ansible_collections.meridian.node.plugins.module_utils.engines.cordon import release_cordon_mark
 from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import HostCordon, mark_cordoned
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
@@ -204,7 +207,14 @@ def run_engine_set(
         prune_reason=reason,
         cordon=verified.get("cordon") if verified is not None else params.get("cordon"),
     )
-    secrets = [str(value) for spec in specs for value in (spec.get("env") or {}).values() if str(value)]
+    secrets = [
+        str(value)
+        for spec in specs
+        for value in (spec.get("secret_env") or {}).values()
+        # Shorter ones are not masked by content: replacing "1" or "t" in every string would mangle engine names,
+        # hashes and digests. A readiness failure's log tail has them taken out after their NAME= already.
+        if len(str(value)) >= MIN_SCRUBBED_CHARS
+    ]
     own_engine = engine is None
     try:
         if engine is None:
@@ -247,7 +257,7 @@ def _number(value: Any, default: float) -> float:
 
 
 def _verify(params: Mapping[str, Any], *, check_mode: bool) -> tuple[bytes, dict[str, Any]]:
-    """The envelope's bytes and its verified summary with the engines' environment values.
+    """The envelope's bytes and its verified summary with the engines' secret_env values.
 
     Imported here: pydantic and cryptography are needed only for an envelope, never for a list of engines.
     """
@@ -348,12 +358,12 @@ def _check_artifacts(
 
 
 def _envelope_engines(verified: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The verified state's engines as engine parameters, environment values put back in."""
-    env = verified.get("engine_env") or {}
+    """The verified state's engines as engine parameters, secret_env values put back in."""
+    secret_env = verified.get("engine_secret_env") or {}
     specs = []
     for summary in verified.get("engines") or []:
-        spec = {key: value for key, value in summary.items() if key != "env_keys"}
-        spec["env"] = dict(env.get(summary["name"]) or {})
+        spec = {key: value for key, value in summary.items() if key != "secret_env_keys"}
+        spec["secret_env"] = dict(secret_env.get(summary["name"]) or {})
         specs.append(spec)
     return specs
 

@@ -66,6 +66,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engine_rules import 
     ULIMIT_MAX,
     ULIMIT_NAMES,
     label_problem,
+    secret_env_problem,
     ulimit_problem,
     volume_problem,
     volume_targets_problem,
@@ -97,6 +98,7 @@ _OPTIONAL = (
     "force",
     "args",
     "env",
+    "secret_env",
     "state",
     "replace_strategy",
     "restart_policy",
@@ -151,7 +153,9 @@ class ParsedEngineSpec:
     # How to place, not what the container is: not in the public spec, nor in the config hash.
     force: bool = False
     args: tuple[str, ...] = ()
+    # env's values are shown in diffs and results; secret_env's only reach the container (labels.shown_spec).
     env: Mapping[str, str] = field(default_factory=dict)
+    secret_env: Mapping[str, str] = field(default_factory=dict)
     state: str = "started"
     replace_strategy: str = "drain-then-replace"
     restart_policy: str = "unless-stopped"
@@ -175,6 +179,11 @@ def parse_engine_spec(data: Any, where: str = "") -> ParsedEngineSpec:
     ipc_mode = check_choice(document.get("ipc_mode", "private"), join(where, "ipc_mode"), IPC_MODES)
     if ipc_mode == "host" and shm is not None:
         raise FieldError(join(where, "shm_size_mib"), _SHM_WITH_HOST_IPC)
+    env = check_str_map(document.get("env", {}), join(where, "env"))
+    secret_env = check_str_map(document.get("secret_env", {}), join(where, "secret_env"))
+    both = secret_env_problem(env, secret_env)
+    if both is not None:
+        raise FieldError(join(where, "secret_env"), both)
     return ParsedEngineSpec(
         name=check_str(document["name"], join(where, "name"), pattern=_NAME, what=NAME_FORM),
         driver=check_choice(document["driver"], join(where, "driver"), DRIVERS),
@@ -186,7 +195,8 @@ def parse_engine_spec(data: Any, where: str = "") -> ParsedEngineSpec:
         min_vram_mib=check_int(document.get("min_vram_mib", 0), join(where, "min_vram_mib"), ge=0),
         force=check_bool(document.get("force", False), join(where, "force")),
         args=check_str_list(document.get("args", []), join(where, "args")),
-        env=check_str_map(document.get("env", {}), join(where, "env")),
+        env=env,
+        secret_env=secret_env,
         state=check_choice(document.get("state", "started"), join(where, "state"), ENGINE_STATES),
         replace_strategy=check_choice(
             document.get("replace_strategy", "drain-then-replace"), join(where, "replace_strategy"), REPLACE_STRATEGIES

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
+from ansible_collections.meridian.node.plugins.module_utils.gpu.nvml import PYNVML_IMPORT_ERROR
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "gather_processes": {"type": "bool", "default": True},
@@ -23,4 +25,13 @@ def gpu_facts_outcome(params: Mapping[str, Any], *, check_mode: bool) -> dict[st
     facts = collect_gpu_facts(
         processes=params["gather_processes"], nvlink=params["gather_nvlink"], health=params["gather_health"]
     )
-    return {"changed": False, "ansible_facts": {"meridian_gpus": facts}}
+    result: dict[str, Any] = {"changed": False, "ansible_facts": {"meridian_gpus": facts}}
+    if PYNVML_IMPORT_ERROR is not None:
+        # No driver is a fact of the host; no pynvml is the wrong interpreter (discovery found a shim or a
+        # system python3), which only a warning puts where an ad-hoc run looks.
+        result["warnings"] = [
+            f"gpu_facts ran on {sys.executable}, which lacks the Python package nvidia-ml-py (module pynvml), so "
+            "no GPU was read: set ansible_python_interpreter to a Python that has it (the agent's virtualenv, "
+            "/opt/meridian-node/bin/python, does), or install it for this one (pip install nvidia-ml-py)"
+        ]
+    return result

@@ -5,8 +5,8 @@ and must not trust it: every reconcile run starts by verifying the exact bytes i
 root-owned policy and the durable applied state, and finishes by recording the generation. Recording is
 idempotent (the same generation with the same bytes is a no-op) and never moves backwards.
 
-What this returns is split so no secret reaches a run's journal: the summary (``engines`` with the
-*names* of environment variables only) is safe to print; engine environment values are only returned
+What this returns is split so no secret reaches a run's journal: the summary (``engines`` with ``env``
+whole and only the *names* of ``secret_env``) is safe to print; ``secret_env`` values are only returned
 when asked for (``secrets=True``), by a task the playbook runs with ``no_log``.
 """
 
@@ -85,12 +85,12 @@ def reconcile_desired_state(
     result = summarize(verified, applied_before=applied.generation)
     result["recorded"] = changed and not check_mode
     if secrets:
-        result["engine_env"] = {engine.name: dict(engine.env) for engine in verified.state.engines}
+        result["engine_secret_env"] = {engine.name: dict(engine.secret_env) for engine in verified.state.engines}
     return DesiredStateOutcome(changed=changed, result=result)
 
 
 def summarize(verified: VerifiedState, *, applied_before: int) -> dict[str, Any]:
-    """What the playbook needs from the verified state, without any environment value."""
+    """What the playbook needs from the verified state, without any secret_env value (env is shown whole)."""
     state = verified.state
     artifacts = []
     for artifact in state.artifacts:
@@ -105,8 +105,8 @@ def summarize(verified: VerifiedState, *, applied_before: int) -> dict[str, Any]
         artifacts.append(entry)
     engines = []
     for engine in state.engines:
-        spec = engine.model_dump(mode="json", exclude={"env"}, exclude_none=True)
-        spec["env_keys"] = sorted(engine.env)
+        spec = engine.model_dump(mode="json", exclude={"secret_env"}, exclude_none=True)
+        spec["secret_env_keys"] = sorted(engine.secret_env)
         engines.append(spec)
     in_use = sorted({engine.model.artifact for engine in state.engines if engine.model.artifact})
     return {

@@ -203,14 +203,15 @@ def test_record_is_idempotent_and_check_mode_records_nothing(tmp_path: Path, pol
     assert StateStore(tmp_path / "s").load().generation == 4
 
 
-def test_module_summary_never_carries_engine_environment_values(tmp_path: Path, policy: Path) -> None:
+def test_module_summary_shows_env_but_never_a_secret_env_value(tmp_path: Path, policy: Path) -> None:
     engine = {
         "name": "chat",
         "driver": "vllm",
         "image": "registry.local/vllm@sha256:" + "a" * 64,
         "model": {"name": "tiny"},
         "port": 8001,
-        "env": {"HF_TOKEN": "hf-secret-value-123"},
+        "env": {"VLLM_LOGGING_LEVEL": "1"},
+        "secret_env": {"HF_TOKEN": "hf-secret-value-123"},
     }
     envelope = signed("desired-state", current_state(1, engines=[engine]), [CONTROL])
     common: dict[str, Any] = {"policy_path": str(policy), "node_id": NODE_ID, "state_dir": tmp_path / "s"}
@@ -219,8 +220,10 @@ def test_module_summary_never_carries_engine_environment_values(tmp_path: Path, 
     with_secrets = reconcile_desired_state(envelope, record=False, check_mode=False, secrets=True, **common)
 
     assert "hf-secret-value-123" not in json.dumps(summary.result)
-    assert summary.result["engines"][0]["env_keys"] == ["HF_TOKEN"]
-    assert with_secrets.result["engine_env"] == {"chat": {"HF_TOKEN": "hf-secret-value-123"}}
+    assert summary.result["engines"][0]["env"] == {"VLLM_LOGGING_LEVEL": "1"}
+    assert summary.result["engines"][0]["secret_env_keys"] == ["HF_TOKEN"]
+    assert "engine_secret_env" not in summary.result
+    assert with_secrets.result["engine_secret_env"] == {"chat": {"HF_TOKEN": "hf-secret-value-123"}}
 
 
 def test_module_rejects_a_replayed_lower_generation(tmp_path: Path, policy: Path) -> None:

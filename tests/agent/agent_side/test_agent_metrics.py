@@ -12,6 +12,7 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
 from meridian_node_agent.agent_side.cycle import CycleStatus
 from meridian_node_agent.agent_side.metrics import Metrics
+from meridian_node_agent.boundary.spool import ApplyResult
 
 
 def test_rejections_are_counted_by_reason_and_cycles_timed(server: DevServer, tmp_path: Path) -> None:
@@ -27,8 +28,11 @@ def test_rejections_are_counted_by_reason_and_cycles_timed(server: DevServer, tm
     sample = metrics.registry.get_sample_value
     assert sample("meridian_node_rejections_total", {"reason": "expired"}) == 1
     assert sample("meridian_node_cycle_seconds_count") == 2
-    assert (sample("meridian_node_last_success_timestamp_seconds") or 0) > 0
+    assert (sample("meridian_node_last_cycle_timestamp_seconds") or 0) > 0
     assert sample("meridian_node_applies_total", {"status": "successful"}) is None
+    # Two cycles and no apply: no successful apply to date, whatever the cycles did.
+    agent.write_status()
+    assert sample("meridian_node_last_successful_apply_timestamp_seconds") is None
 
 
 def test_metrics_endpoint_serves_the_agent_registry() -> None:
@@ -43,3 +47,26 @@ def test_metrics_endpoint_serves_the_agent_registry() -> None:
         metrics.close()
     assert 'meridian_node_rejections_total{reason="stale-epoch"} 1.0' in body
     assert "python_gc_objects_collected_total" not in body  # a registry of its own
+
+
+def _result(
+    status: str, *, ident: str = "gen-1-20261205T070000.000000Z", failed: int = 0, fetched: int = 0
+) -> ApplyResult:
+    at = datetime.now(UTC)
+    return ApplyResult(ident, 1, status, 0, 0, failed, Path(), at, at, 0.0, fetched_bytes=fetched)
+
+
+def test_failed_applies_are_counted_by_reason_and_fetched_bytes_add_up() -> None:
+    metrics = Metrics()
+    metrics.applied(_result("successful", fetched=1000))
+    metrics.applied(_result("failed", failed=1))
+    metrics.applied(_result("failed", ident=""))  # the playbook never ran
+    metrics.applied(_result("timeout"))
+    metrics.apply_not_spooled()
+
+    sample = metrics.registry.get_sample_value
+    reasons = ("task-failed", "not-run", "timeout", "not-spooled", "playbook-failed", "canceled")
+    assert [sample("meridian_node_apply_failures_total", {"reason": r}) for r in reasons] == [1, 1, 1, 1, None, None]
+    assert sample("meridian_node_applies_total", {"status": "failed"}) == 2
+    assert sample("meridian_node_artifact_fetched_bytes_total") == 1000
+    assert sample("meridian_node_image_fetched_bytes_total") == 0

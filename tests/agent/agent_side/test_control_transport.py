@@ -416,6 +416,7 @@ def test_public_api_of_the_transport_is_pinned() -> None:
         "AnswerTooLarge",
         "ClosedBeforeAnswer",
         "HttpExchangeError",
+        "Interrupted",
         "Link",
         "MalformedAnswer",
         "Reply",

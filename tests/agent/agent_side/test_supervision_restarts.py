@@ -23,6 +23,7 @@ from ansible_collections.meridian.node.tests.support.e2e_env import E2E_REPOSITO
 from ansible_collections.meridian.node.tests.support.node_env import Node, publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
+from meridian_node_agent.agent_side.metrics import Metrics
 from meridian_node_agent.agent_side.observe import Observer
 from meridian_node_agent.agent_side.supervise import EngineTrack, Supervisor
 from meridian_node_agent.agent_side.supervision_record import (
@@ -219,20 +220,16 @@ class Killed(BaseException):
     """The agent's process dies here (SIGKILL, the OOM killer): nothing after this line of it runs."""
 
 
-class Outcomes:
-    """The metrics seam: each cycle's outcome, as ``run`` reports it."""
+class Outcomes(Metrics):
+    """The real metrics (on a registry of their own), keeping each cycle's outcome as ``run`` reports it."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.outcomes: list[CycleStatus] = []
 
     def cycle_done(self, wall_s: float, outcome: Any) -> None:
+        super().cycle_done(wall_s, outcome)
         self.outcomes.append(outcome.outcome)
-
-    def applied(self, result: Any) -> None:
-        pass
-
-    def rejected(self, code: str) -> None:
-        pass
 
 
 @dataclass

@@ -62,7 +62,7 @@ def test_engines_form_converges_refuses_and_masks_alike_both_ways(host: Host, vl
     ports = free_ports(2)
     params = {
         "engines": [
-            engine(vllm, f"{prefix}-a", ports[0], env={"API_TOKEN": SECRET}),
+            engine(vllm, f"{prefix}-a", ports[0], secret_env={"API_TOKEN": SECRET}),
             engine(vllm, f"{prefix}-b", ports[1]),
         ]
     }

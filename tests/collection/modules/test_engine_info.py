@@ -165,18 +165,48 @@ def test_engine_info_lists_our_engine_and_a_foreign_one_and_changes_neither(
     assert _snapshot(docker_client, prefix) == before
 
 
-def test_engine_info_fails_naming_a_missing_policy_file(tmp_path: Path, docker_client: Any) -> None:
+def test_engine_info_lists_without_a_policy_file_and_fails_on_a_broken_one(
+    tmp_path: Path, docker_client: Any, standin_base_image: LocalImage, prefix: str
+) -> None:
+    # A host looked at before any policy is installed: the listing needs none (issue 25).
     host = Host(tmp_path, docker_client)
+    foreign = f"{prefix}-theirs"
+    docker_client.containers.run(
+        standin_base_image.id, ["sleep", "300"], name=foreign, detach=True, init=True, ports={"11434/tcp": (BIND, None)}
+    )
     missing = tmp_path / "nowhere" / "policy.yaml"
+    common = {"policy": str(missing), "state_dir": str(host.state_dir), "probe": False}
+
+    results = _engine_info(
+        host,
+        [
+            {"name": "plain listing", "meridian.node.engine_info": common, "register": "plain"},
+            {
+                "name": "owner, no capacity",
+                "meridian.node.engine_info": {**common, "owner": "agent:node-1", "capacity": False},
+                "register": "scoped",
+            },
+        ],
+    )
+
+    plain = results["plain"]
+    listed = {e["name"]: e for e in plain["engines"]}
+    assert (listed[foreign]["managed"], listed[foreign]["driver"]) == (False, "ollama")
+    assert plain["capacity"] == {"vram_free_mib": {}, "free_ports": None}
+    (warning,) = plain["warnings"]
+    assert f"no policy at {missing}" in warning and "engines.port_range" in warning and "policy=" in warning
+    assert (results["scoped"]["engines"], results["scoped"]["capacity"]) == ([], None)
+    assert not results["scoped"].get("warnings")
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trust: [not, a, mapping\n")
     playbook = tmp_path / "bad.yml"
-    task = {"meridian.node.engine_info": {"policy": str(missing), "state_dir": str(host.state_dir)}}
+    task = {"meridian.node.engine_info": {**common, "policy": str(broken)}}
     playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [task]}]))
-
     proc = run_playbook(playbook, temp_dir=tmp_path / "ansible-tmp")
-
     assert proc.returncode != 0
     assert "Error reading the policy" in proc.stdout
-    assert str(missing) in proc.stdout
+    assert str(broken) in proc.stdout
 
 
 def test_host_without_docker_lists_no_engines_under_a_policy_that_allows_none_and_fails_otherwise(

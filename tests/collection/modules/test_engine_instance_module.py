@@ -34,7 +34,7 @@ from ansible_collections.meridian.node.tests.support.engine_harness import (
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
-# Only used as an env value: no_log masks every occurrence of it in the output, so it must be unusual.
+# Only used as a secret_env value: no_log masks every occurrence of it in the output, so it must be unusual.
 SECRET = "tok-5e3c7a9f-not-for-labels"
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -100,14 +100,14 @@ def test_vllm_engine_started_ready_idempotent_then_absent(
         model={"artifact": "tiny"},
         served_model_name="tiny-chat",
         port=free_port(),
-        env={"API_TOKEN": SECRET},
+        secret_env={"API_TOKEN": SECRET},
     )
     results = host.play(four_steps(started))
 
     assert_four_steps(results, ["create", "start", "wait-ready"])
     assert results["apply"]["ready"] is True
     assert results["idempotent"]["ready"] is True
-    assert results["check"]["diff"]["after"]["spec"]["env_keys"] == ["API_TOKEN"]
+    assert results["check"]["diff"]["after"]["spec"]["secret_env"] == {"API_TOKEN": "<secret>"}
     container = host.container(name)
     assert container is not None and container.status == "running"
     assert container.id == results["apply"]["container"]["id"] == results["idempotent"]["container"]["id"]
@@ -116,7 +116,7 @@ def test_vllm_engine_started_ready_idempotent_then_absent(
     assert labels[LABEL_MIN_VRAM] == "0"
     # The secret is in the container's environment, and nowhere in its labels.
     assert SECRET not in json.dumps(labels)
-    assert json.loads(labels[LABEL_SPEC])["env_keys"] == ["API_TOKEN"]
+    assert json.loads(labels[LABEL_SPEC])["secret_env_keys"] == ["API_TOKEN"]
     assert f"API_TOKEN={SECRET}" in container.attrs["Config"]["Env"]
     mounts = container.attrs["Mounts"]
     assert [(m["Source"], m["RW"]) for m in mounts] == [(str(host.store / "artifacts" / "tiny" / "v1"), False)]
@@ -362,6 +362,30 @@ def test_engine_that_never_becomes_ready_fails_with_its_log_tail_and_is_left_sto
     container = host.container(name)
     assert container is not None
     assert container.status == "exited", "left half-running"
+
+
+def test_a_secret_the_engine_prints_is_redacted_from_the_log_tail_of_its_failure(
+    host: Host, images: dict[str, LocalImage], prefix: str
+) -> None:
+    # The stand-in logs the model it serves ("... serving 'NAME'"), taken from STANDIN_MODEL: here a secret.
+    # Ansible would star it too (a task argument), as ********; <redacted> says the module took it out itself,
+    # as it must for a signed state's secrets, which are no task argument.
+    name = f"{prefix}-prints"
+    params = host.params(
+        name=name,
+        driver="llamacpp",
+        image=images["llamacpp"].pinned,
+        model={"name": "m"},
+        port=free_port(),
+        env={"STANDIN_NEVER_READY": "1"},
+        secret_env={"STANDIN_MODEL": SECRET},
+        ready_timeout=3,
+    )
+    result = host.play([("apply", params, False)])["apply"]
+
+    assert result["failed"] is True and result["check"] == "readiness"
+    assert "serving '<redacted>'" in result["msg"], result["msg"]
+    assert SECRET not in json.dumps(result)
 
 
 # --- drain-then-replace -------------------------------------------------------------------------------------

@@ -43,10 +43,9 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import (
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-# Only ever an env value: it must appear nowhere in results or output.
+# Only ever a secret_env value: it must appear nowhere in results or output.
 SECRET = "tok-93b1e6d2-engine-set-secret"
-# Env values are masked wherever they appear, so an engine kept loading is told so with a value that cannot
-# occur in a name or a message (STANDIN_NEVER_READY=1 would mask every digit 1).
+# An engine kept loading (a plain env value: shown whole, never masked).
 LOADING_FOREVER = {"STANDIN_LOAD_SECONDS": "86400"}
 
 
@@ -115,7 +114,7 @@ def test_three_engines_created_in_one_run_all_ready_then_no_op(host: Host, vllm:
     names = [f"{prefix}-{i}" for i in range(3)]
     params = {
         "engines": [
-            engine(vllm, name, port, env={"API_TOKEN": SECRET}) for name, port in zip(names, ports, strict=True)
+            engine(vllm, name, port, secret_env={"API_TOKEN": SECRET}) for name, port in zip(names, ports, strict=True)
         ]
     }
 
@@ -135,7 +134,7 @@ def test_three_engines_created_in_one_run_all_ready_then_no_op(host: Host, vllm:
         assert apply["engines"][name]["done"] == ["create", "start", "wait-ready"]
         assert apply["engines"][name]["ready"] is True
         assert host.container(name).status == "running"
-        assert apply["diff"]["after"][name]["spec"]["env_keys"] == ["API_TOKEN"]
+        assert apply["diff"]["after"][name]["spec"]["secret_env"] == {"API_TOKEN": "<secret>"}
     for label in ("again", "again-check"):
         assert results[label]["changed"] is False, results[label]
         assert all(results[label]["engines"][n]["actions"] == [] for n in names)
@@ -374,10 +373,10 @@ def signed_policy_host(tmp_path: Path, docker_client: Any, key: Any, **store: An
 
 def failing_then_good(tmp_path: Path, key: Any, vllm: LocalImage, prefix: str) -> tuple[str, str, Path, Path]:
     """Two signed generations: 1 lists an engine that serves and one that never gets ready, both with SECRET in
-    their env; 2 lists only the one that serves. (served, never, generation 1's file, generation 2's file)."""
+    their secret_env; 2 lists only the one that serves. (served, never, generation 1's file, generation 2's file)."""
     ports = free_ports(2)
     served, never = f"{prefix}-served", f"{prefix}-never"
-    wanted = engine(vllm, served, ports[0], env={"HF_TOKEN": SECRET})
+    wanted = engine(vllm, served, ports[0], secret_env={"HF_TOKEN": SECRET})
     failing = signed_state(
         tmp_path / "gen1.json",
         key,
@@ -385,13 +384,16 @@ def failing_then_good(tmp_path: Path, key: Any, vllm: LocalImage, prefix: str) -
         # The signed state itself shortens the wait for an engine that never gets ready (600 s by default).
         [
             wanted,
-            {**engine(vllm, never, ports[1], env={**LOADING_FOREVER, "OTHER": SECRET}), "ready_timeout_seconds": 3},
+            {
+                **engine(vllm, never, ports[1], env=LOADING_FOREVER, secret_env={"OTHER": SECRET}),
+                "ready_timeout_seconds": 3,
+            },
         ],
     )
     return served, never, failing, signed_state(tmp_path / "gen2.json", key, 2, [wanted])
 
 
-def test_envelope_with_an_env_secret_never_shows_it_and_records_only_on_success(
+def test_envelope_with_a_secret_env_value_never_shows_it_and_records_only_on_success(
     tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
 ) -> None:
     key = make_key()

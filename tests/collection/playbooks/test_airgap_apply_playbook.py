@@ -20,8 +20,10 @@ from meridian_node_agent.apply.applier import collection_paths
 WEIGHTS = b"air-gapped weights\n" * 256
 
 
-def _play(node: AirGapNode, bundle: Path, *, check: bool = False) -> tuple[str, list[dict[str, Any]]]:
-    """Run airgap_apply.yml once; (status, the failed task results)."""
+def _play(
+    node: AirGapNode, bundle: Path, *, check: bool = False, changed: list[str] | None = None
+) -> tuple[str, list[dict[str, Any]]]:
+    """Run airgap_apply.yml once; (status, the failed task results). ``changed`` gets the changed tasks' names."""
     import ansible_runner
 
     collections, playbooks = collection_paths()
@@ -30,6 +32,8 @@ def _play(node: AirGapNode, bundle: Path, *, check: bool = False) -> tuple[str, 
     def handler(event: dict[str, Any]) -> bool:
         if event.get("event") == "runner_on_failed":
             failures.append(event["event_data"]["res"])
+        if changed is not None and event.get("event") == "runner_on_ok" and event["event_data"]["res"].get("changed"):
+            changed.append(event["event_data"]["task"])
         return True
 
     runner = ansible_runner.run(
@@ -118,4 +122,46 @@ def test_airgap_apply_refuses_an_older_generation_and_a_tampered_bundle(tmp_path
     assert (status, failure["reason"]) == ("failed", "digest-mismatch")
     assert "weights.bin" in failure["msg"]
     assert StateStore(node.state_dir).load().generation == 2
+    assert os.listdir(tmp_path / "scratch") == []
+
+
+def test_airgap_apply_check_mode_fails_as_the_run_would_on_a_scratch_dir_it_cannot_make(tmp_path: Path) -> None:
+    # issue 25: --check passed, then the real run failed making air_gap.scratch_dir (its parent is missing).
+    scratch = tmp_path / "missing-parent" / "scratch"
+    node = make_airgap_node(tmp_path, policy_extra={"air_gap": {"scratch_dir": str(scratch)}})
+    node.state_dir.mkdir()
+    bundle = _artifact_bundle(node, "g1.tar", 1)
+
+    checked, [check_failure] = _play(node, bundle, check=True)
+    ran, [run_failure] = _play(node, bundle)
+
+    assert (checked, ran) == ("failed", "failed")
+    assert check_failure["reason"] == run_failure["reason"] == "scratch-unusable"
+    for failure in (check_failure, run_failure):
+        assert f"air_gap.scratch_dir {scratch}: creating it failed" in failure["msg"]
+        assert f"({scratch.parent}) must exist" in failure["msg"]
+    assert StateStore(node.state_dir).load().generation == 0
+    assert not scratch.parent.exists()
+
+    scratch.parent.mkdir()  # the fix the message names: check mode and the run now agree it works
+    assert _play(node, bundle, check=True) == ("successful", [])
+    assert _play(node, bundle) == ("successful", [])
+    assert StateStore(node.state_dir).load().generation == 1
+
+
+def test_airgap_apply_rerun_of_the_applied_bundle_changes_nothing(tmp_path: Path) -> None:
+    node = make_airgap_node(tmp_path)
+    node.state_dir.mkdir()
+    bundle = _artifact_bundle(node, "g1.tar", 1)
+    first: list[str] = []
+    assert _play(node, bundle, changed=first) == ("successful", [])
+    assert first  # the first run did apply
+
+    again: list[str] = []
+    assert _play(node, bundle, changed=again) == ("successful", [])
+    checked: list[str] = []
+    assert _play(node, bundle, check=True, changed=checked) == ("successful", [])
+
+    # The rerun unpacks into scratch to verify and removes that again: nothing on the host changed.
+    assert (again, checked) == ([], [])
     assert os.listdir(tmp_path / "scratch") == []

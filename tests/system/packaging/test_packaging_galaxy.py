@@ -79,7 +79,9 @@ def test_tarball_ships_what_galaxy_yml_lists(collection_tarball: Path) -> None:
     assert {"MANIFEST.json", "FILES.json", "meta/runtime.yml", "tests/config.yml", "playbooks/reconcile.yml"} <= names
     # Only tests/config.yml of tests/ ships, whatever folders tests/ grows.
     assert sorted(name for name in names if name.startswith("tests/")) == ["tests/config.yml"]
-    assert [name for name in names if "__pycache__" in name or "/." in name or name.startswith(".")] == []
+    # One dotfile ships on purpose: ansible-lint's config (tests/system/packaging/test_packaging_lint.py).
+    dotted = [name for name in names if "__pycache__" in name or "/." in name or name.startswith(".")]
+    assert dotted == [".ansible-lint"]
     modules = {name.removeprefix("plugins/modules/") for name in names if name.startswith("plugins/modules/")}
     assert modules == {path.name for path in (CHECKOUT / "plugins" / "modules").glob("*.py")}
     for role in (CHECKOUT / "roles").iterdir():

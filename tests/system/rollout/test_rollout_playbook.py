@@ -100,7 +100,7 @@ class Fleet:
             "model": {"name": "tiny"},
             "served_model_name": "chat-v1",
             "port": self.ports[alias],
-            "env": {"API_TOKEN": SECRET},
+            "secret_env": {"API_TOKEN": SECRET},
             **overrides,
         }
 
@@ -187,7 +187,7 @@ def test_rollout_converges_every_host_with_its_signed_model_and_a_rerun_changes_
         assert f"API_TOKEN={SECRET}" in container.attrs["Config"]["Env"]
         version = fleet.hosts[alias].store / "artifacts" / "tiny-model" / "1.0"
         assert [(m["Source"], m["RW"]) for m in container.attrs["Mounts"]] == [(str(version), False)]
-    assert SECRET not in output, "an engine's env value reached the playbook output"
+    assert SECRET not in output, "an engine's secret_env value reached the playbook output"
 
     ids = {alias: fleet.container(alias).id for alias in HOSTS}
     status, output = fleet.rollout(specs, artifacts=artifacts, verbose=True)

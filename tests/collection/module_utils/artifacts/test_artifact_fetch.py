@@ -82,7 +82,7 @@ def transfer_error(url: str, staging: Path, sleeps: Sleeps) -> ArtifactTransferE
 def test_streamed_download_is_hashed_and_capped_at_the_manifest_size(server: ArtifactServer, tmp_path: Path) -> None:
     staging = tmp_path / "staging" / "x.partial"
     seen: list[int] = []
-    result = fetch(server, staging, progress=lambda done, total: seen.append(done))
+    result = fetch(server, staging, progress=lambda event: seen.append(event.done))
     assert result.sha256 == DIGEST
     assert result.size == len(DATA) == result.bytes_received
     assert staging.read_bytes() == DATA
@@ -128,7 +128,7 @@ def test_server_sending_more_bytes_is_cut_at_the_cap_and_rejected(server: Artifa
     staging = tmp_path / "x.partial"
     written: list[int] = []
     with pytest.raises(ArtifactIntegrityError) as caught:
-        fetch(server, staging, progress=lambda done, total: written.append(done))
+        fetch(server, staging, progress=lambda event: written.append(event.done))
     assert caught.value.reason == "too-long"
     assert max(written) == len(DATA)  # never wrote past the manifest's size
     assert "more than" in str(caught.value)

@@ -250,12 +250,13 @@ def spec_params(**overrides: Any) -> dict[str, Any]:
     return params
 
 
-def test_env_values_never_reach_the_public_spec() -> None:
-    spec = build_spec(spec_params())
+def test_no_env_value_reaches_the_public_spec() -> None:
+    spec = build_spec(spec_params(env={"MODE": "plain-value"}, secret_env={"HF_TOKEN": "hf_secret_value"}))
     public = public_spec(spec)
 
-    assert "hf_secret_value" not in json.dumps(public)
-    assert public["env_keys"] == ["HF_TOKEN"]
+    assert "hf_secret_value" not in json.dumps(public) and "plain-value" not in json.dumps(public)
+    assert public["env_keys"] == ["MODE"]
+    assert public["secret_env_keys"] == ["HF_TOKEN"]
     assert public["model"] == {"name": "tiny"}
 
 

@@ -337,6 +337,11 @@ CHANGES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ),
     ("label added", {}, {"labels": {"com.example.team": "search"}}),
     ("label changed", {"labels": {"com.example.team": "search"}}, {"labels": {"com.example.team": "chat"}}),
+    ("env value changed", {"env": {"MODE": "0"}}, {"env": {"MODE": "1"}}),
+    ("secret added", {}, {"secret_env": {"HF_TOKEN": "t"}}),
+    ("secret changed", {"secret_env": {"HF_TOKEN": "t"}}, {"secret_env": {"HF_TOKEN": "u"}}),
+    ("secret renamed", {"secret_env": {"HF_TOKEN": "t"}}, {"secret_env": {"HUGGING_FACE_HUB_TOKEN": "t"}}),
+    ("variable made secret", {"env": {"HF_TOKEN": "t"}}, {"secret_env": {"HF_TOKEN": "t"}}),
 ]
 
 
@@ -357,6 +362,13 @@ SAME: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         "limits and labels in another order",
         {"ulimits": {"stack": 8, "core": 0}, "labels": {"a.b": "1", "c.d": "2"}},
         {"ulimits": {"core": 0, "stack": 8}, "labels": {"c.d": "2", "a.b": "1"}},
+    ),
+    ("the same secret again", {"secret_env": {"HF_TOKEN": "t"}}, {"secret_env": {"HF_TOKEN": "t"}}),
+    ("no secrets spelt out", {}, {"secret_env": {}}),
+    (
+        "secrets in another order",
+        {"secret_env": {"A": "1", "B": "2"}},
+        {"secret_env": {"B": "2", "A": "1"}},
     ),
 ]
 

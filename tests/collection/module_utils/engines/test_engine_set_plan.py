@@ -298,12 +298,12 @@ def test_options_that_need_each_other(options: SetOptions) -> None:
         run_engine_set({**base, "parallel": 0}, check_mode=True, engine=engine, held_artifacts=held_problems)
 
 
-def test_env_values_are_masked_in_refusal_messages(options: SetOptions) -> None:
+def test_secret_env_values_are_masked_in_refusal_messages(options: SetOptions) -> None:
     engine = DockerEngine(cast(DockerApi, _ListOnly()))
     secret = "s3cret-value-9"
     params = {
         # An invalid name is repeated in the refusal: here it carries the secret.
-        "engines": [spec(f"Bad-{secret}", 9001, env={"TOKEN": secret})],
+        "engines": [spec(f"Bad-{secret}", 9001, secret_env={"TOKEN": secret})],
         "policy": options.policy_path,
         "state_dir": options.state_dir,
         "parallel": 8,
@@ -312,3 +312,20 @@ def test_env_values_are_masked_in_refusal_messages(options: SetOptions) -> None:
         run_engine_set(params, check_mode=True, engine=engine, held_artifacts=held_problems)
     assert secret not in str(caught.value) and secret not in repr(caught.value.result)
     assert MASK in str(caught.value)
+
+
+def test_env_values_and_short_secrets_never_star_an_engine_name(options: SetOptions) -> None:
+    # Issue 25: env {X: "tgi"} made "engine 'aud-tgi' refused" read "engine 'aud-********' refused". A plain
+    # value is not a secret, and a secret too short to tell apart from other text is not hunted by content.
+    engine = DockerEngine(cast(DockerApi, _ListOnly()))
+    name = "Aud-tgi-1"
+    params = {
+        "engines": [spec(name, 9001, env={"MODE": "tgi", "FLAG": "1"}, secret_env={"KEY": "t"})],
+        "policy": options.policy_path,
+        "state_dir": options.state_dir,
+        "parallel": 8,
+    }
+    with pytest.raises(EngineSetError) as caught:
+        run_engine_set(params, check_mode=True, engine=engine, held_artifacts=held_problems)
+    assert f"engine '{name}'" in str(caught.value)
+    assert MASK not in str(caught.value) + repr(caught.value.result)

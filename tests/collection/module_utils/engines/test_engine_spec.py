@@ -52,7 +52,8 @@ GOOD = [
             gpus=["0", "GPU-1", "MIG-2"],
             min_vram_mib=0,
             args=["--max-model-len", "4096"],
-            env={"HF_TOKEN": "x"},
+            env={"VLLM_LOGGING_LEVEL": "1"},
+            secret_env={"HF_TOKEN": "x"},
             state="stopped",
             replace_strategy="stop-then-start",
         ),
@@ -111,6 +112,9 @@ BAD = [
     pytest.param(spec(args=[1]), "args[0]", id="arg-not-a-string"),
     pytest.param(spec(env={"A": 1}), "env.A", id="env-value-not-a-string"),
     pytest.param(spec(env=["A=1"]), "env", id="env-not-a-mapping"),
+    pytest.param(spec(secret_env={"A": 1}), "secret_env.A", id="secret-value-not-a-string"),
+    pytest.param(spec(secret_env="A=1"), "secret_env", id="secret-env-not-a-mapping"),
+    pytest.param(spec(env={"A": "1"}, secret_env={"A": "2"}), "secret_env", id="a-name-in-env-and-secret-env"),
     pytest.param(spec(state="running"), "state", id="unknown-state"),
     pytest.param(spec(replace_strategy="yolo"), "replace_strategy", id="unknown-strategy"),
     pytest.param(spec(privileged=True), "privileged", id="unknown-field"),
@@ -231,6 +235,10 @@ def test_messages_carry_the_value_but_never_env_values() -> None:
     with pytest.raises(FieldError) as secret:
         parse_engine_spec(spec(env={"HF_TOKEN": ["hf_secret"]}))
     assert "hf_secret" not in str(secret.value)
+    with pytest.raises(FieldError) as both:
+        parse_engine_spec(spec(env={"TOKEN": "plain-value"}, secret_env={"TOKEN": "hidden-value"}))
+    assert "'TOKEN'" in str(both.value)
+    assert "plain-value" not in str(both.value) and "hidden-value" not in str(both.value)
 
 
 def test_where_prefixes_every_path() -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.meridian.node.tests.support.engine_harness import free_ports
 from ansible_collections.meridian.node.tests.support.standin_image import (
     LocalImage,
     _locked,
@@ -184,6 +185,9 @@ def _site(work: Path, suites: Sequence[str]) -> Iterator[dict[str, Any]]:
             },
             "engine": {"image": engine.pinned, "repository": ENGINE_REPOSITORY, "port_range": list(PORT_RANGE)},
             "engine_prefix": f"mn-mol-{run}-",
+            # The nodes share this machine's network (host network mode): each agent's metrics endpoint needs a
+            # port of its own.
+            "metrics_ports": dict(zip(suites, free_ports(len(suites)), strict=True)),
             "airgap": authority,
         }
         try:

@@ -455,7 +455,9 @@ def _dependency_wheels(suite: str, python: str | None = None) -> Path:
     that suite's glibc), cached by the dependency list (the versions pip picked the first time stay: delete
     ``cache_dir() / "wheels"`` to take newer releases)."""
     target = dataclasses.replace(_suite(suite), python=python) if python else _suite(suite)
-    dependencies: list[str] = list(_project().get("dependencies", []))
+    # The metrics extra too: roles/node_agent installs it where the config has a metrics section (molecule's does).
+    project = _project()
+    dependencies: list[str] = [*project.get("dependencies", []), *project["optional-dependencies"]["metrics"]]
     key = json.dumps([dependencies, target.python, target.glibc, platform.machine(), _FORMAT])
     parent = cache_dir() / "wheels"
     directory = parent / f"{suite}-py{target.python}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"

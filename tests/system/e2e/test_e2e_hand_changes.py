@@ -39,7 +39,7 @@ def _started(host: Host, vllm: LocalImage, name: str) -> dict[str, Any]:
         image=vllm.pinned,
         model={"artifact": "tiny"},
         port=free_port(),
-        env={"API_TOKEN": "tok-a1b2c3-hand-changes"},
+        secret_env={"API_TOKEN": "tok-a1b2c3-hand-changes"},
     )
     result = host.play([("apply", params, False)])["apply"]
     assert not result.get("failed") and result["done"] == ["create", "start", "wait-ready"], result

@@ -2,7 +2,7 @@
 mutual TLS, real signing), the agent's cycle, real ansible-runner runs of playbooks/reconcile.yml, the real Docker
 Engine and the stand-in vLLM image.
 
-- An engine's environment value (a secret: a token) reaches the engine's container and nothing the agent keeps:
+- An engine's secret_env value (a token) reaches the engine's container and nothing the agent keeps:
   not the ansible-runner journal, not the oplog, the status file, the spool's neighbours, the agent's log or the
   observation it reports. The applier scrubs such values out of the journal after a run, a second line of
   defence; the test withholds them from that scrub, so what it checks is that the run never wrote them.
@@ -102,7 +102,7 @@ def test_engine_secret_reaches_the_container_and_never_the_journal_oplog_status_
     caplog.set_level(logging.DEBUG)
     token = f"hf_{secrets.token_urlsafe(24)}"
     name = f"{prefix}-chat"
-    spec = engine_spec(name, image, free_engine_port(), env={"HF_TOKEN": token, "LOG_LEVEL": "info"})
+    spec = engine_spec(name, image, free_engine_port(), env={"LOG_LEVEL": "info"}, secret_env={"HF_TOKEN": token})
     generation = publish(server, node_id, document={"engines": [spec]})
     agent = node.agent()
     apply = agent.applier.apply
@@ -133,7 +133,7 @@ def test_engine_secret_reaches_the_container_and_never_the_journal_oplog_status_
     observed = last_observation(server, node_id)
     assert observed is not None and observed["applied_generation"] == generation
     assert token not in json.dumps(observed)
-    # The variable's name may show (the module diffs env by name); its value never does.
+    # The variable's name may show (the diff lists secret_env by name); its value never does.
     assert token not in (run.journal / "stdout").read_text()
 
 

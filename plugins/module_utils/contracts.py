@@ -659,7 +659,7 @@ def _unique(what: str, values: list[Any]) -> None:
 # The tar's first member; no listed member may take its name.
 BUNDLE_ENVELOPE_NAME = "bundle.json"
 # Top-level directories a bundle's members live in; each has one meaning (docs/AIR_GAP.md, "Layout").
-BUNDLE_TOP_DIRECTORIES = ("artifacts", "playbooks", "collection")
+BUNDLE_TOP_DIRECTORIES = ("artifacts", "playbooks", "collection", "images")
 
 
 def _bundle_member_path(value: str) -> str:
@@ -733,6 +733,11 @@ class Bundle(StrictModel):
             raise ValueError(
                 f"collection/ holds exactly one collection tarball, collection/<name>.tar.gz (got {collections})"
             )
+        # Engine images: one archive per image, directly under images/ (docs/AIR_GAP.md, "Images").
+        images = [entry.path for entry in self.files if entry.path.startswith("images/")]
+        odd = [path for path in images if path.count("/") != 1 or not path.endswith(".tar") or path == "images/.tar"]
+        if odd:
+            raise ValueError(f"images/ holds image archives named images/<name>.tar, nothing else (got {odd[0]!r})")
         return self
 
     @property

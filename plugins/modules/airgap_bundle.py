@@ -100,6 +100,14 @@ artifacts:
   returned: O(state=unpacked)
   type: list
   elements: dict
+images:
+  description:
+    - Each engine image the bundle carries (C(images/<name>.tar)), verified against the state's pin, with
+      C(member), C(reference), C(image_id), C(bytes) and C(loaded) (loaded into Docker by this run, or in check
+      mode, would be; false when Docker already had it by its pin).
+  returned: O(state=unpacked)
+  type: list
+  elements: dict
 bytes:
   description: Bytes of members read and hashed.
   returned: O(state=unpacked)

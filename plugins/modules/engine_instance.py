@@ -69,8 +69,15 @@ options:
     choices: [vllm, tgi, sglang, ollama, llamacpp, lmdeploy, openai]
   image:
     description:
-      - The engine image, C(repository[:tag]@sha256:<digest>). It must already be in the local Docker
-        Engine (nothing is pulled) and be allowed by the policy. Required unless O(state=absent).
+      - The engine image, C(repository[:tag]@sha256:<digest>), allowed by the policy. Required unless
+        O(state=absent).
+      - When the container is to be created and the local Docker Engine lacks the image, it is pulled by its
+        digest (never a tag), with the credentials of the policy's C(images.registry_auth_file), after every
+        other check and before anything is drained or stopped, then verified (its registry digest must be
+        exactly this one). A pull whose progress stops for C(images.pull_stall_seconds) is cancelled
+        (check C(image-pull-stalled)); one that would leave less than C(images.min_free_bytes) free under
+        Docker's data-root is refused before it starts (check C(disk-low)). Check mode pulls nothing and
+        reports the pull it would make (RV(image_pull)).
     type: str
   model:
     description:
@@ -401,6 +408,13 @@ held:
     C(gpus) (empty for a node cordon).
   returned: when a draining cordon holds the engine
   type: dict
+image_pull:
+  description: The pull of the engine's image - C(image), C(pulled), C(bytes) and C(seconds); in check mode
+    C(would_pull), C(registry), C(size_bytes) (null - the Engine API tells only the manifest's size before a
+    pull, in C(size_note)) and C(free_bytes); on a failed pull how far it got. Shown by C(ansible-playbook -v).
+  returned: when the image had to be pulled (or would be, in check mode)
+  type: dict
+  sample: {image: "registry.local:5000/engines/vllm@sha256:9b0c...", pulled: true, bytes: 4194304, seconds: 1.52}
 placement_warnings:
   description: What placement let through but says - a GPU whose health is C(degraded), or one of C(unhealthy)
     or C(unknown) health that only O(force) placed the engine on - with the GPU, its verdict and its reasons.

@@ -25,6 +25,12 @@ description:
     pruned or replaced are credited). Any refusal fails the module before any change, naming the engine and the
     check. What placement lets through but must say (a C(degraded) GPU, O(engines[].force) on a bad one) is in
     the module's warnings, each engine's C(placement_warnings) and the diff.
+  - Then every image an engine is to be created from and the local Docker Engine lacks is pulled, each once, by
+    its digest (never a tag) from a repository the policy allows, with the credentials of the policy's
+    C(images.registry_auth_file), and verified, before any engine is drained, held or stopped - a failed,
+    stalled (C(images.pull_stall_seconds), check C(image-pull-stalled)) or refused (C(images.min_free_bytes),
+    check C(disk-low)) pull fails the module with every engine serving as before. Check mode pulls nothing and
+    reports each pull it would make.
   - Then, in order - the pruned engines that hold a port or a GPU a listed engine needs are drained and removed;
     the listed engines converge, up to O(parallel) at once (created and started together, waited for together,
     each replaced engine drained first under its own drain timeout); then the other pruned engines are drained
@@ -362,7 +368,9 @@ RETURN = r"""
 engines:
   description: Per engine name, the result M(meridian.node.engine_instance) returns for it - C(actions), C(done),
     C(config_hash), C(container), C(drifted), C(ready), C(probe), C(diff), C(placement_warnings) when
-    placement has something to say, C(held) (by, reason, gpus) for an engine a draining cordon holds stopped,
+    placement has something to say, C(image_pull) when its image was pulled (or would be, in check mode - every
+    missing image is pulled before any engine is drained or stopped, so a failed or stalled pull leaves them
+    all serving), C(held) (by, reason, gpus) for an engine a draining cordon holds stopped,
     and on failure C(failed), C(msg) and C(check). C(env) values are shown whole; C(secret_env) values never
     appear (the diff shows each name beside V(<secret>)).
   returned: always

@@ -146,9 +146,11 @@ def state_bundle(
     artifacts: Sequence[tuple[Path, Path]] = (),
     playbooks: Path | None = None,
     collection: Path | None = None,
+    images: Sequence[str] = (),
 ) -> Path:
     """A bundle made by make-bundle's code, valid now, in ``node.bundles``: the state is ``desired`` (signed
-    here by CONTROL) or ``desired_envelope`` (signed elsewhere, a devserver's publish)."""
+    here by CONTROL) or ``desired_envelope`` (signed elsewhere, a devserver's publish); ``images`` are exported
+    from the local Docker (``make-bundle --image``)."""
     now = datetime.now(UTC).replace(microsecond=0)
     if desired_envelope is None:
         state = current_state(generation, node_id=node.node_id, **(desired or {}))
@@ -165,6 +167,7 @@ def state_bundle(
             artifacts=artifacts,
             playbooks=playbooks,
             collection=collection,
+            images=images,
         ),
     )
     return out

@@ -33,7 +33,11 @@ from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader
     UnpackedBundle,
     unpack_bundle,
 )
-from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_stage import stage_artifacts
+from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_stage import (
+    load_bundle_images,
+    stage_artifacts,
+)
+from ansible_collections.meridian.node.plugins.module_utils.airgap.image_load import ImageLoadError
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import ArtifactError
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import ArtifactStoreError
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
@@ -324,7 +328,12 @@ class InboxProcessor:
         tree = Path(unpacked.directory) / "tree"
         try:
             self._stage_artifacts(unpacked)
+            # Images after the whole bundle verified (unpack_bundle) and from the copies in scratch.
+            for loaded in load_bundle_images(unpacked):
+                self.log.info("image-loaded" if loaded["loaded"] else "image-present", **loaded)
             applier = self._applier(unpacked, tree)
+        except ImageLoadError as exc:
+            return outcome(BundleResult.APPLY_FAILED, "image-load-failed", str(exc))
         except (
             ArtifactError,
             ArtifactStoreError,

@@ -11,7 +11,10 @@ import argparse
 import base64
 import json
 import os
+import re
+import shutil
 import socket
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -21,14 +24,19 @@ from typing import Any, TypeVar
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import CappedReadError, read_capped
 from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YamlFileError, parse_yaml
-from ansible_collections.meridian.node.plugins.module_utils.airgap import bundle_reader
+from ansible_collections.meridian.node.plugins.module_utils.airgap import bundle_reader, image_archive
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_writer import (
     BundleWriteError,
     PlannedMember,
     plan_members,
     write_bundle,
 )
+from ansible_collections.meridian.node.plugins.module_utils.airgap.image_export import (
+    ImageExportError,
+    rewrite_docker_save,
+)
 from ansible_collections.meridian.node.plugins.module_utils.airgap.runbook import listed_runbook
+from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi, DockerApiError
 from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy, parse_duration
@@ -89,6 +97,14 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
     make.add_argument(
         "--collection", type=Path, metavar="TARBALL", help="the collection tarball the playbooks run with"
     )
+    make.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="REF@DIGEST",
+        help="an engine image the state pins (repo@sha256:<image id>), exported from the local Docker into "
+        "images/<name>.tar; repeatable",
+    )
     make.add_argument("--expires", required=True, metavar="DURATION", help="how long the bundle is valid: 7d, 12h")
     make.add_argument("--bundle-id", default=None, metavar="NAME", help="default: g<generation>-<UTC time>")
     make.add_argument("--out", required=True, type=Path, metavar="FILE.tar")
@@ -118,6 +134,7 @@ class BundleInputs:
     playbooks: Path | None = None
     collection: Path | None = None
     bundle_id: str | None = None
+    images: Sequence[str] = ()
 
 
 def cmd_make_bundle(args: argparse.Namespace) -> int:
@@ -149,6 +166,7 @@ def cmd_make_bundle(args: argparse.Namespace) -> int:
         playbooks=args.playbooks,
         collection=args.collection,
         bundle_id=args.bundle_id,
+        images=args.image,
     )
     payload = build_bundle(args.out, inputs)
     print(
@@ -199,6 +217,26 @@ def build_bundle(out: Path, inputs: BundleInputs) -> dict[str, Any]:
         members.extend((f"{where}/files/{entry.path}", str(directory / entry.path)) for entry in manifest.files)
         manifests.append((manifest, where))
     members.extend(_code_members(inputs.playbooks, inputs.collection))
+    exports = None
+    if inputs.images:
+        # Beside the output: the same filesystem, and removed whatever happens below.
+        exports = Path(tempfile.mkdtemp(prefix=".images-", dir=out.resolve().parent))
+    try:
+        if exports is not None:
+            members.extend(_export_images(inputs.images, state, exports))
+        return _sign_and_write(out, inputs, state, members, manifests)
+    finally:
+        if exports is not None:
+            shutil.rmtree(exports, ignore_errors=True)
+
+
+def _sign_and_write(
+    out: Path,
+    inputs: BundleInputs,
+    state: contracts.DesiredState,
+    members: list[tuple[str, str]],
+    manifests: list[tuple[contracts.ArtifactManifest, str]],
+) -> dict[str, Any]:
     try:
         planned = plan_members(members)
     except BundleWriteError as exc:
@@ -228,6 +266,67 @@ def build_bundle(out: Path, inputs: BundleInputs) -> dict[str, Any]:
     except (BundleWriteError, OSError) as exc:
         raise UsageError(f"cannot write {out}: {exc}") from None
     return payload
+
+
+def _export_images(references: Sequence[str], state: contracts.DesiredState, directory: Path) -> list[tuple[str, str]]:
+    """Each ``--image`` from the local Docker into ``directory`` in the archive form hosts verify, checked to
+    yield exactly the pinned image before anything is signed; the ``(bundle path, file)`` of each."""
+    pinned = {engine.image for engine in state.engines}
+    members: list[tuple[str, str]] = []
+    try:
+        api = DockerApi.from_env()
+    except DockerApiError as exc:
+        raise UsageError(f"--image needs the local Docker Engine: {exc}") from None
+    for reference in references:
+        split = image_archive.split_pin(reference)
+        if split is None:
+            raise UsageError(f"--image {reference!r}: name the image by digest, repository@sha256:<64 hex>")
+        if reference not in pinned:
+            raise UsageError(
+                f"--image {reference}: no engine of the desired state pins it (they pin "
+                f"{sorted(pinned) or 'nothing'}); hosts load only the images their control-signed state names"
+            )
+        repository, digest = split
+        image_id = _local_image_id(api, reference, digest)
+        name = f"{re.sub(r'[^a-z0-9_.-]', '-', repository.rsplit('/', 1)[-1])}-{digest[7:19]}"
+        saved, archive = directory / f"{name}.save.tar", directory / f"{name}.tar"
+        try:
+            with saved.open("wb") as handle:
+                api.save(image_id, handle, max_bytes=1024**4)
+            with saved.open("rb") as source, archive.open("wb") as target:
+                rewrite_docker_save(source, target, image_id=image_id, what=f"--image {reference}")
+            saved.unlink()
+            with archive.open("rb") as handle:
+                image_archive.verify_image_archive(
+                    handle, archive.stat().st_size, pins={digest: reference}, max_layer_bytes=1024**4, member=name
+                )
+        except (DockerApiError, ImageExportError, OSError) as exc:
+            raise UsageError(f"--image {reference}: {exc}") from None
+        except image_archive.ImageArchiveRefused as exc:
+            if image_id != digest:
+                raise UsageError(
+                    f"--image {reference} is pinned by its registry manifest digest, and this Docker Engine's export "
+                    f"cannot reproduce that manifest (its classic image store keeps only the config, image id "
+                    f"{image_id}, and the layers): pin the engine by its image id, {repository}@{image_id}, in the "
+                    "desired state control signs"
+                ) from None
+            raise UsageError(f"--image {reference}: the export does not verify: {exc}") from None
+        members.append((f"images/{name}.tar", str(archive)))
+    return members
+
+
+def _local_image_id(api: DockerApi, reference: str, digest: str) -> str:
+    """The id of the local image ``reference`` names: by its registry digest, else by image id."""
+    for name in (reference, digest):
+        try:
+            return str(api.inspect_image(name).get("Id"))
+        except DockerApiError as exc:
+            if not exc.not_found:
+                raise UsageError(f"--image {reference}: {exc}") from None
+    raise UsageError(
+        f"--image {reference}: the local Docker Engine has no image with registry digest or image id {digest}: "
+        "load or pull it here first"
+    )
 
 
 def _private_key(path: Path) -> Any:
@@ -420,6 +519,7 @@ def verify_bundle_file(args: argparse.Namespace, policy: Policy, store: StateSto
         "members": len(verified.bundle.files),
         "bytes": check.bytes_read,
         "artifacts": [f"{m.manifest.name}/{m.manifest.version}" for m in check.manifests],
+        "images": [image.reference for image in check.images.values()],
         "already_applied": verified.desired.already_applied,
         "recorded": False,
     }

@@ -21,9 +21,12 @@ from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader
 )
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_stage import (
     discard_work_dir,
+    load_bundle_images,
+    plan_bundle_images,
     stage_artifacts,
     write_envelope,
 )
+from ansible_collections.meridian.node.plugins.module_utils.airgap.image_load import ImageLoadError
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import ArtifactError
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import ArtifactStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
@@ -72,8 +75,11 @@ def _unpacked_outcome(params: Mapping[str, Any], policy: Policy, *, check_mode: 
             # What the real run needs beyond a good bundle: without this, --check passed and the run then
             # failed on a scratch directory it could not make.
             check_scratch(policy.air_gap.scratch_dir, checked.verified.bundle.total_bytes)
+            # What the run would load: the images Docker lacks by their pins (asked, nothing loaded).
+            images = [item.report() for item in plan_bundle_images(checked.images)]
             return {
-                "changed": not checked.verified.desired.already_applied,
+                "changed": not checked.verified.desired.already_applied or any(item["loaded"] for item in images),
+                "images": images,
                 "bundle_id": checked.verified.bundle.bundle_id,
                 "generation": checked.verified.desired.state.generation,
                 "already_applied": checked.verified.desired.already_applied,
@@ -90,6 +96,12 @@ def _unpacked_outcome(params: Mapping[str, Any], policy: Policy, *, check_mode: 
         }
     except StateStoreError as exc:
         return {"failed": True, "msg": f"Error reading the applied-state record in {params['state_dir']}: {exc}"}
+    except ImageLoadError as exc:
+        return {
+            "failed": True,
+            "msg": f"Error checking the images of bundle {bundle}: {exc}",
+            "reason": "image-load-failed",
+        }
     refused = _refuse_playbooks(bundle, list(unpacked.files), unpacked.discard)
     if refused is not None:
         return refused
@@ -112,6 +124,15 @@ def _unpacked_outcome(params: Mapping[str, Any], policy: Policy, *, check_mode: 
     try:
         staged = stage_artifacts(unpacked, policy, warnings.append)
         envelope = write_envelope(unpacked)
+        images = load_bundle_images(unpacked)
+    except ImageLoadError as exc:
+        unpacked.discard()
+        return {
+            "failed": True,
+            "msg": f"Error loading the images of bundle {bundle}: {exc}",
+            "reason": "image-load-failed",
+            **_warnings(warnings),
+        }
     except (ArtifactError, ArtifactStoreError, OSError, ValueError) as exc:
         unpacked.discard()
         return {
@@ -121,13 +142,16 @@ def _unpacked_outcome(params: Mapping[str, Any], policy: Policy, *, check_mode: 
             **_warnings(warnings),
         }
     return {
-        "changed": not desired.already_applied or any(item["changed"] for item in staged),
+        "changed": not desired.already_applied
+        or any(item["changed"] for item in staged)
+        or any(item["loaded"] for item in images),
         "bundle_id": unpacked.verified.bundle.bundle_id,
         "generation": desired.state.generation,
         "already_applied": desired.already_applied,
         "envelope": envelope,
         "directory": unpacked.directory,
         "artifacts": staged,
+        "images": images,
         "bytes": unpacked.bytes_read,
         **_warnings(warnings),
     }

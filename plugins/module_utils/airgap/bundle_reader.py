@@ -15,7 +15,9 @@ until the authority's signature says what to expect, and then checks each byte a
    seen before, with the listed size. Its data is then read once, hashed as it is read, and written
    under a name this reader makes up (never a path from the tar) in a fresh directory in scratch.
 5. After the last member: an end-of-archive marker followed by nothing but zero padding, every listed
-   member present, every artifact manifest verified by the artifact keys and matching its files.
+   member present, every artifact manifest verified by the artifact keys and matching its files, and every
+   image archive (``images/<name>.tar``) yielding exactly one image that an engine of the control-signed state
+   pins, from a repository the policy allows (``image_archive.py``; read from the copy in scratch).
 6. Only then are the files renamed into a tree by their (signed, validated) listed paths, still inside
    that scratch directory. On any refusal the directory is removed and ``BundleRefused`` names the reason.
 
@@ -49,7 +51,8 @@ from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import short_repr
-from ansible_collections.meridian.node.plugins.module_utils.airgap import runbook
+from ansible_collections.meridian.node.plugins.module_utils.airgap import image_archive, runbook
+from ansible_collections.meridian.node.plugins.module_utils.airgap.tar_members import EXTENDED_TYPES, member_kind
 from ansible_collections.meridian.node.plugins.module_utils.trust import verify as trust
 
 if TYPE_CHECKING:
@@ -75,18 +78,12 @@ MAX_EXTENDED_HEADER_BYTES = 64 * 1024
 # After the end-of-archive marker (two zero blocks) tar writers pad with zeros to a whole record.
 _END_MARKER_BYTES = 2 * tarfile.BLOCKSIZE
 _MAX_TRAILER_BYTES = _END_MARKER_BYTES + tarfile.RECORDSIZE
-_EXTENDED_TYPES = (
-    tarfile.XHDTYPE,
-    tarfile.XGLTYPE,
-    tarfile.SOLARIS_XHDTYPE,
-    tarfile.GNUTYPE_LONGNAME,
-    tarfile.GNUTYPE_LONGLINK,
-)
 # The most extended headers one member may carry (a pax header and a GNU long name, each possibly twice).
 _MAX_HEADER_CHAIN = 8
 # Large enough that the per-read cost vanishes beside hashing; small enough to stay in the CPU caches.
 _CHUNK_BYTES = 1024 * 1024
 _MANIFEST_NAME = "manifest.json"
+_IMAGES = "images/"
 
 
 class BundleProblem(StrEnum):
@@ -113,9 +110,19 @@ class BundleProblem(StrEnum):
     CODE_REFUSED = runbook.CODE_REFUSED
     CODE_NOT_PINNED = runbook.CODE_NOT_PINNED
     CODE_MISMATCH = runbook.CODE_MISMATCH
+    IMAGE_NOT_ALLOWED = "image-not-allowed"
 
 
-Reason = Union[BundleProblem, trust.RejectionCode]
+Reason = Union[BundleProblem, trust.RejectionCode, image_archive.ImageArchiveProblem]
+# What one read gives: the verified envelope, the artifact manifests, bytes read, the files in scratch and
+# the verified images by member path.
+_ReadResult = tuple[
+    trust.VerifiedBundle,
+    tuple[trust.VerifiedManifest, ...],
+    int,
+    dict[str, str],
+    dict[str, image_archive.VerifiedImage],
+]
 
 
 class BundleRefused(MeridianError):
@@ -137,18 +144,21 @@ class BundleCheck:
     verified: trust.VerifiedBundle
     manifests: tuple[trust.VerifiedManifest, ...]
     bytes_read: int
+    images: Mapping[str, image_archive.VerifiedImage] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class UnpackedBundle:
     """A verified bundle's members in scratch: ``files`` maps each listed path to its file under
-    ``directory``. The caller owns ``directory`` and calls ``discard`` when done with it."""
+    ``directory``. The caller owns ``directory`` and calls ``discard`` when done with it. ``images``: each
+    image archive (``images/<name>.tar``, at ``files[image.member]``) verified against the state's pins."""
 
     verified: trust.VerifiedBundle
     manifests: tuple[trust.VerifiedManifest, ...]
     bytes_read: int
     directory: str
     files: Mapping[str, str] = field(default_factory=dict)
+    images: Mapping[str, image_archive.VerifiedImage] = field(default_factory=dict)
 
     def discard(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -156,8 +166,10 @@ class UnpackedBundle:
 
 def check_bundle(path: str, policy: Policy, *, node_id: str, now: datetime, applied: trust.AppliedState) -> BundleCheck:
     """Verify the bundle at ``path`` completely (every member read and hashed) without writing anything."""
-    verified, manifests, read, _unused = _read(path, policy, node_id=node_id, now=now, applied=applied, work=None)
-    return BundleCheck(verified=verified, manifests=manifests, bytes_read=read)
+    verified, manifests, read, _unused, images = _read(
+        path, policy, node_id=node_id, now=now, applied=applied, work=None
+    )
+    return BundleCheck(verified=verified, manifests=manifests, bytes_read=read, images=images)
 
 
 def unpack_bundle(
@@ -171,11 +183,15 @@ def unpack_bundle(
     except OSError as exc:
         raise _scratch_error(exc, policy.air_gap.scratch_dir, "creating a working directory in it") from None
     try:
-        verified, manifests, read, files = _read(path, policy, node_id=node_id, now=now, applied=applied, work=work)
+        verified, manifests, read, files, images = _read(
+            path, policy, node_id=node_id, now=now, applied=applied, work=work
+        )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    return UnpackedBundle(verified=verified, manifests=manifests, bytes_read=read, directory=work, files=files)
+    return UnpackedBundle(
+        verified=verified, manifests=manifests, bytes_read=read, directory=work, files=files, images=images
+    )
 
 
 # --- reading ---------------------------------------------------------------------------------------------
@@ -189,7 +205,7 @@ def _read(
     now: datetime,
     applied: trust.AppliedState,
     work: Optional[str],
-) -> tuple[trust.VerifiedBundle, tuple[trust.VerifiedManifest, ...], int, dict[str, str]]:
+) -> _ReadResult:
     try:
         return _read_checked(path, policy, node_id=node_id, now=now, applied=applied, work=work)
     except OSError as exc:
@@ -207,7 +223,7 @@ def _read_checked(
     now: datetime,
     applied: trust.AppliedState,
     work: Optional[str],
-) -> tuple[trust.VerifiedBundle, tuple[trust.VerifiedManifest, ...], int, dict[str, str]]:
+) -> _ReadResult:
     with _open_regular(path) as (handle, size):
         tar = _open_tar(handle, path)
         verified = _read_envelope(tar, handle, path, policy, node_id=node_id, now=now, applied=applied)
@@ -221,6 +237,7 @@ def _read_checked(
                 raise _scratch_error(exc, policy.air_gap.scratch_dir, "creating a working directory in it") from None
         seen: dict[str, int] = {}
         kept: dict[str, bytes] = {}
+        image_offsets: dict[str, int] = {}
         total = 0
         reader = _MemberReader(handle, incoming, policy.air_gap.scratch_dir)
         for info in _members(tar, handle):
@@ -232,6 +249,8 @@ def _read_checked(
             total += entry.size
             if data is not None:
                 kept[entry.path] = data
+            if entry.path.startswith(_IMAGES):
+                image_offsets[entry.path] = info.offset_data
         _check_end(handle, tar.offset, size, path)
         missing = [name for name in listing if name not in seen]
         if missing:
@@ -242,8 +261,9 @@ def _read_checked(
                 missing[0],
             )
         manifests = _check_artifacts(verified.bundle, kept, policy, verified.desired.state)
+        images = _check_images(verified, listing, policy, handle, incoming, seen, image_offsets)
         files = {} if incoming is None or work is None else _materialise(work, incoming, seen)
-    return verified, manifests, total, files
+    return verified, manifests, total, files, images
 
 
 @contextmanager
@@ -381,7 +401,7 @@ def _bound_extended_headers(handle: io.FileIO, offset: int) -> None:
     for _attempt in range(_MAX_HEADER_CHAIN):
         handle.seek(offset)
         block = handle.read(tarfile.BLOCKSIZE)
-        if len(block) < tarfile.BLOCKSIZE or block[156:157] not in _EXTENDED_TYPES or not _checksum_ok(block):
+        if len(block) < tarfile.BLOCKSIZE or block[156:157] not in EXTENDED_TYPES or not _checksum_ok(block):
             # Not a header (a gzip file's bytes can hold anything at offset 156): tarfile refuses it.
             return
         size = _header_size(block[124:136])
@@ -473,26 +493,12 @@ def _path_problem(name: str) -> Optional[str]:
     return None
 
 
-_TYPE_WORDS = {
-    tarfile.SYMTYPE: "a symbolic link",
-    tarfile.LNKTYPE: "a hard link",
-    tarfile.CHRTYPE: "a character device",
-    tarfile.BLKTYPE: "a block device",
-    tarfile.FIFOTYPE: "a FIFO",
-    tarfile.DIRTYPE: "a directory",
-    tarfile.CONTTYPE: "a contiguous file",
-    tarfile.GNUTYPE_SPARSE: "a sparse file",
-}
-
-
 def _require_plain_file(info: tarfile.TarInfo) -> None:
     if info.type in (tarfile.REGTYPE, tarfile.AREGTYPE) and not info.issparse():
         return
-    kind = "a sparse file" if info.issparse() else _TYPE_WORDS.get(info.type, f"tar type {info.type!r}")
-    target = f" to {short_repr(info.linkname)}" if info.type in (tarfile.SYMTYPE, tarfile.LNKTYPE) else ""
     raise BundleRefused(
         BundleProblem.NOT_REGULAR,
-        f"member {short_repr(info.name)} is {kind}{target}: a bundle holds regular files only",
+        f"member {short_repr(info.name)} is {member_kind(info)}: a bundle holds regular files only",
         info.name,
     )
 
@@ -709,6 +715,64 @@ def _check_artifacts(
 def _payload_sha256(payload: str) -> str:
     # The contract has checked it is canonical base64.
     return hashlib.sha256(base64.b64decode(payload)).hexdigest()
+
+
+# --- images ----------------------------------------------------------------------------------------------
+
+
+def _check_images(
+    verified: trust.VerifiedBundle,
+    listing: Mapping[str, contracts.BundleFile],
+    policy: Policy,
+    handle: io.FileIO,
+    incoming: Optional[str],
+    seen: Mapping[str, int],
+    offsets: Mapping[str, int],
+) -> dict[str, image_archive.VerifiedImage]:
+    """Each ``images/<name>.tar`` must yield exactly one image that an engine of the control-signed state pins
+    by digest, from a repository the policy allows, and no two archives the same image. Read from the copy in
+    scratch the reader itself wrote (``check_bundle``: in place in the bundle file, read a second time)."""
+    pins: dict[str, str] = {}
+    for engine in verified.desired.state.engines:
+        split = image_archive.split_pin(engine.image)
+        if split is not None:
+            pins.setdefault(split[1], engine.image)
+    images: dict[str, image_archive.VerifiedImage] = {}
+    by_digest: dict[str, str] = {}
+    for path in sorted(offsets):
+        entry = listing[path]
+        try:
+            if incoming is None:
+                source: io.RawIOBase = image_archive.Window(handle, offsets[path], entry.size)
+            else:
+                fd = os.open(os.path.join(incoming, str(seen[path])), os.O_RDONLY | os.O_NOFOLLOW)
+                source = io.FileIO(fd, "rb", closefd=True)
+            with source:
+                image = image_archive.verify_image_archive(
+                    source,  # type: ignore[arg-type]
+                    entry.size,
+                    pins=pins,
+                    max_layer_bytes=policy.air_gap.max_image_layer_bytes,
+                    member=path,
+                )
+        except image_archive.ImageArchiveRefused as exc:
+            raise BundleRefused(exc.reason, exc.message, path) from None
+        problem = policy.image_allowed(image.reference)
+        if problem is not None:
+            raise BundleRefused(
+                BundleProblem.IMAGE_NOT_ALLOWED,
+                f"{path} holds {image.reference}, which may not run here: {problem}",
+                path,
+            )
+        if image.digest in by_digest:
+            raise BundleRefused(
+                image_archive.ImageArchiveProblem.EXTRA,
+                f"{path} holds the same image as {by_digest[image.digest]} ({image.reference}): one archive per image",
+                path,
+            )
+        by_digest[image.digest] = path
+        images[path] = image
+    return images
 
 
 # --- scratch ---------------------------------------------------------------------------------------------

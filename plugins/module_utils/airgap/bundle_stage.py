@@ -3,6 +3,9 @@
 Runs on: the side that applies a bundle (the agent's inbox loop, or the ``airgap_bundle`` module under
 ``playbooks/airgap_apply.yml``), on the managed host's Python (3.9+).
 
+Images the bundle carries are loaded into the local Docker Engine by ``load_bundle_images`` (``image_load``),
+after the artifacts are staged, from the verified copies in scratch.
+
 Staging is ``verified_artifact``'s own store code (``artifacts.store.ensure_artifact``) with the scratch copy
 as the source: the store hashes every file again as it copies it in, so scratch is trusted for where the
 bytes are, never for what they are. A work directory is removed only when it is a ``bundle-*`` directory
@@ -14,17 +17,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils.airgap.image_load import (
+    ImageLoadError,
+    PlannedImage,
+    load_images,
+    plan_images,
+)
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import Store, ensure_artifact
+from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi, DockerApiError
 
 if TYPE_CHECKING:
     from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader import UnpackedBundle
+    from ansible_collections.meridian.node.plugins.module_utils.airgap.image_archive import VerifiedImage
     from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
 
-__all__ = ["ENVELOPE_NAME", "discard_work_dir", "stage_artifacts", "write_envelope"]
+__all__ = [
+    "ENVELOPE_NAME",
+    "discard_work_dir",
+    "load_bundle_images",
+    "plan_bundle_images",
+    "stage_artifacts",
+    "write_envelope",
+]
 
 # Where the desired-state envelope is written inside the work directory, beside (never inside) ``tree``.
 ENVELOPE_NAME = "desired-state.json"
@@ -57,6 +75,28 @@ def stage_artifacts(
         )
         staged.append({"name": manifest.name, "version": manifest.version, "changed": outcome.changed})
     return staged
+
+
+def plan_bundle_images(images: Mapping[str, VerifiedImage], api: DockerApi | None = None) -> list[PlannedImage]:
+    """Which of a verified bundle's images the local Docker lacks (check mode reports this as it is)."""
+    if not images:
+        return []
+    return plan_images(images, api or _docker())
+
+
+def load_bundle_images(unpacked: UnpackedBundle, api: DockerApi | None = None) -> list[dict[str, Any]]:
+    """Load the bundle's images that the local Docker lacks; one ``PlannedImage.report()`` per image."""
+    if not unpacked.images:
+        return []
+    engine = api or _docker()
+    return load_images(plan_bundle_images(unpacked.images, engine), unpacked.files, engine)
+
+
+def _docker() -> DockerApi:
+    try:
+        return DockerApi.from_env()
+    except DockerApiError as exc:
+        raise ImageLoadError(f"the bundle carries images, but the Docker Engine cannot be reached: {exc}") from exc
 
 
 def write_envelope(unpacked: UnpackedBundle) -> str:

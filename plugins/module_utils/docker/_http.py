@@ -11,7 +11,11 @@ package; here the status line and headers are split directly. The exchange is de
   and trailers skipped), or to the end of the connection; none for HEAD, 1xx, 204 and 304;
 - interim 1xx answers (``103 Early Hints``) are skipped;
 - limits on the status line, each header line, the number of headers and the body; an answer that breaks
-  them, or ends early, raises ``HttpLiteError`` naming what was wrong.
+  them, or ends early, raises ``HttpLiteError`` naming what was wrong;
+- ``exchange_streamed``: the same request, its body then read as it arrives (``StreamedAnswer.read`` with a
+  timeout per read), for the one long answer the Docker Engine streams: an image pull's progress. A read
+  that times out loses nothing (the bytes are taken from the socket by ``recv`` and decoded here, not through
+  a buffered file that a timeout leaves in an unknown state), so the caller can look at the clock and read on.
 
 Its reading is checked against ``h11``, a maintained implementation, byte for byte on the same answers
 (tests/collection/module_utils/docker/test_http_lite_differential.py): the two agree, or this
@@ -23,6 +27,7 @@ the control plane's answers, which come from a remote peer, are read by ``h11`` 
 
 from __future__ import annotations
 
+import io
 import re
 import socket
 from collections.abc import Mapping
@@ -31,7 +36,7 @@ from typing import BinaryIO
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 
-__all__ = ["Answer", "HttpLiteError", "exchange"]
+__all__ = ["Answer", "ChunkedDecoder", "HttpLiteError", "StreamedAnswer", "exchange", "exchange_streamed"]
 
 _MAX_LINE = 65536
 _MAX_HEADERS = 100
@@ -192,3 +197,149 @@ def _chunked(stream: BinaryIO, max_body: int, truncate: bool) -> bytes:
             raise HttpLiteError("a chunk is longer than its size says")
         parts.append(chunk)
         total += size
+
+
+class ChunkedDecoder:
+    """``Transfer-Encoding: chunked`` decoded incrementally: ``feed`` takes the bytes that arrived and returns
+    the body bytes they complete; ``done`` once the last chunk and its trailers are read. Extensions and
+    trailers are skipped, as ``exchange`` does; malformed framing raises ``HttpLiteError``."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self._left = 0  # body bytes still to come in the current chunk
+        self._state = "size"  # size, data, crlf, trailer, done
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def feed(self, data: bytes) -> bytes:
+        self._pending += data
+        out = bytearray()
+        while self._pending and self._state != "done":
+            if self._state == "data":
+                take = min(self._left, len(self._pending))
+                out += self._pending[:take]
+                del self._pending[:take]
+                self._left -= take
+                if self._left == 0:
+                    self._state = "crlf"
+                continue
+            line = self._line()
+            if line is None:
+                break
+            if self._state == "size":
+                size_text = line.split(b";", 1)[0].rstrip()
+                if not _HEX.fullmatch(size_text):
+                    raise HttpLiteError(f"bad chunk size: {size_text[:20]!r}")
+                self._left = int(size_text, 16)
+                self._state = "data" if self._left else "trailer"
+            elif self._state == "crlf":
+                if line not in (b"\r\n", b"\n"):
+                    raise HttpLiteError("a chunk is longer than its size says")
+                self._state = "size"
+            elif line in (b"\r\n", b"\n"):  # the trailers' end
+                self._state = "done"
+        return bytes(out)
+
+    def _line(self) -> bytes | None:
+        end = self._pending.find(b"\n")
+        if end < 0:
+            if len(self._pending) > _MAX_LINE:
+                raise HttpLiteError(f"a chunk size or trailer line is longer than {_MAX_LINE} bytes")
+            return None
+        line = bytes(self._pending[: end + 1])
+        del self._pending[: end + 1]
+        return line
+
+
+class StreamedAnswer:
+    """An answer whose status and headers are read and whose body is read as it arrives (``read``)."""
+
+    def __init__(self, sock: socket.socket, status: int, reason: str, headers: Mapping[str, str], early: bytes) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self._sock = sock
+        self._chunked: ChunkedDecoder | None = None
+        self._left: int | None = None  # Content-Length bytes still to come; None: to the end of the connection
+        self._ended = False
+        coding = headers.get("transfer-encoding")
+        if coding is not None:
+            if coding.strip().lower() != "chunked":
+                raise HttpLiteError(f"unsupported Transfer-Encoding: {coding[:80]!r} (only chunked is read)")
+            self._chunked = ChunkedDecoder()
+        elif "content-length" in headers:
+            self._left = _content_length(headers["content-length"])
+        self._early = early  # body bytes that arrived with the headers
+
+    def read(self, timeout_s: float) -> bytes | None:
+        """The body bytes that arrive within ``timeout_s`` (at least one, or more as they come); ``b""`` once
+        the body has ended; None when nothing arrived in time (nothing is lost: read again)."""
+        while not self._ended:
+            if self._early:
+                data, self._early = self._early, b""
+            else:
+                self._sock.settimeout(max(timeout_s, 0.001))
+                try:
+                    data = self._sock.recv(65536)
+                except (socket.timeout, BlockingIOError):
+                    return None
+                if not data:
+                    if self._chunked is not None or (self._left or 0) > 0:
+                        raise HttpLiteError("the answer ended before its body did")
+                    self._ended = True
+                    return b""
+            body = self._body(data)
+            if body:
+                return body
+        return b""
+
+    def _body(self, data: bytes) -> bytes:
+        if self._chunked is not None:
+            body = self._chunked.feed(data)
+            self._ended = self._chunked.done
+            return body
+        if self._left is not None:
+            body = data[: self._left]
+            self._left -= len(body)
+            self._ended = self._left == 0
+            return body
+        return data
+
+
+def exchange_streamed(
+    sock: socket.socket,
+    method: str,
+    target: str,
+    *,
+    host: str,
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+) -> StreamedAnswer:
+    """Send one request on ``sock`` (``Connection: close``) and read the answer's status line and headers (within
+    the socket's own timeout); the body is then read with ``StreamedAnswer.read``. The caller closes ``sock``:
+    closing it early is how a streamed operation is abandoned."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b""))
+    received = bytearray()
+    while True:
+        end = received.find(b"\r\n\r\n")
+        if end >= 0:
+            head, rest = bytes(received[: end + 4]), bytes(received[end + 4 :])
+            stream = io.BytesIO(head)
+            _version, status, reason = _status_line(stream)
+            fields = _header_fields(stream)
+            if not 100 <= status < 200:
+                return StreamedAnswer(sock, status, reason, fields, rest)
+            received = bytearray(rest)  # an interim answer: the real one follows
+            continue
+        if len(received) > _MAX_LINE * 4:
+            raise HttpLiteError(f"the answer's status line and headers are longer than {_MAX_LINE * 4} bytes")
+        data = sock.recv(65536)
+        if not data:
+            raise HttpLiteError("the connection closed before the headers ended")
+        received += data

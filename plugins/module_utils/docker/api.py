@@ -20,27 +20,37 @@ object), None when it could not be reached; the message is the engine's own expl
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import socket
 import ssl
 import struct
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils.docker._http import HttpLiteError, exchange
+from ansible_collections.meridian.node.plugins.module_utils.docker._http import (
+    HttpLiteError,
+    StreamedAnswer,
+    exchange,
+    exchange_streamed,
+)
 
-__all__ = ["DEFAULT_HOST", "MAX_API_VERSION", "DockerApi", "DockerApiError", "demultiplex"]
+__all__ = ["DEFAULT_HOST", "MAX_API_VERSION", "DockerApi", "DockerApiError", "PullStream", "demultiplex"]
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"
 # Newest API version whose responses this module was checked against (Docker Engine 27); older engines
 # are spoken to in their own version. 1.41 (Engine 20.10) is the oldest tested.
 MAX_API_VERSION = (1, 47)
 _MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+# A pull refused at once answers with a short JSON error: more than this is not an error document.
+_MAX_ERROR_BYTES = 64 * 1024
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class DockerApiError(MeridianError):
@@ -54,6 +64,28 @@ class DockerApiError(MeridianError):
     @property
     def not_found(self) -> bool:
         return self.status == 404
+
+
+class PullStream:
+    """An image pull under way: the engine's progress messages (JSON lines) as they arrive. ``close`` abandons
+    the pull: the engine cancels a pull whose client went away, so closing is how a stalled pull is stopped."""
+
+    def __init__(self, sock: socket.socket, answer: StreamedAnswer, action: str, host: str) -> None:
+        self._sock = sock
+        self._answer = answer
+        self._action = action
+        self._host = host
+
+    def read(self, timeout_s: float) -> bytes | None:
+        """Progress bytes that arrived within ``timeout_s``; ``b""`` when the pull's answer ended; None when
+        nothing arrived in time (read again)."""
+        try:
+            return self._answer.read(timeout_s)
+        except (OSError, HttpLiteError) as exc:
+            raise DockerApiError(_transport_text(exc, self._host), action=self._action) from exc
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 @dataclass(frozen=True)
@@ -145,7 +177,51 @@ class DockerApi:
         ).body
         return body if tty else demultiplex(body)
 
+    def distribution(self, reference: str, registry_auth: str | None = None) -> dict[str, Any]:
+        """What the registry says of ``reference`` (``GET /distribution/NAME/json``: the manifest's descriptor
+        and platforms), asked by the engine with its own network and the given ``X-Registry-Auth``."""
+        headers = {"X-Registry-Auth": registry_auth} if registry_auth else {}
+        path = f"/distribution/{_quote(reference)}/json"
+        return _object(self._json("GET", path, f"asking the registry about {reference!r}", headers=headers))
+
     # --- changing -------------------------------------------------------------------------------------------
+
+    def open_pull(
+        self, repository: str, digest: str, registry_auth: str | None = None, *, wait_s: float | None = None
+    ) -> PullStream:
+        """Start pulling ``repository@digest``: only ever a digest, never a tag (``ValueError`` otherwise).
+
+        ``registry_auth`` is the ``X-Registry-Auth`` header's value (base64url JSON credentials), sent to the
+        engine only. The engine answers at once and then streams progress; an error before the stream (such
+        as a malformed name) raises ``DockerApiError`` here. The engine sends its first byte only once the
+        registry gave it the manifest: ``wait_s`` bounds that wait (the client timeout by default).
+        """
+        if not _DIGEST.fullmatch(digest):
+            raise ValueError(f"open_pull pulls by digest only (sha256:<64 hex>), got {digest!r}")
+        action = f"pulling image {repository}@{digest}"
+        url = f"{self._prefix}/images/create?" + urllib.parse.urlencode({"fromImage": repository, "tag": digest})
+        headers = {"X-Registry-Auth": registry_auth} if registry_auth else {}
+        try:
+            sock = self._connect(self.timeout_s if wait_s is None else wait_s)
+        except OSError as exc:
+            raise DockerApiError(_transport_text(exc, self.host), action=action) from exc
+        try:
+            answer = exchange_streamed(sock, "POST", url, host="docker", headers=headers)
+            if answer.status >= 400:
+                data = bytearray()
+                while len(data) < _MAX_ERROR_BYTES:
+                    part = answer.read(self.timeout_s)
+                    if not part:
+                        break
+                    data += part
+                raise DockerApiError(_engine_message(answer.status, bytes(data)), action=action, status=answer.status)
+        except (OSError, HttpLiteError) as exc:
+            sock.close()
+            raise DockerApiError(_transport_text(exc, self.host), action=action) from exc
+        except DockerApiError:
+            sock.close()
+            raise
+        return PullStream(sock, answer, action, self.host)
 
     def create_container(self, name: str, config: Mapping[str, Any]) -> dict[str, Any]:
         return _object(
@@ -173,6 +249,75 @@ class DockerApi:
         self._request(
             "POST", f"/containers/{_quote(container_id)}/rename", f"renaming {container_id[:12]}", query={"name": name}
         )
+
+    def load(self, chunks: Iterable[bytes], size: int, what: str) -> list[str]:
+        """``POST /images/load`` of a tar of ``size`` bytes sent as ``chunks`` come (never held whole in memory);
+        returns the engine's ``Loaded image`` lines. The engine answers 200 and reports a failed load inside
+        the body, so its ``error`` lines raise here."""
+        action = f"loading {what} into the Docker Engine"
+        url = f"{self._prefix}/images/load?quiet=1"
+        headers = {"Content-Type": "application/x-tar", "Content-Length": str(size)}
+        try:
+            sock = self._connect(self.timeout_s)
+            try:
+                answer = exchange(
+                    cast(socket.socket, _BodyAfterHeaders(sock, chunks)),
+                    "POST",
+                    url,
+                    host="docker",
+                    headers=headers,
+                    max_body=_MAX_RESPONSE_BYTES,
+                )
+            finally:
+                sock.close()
+        except (OSError, HttpLiteError) as exc:
+            raise DockerApiError(_transport_text(exc, self.host), action=action) from exc
+        if answer.status >= 400:
+            raise DockerApiError(_engine_message(answer.status, answer.body), action=action, status=answer.status)
+        loaded = []
+        for line in answer.body.decode("utf-8", errors="replace").splitlines():
+            try:
+                event = json.loads(line) if line.strip() else {}
+            except ValueError:
+                event = {"stream": line}
+            if not isinstance(event, dict):
+                continue
+            if event.get("error") or event.get("errorDetail"):
+                detail = event.get("error") or (event.get("errorDetail") or {}).get("message")
+                raise DockerApiError(str(detail), action=action)
+            text = str(event.get("stream") or "").strip()
+            if text:
+                loaded.append(text)
+        return loaded
+
+    def save(self, reference: str, out: BinaryIO, max_bytes: int) -> int:
+        """``GET /images/NAME/get`` (what ``docker save`` writes) streamed into ``out``; returns its size. An
+        export larger than ``max_bytes`` raises rather than fill the disk."""
+        action = f"exporting image {reference!r}"
+        target = f"{self._prefix}/images/{_quote(reference)}/get"
+        total = 0
+        try:
+            sock = self._connect(self.timeout_s)
+            try:
+                sock.sendall(f"GET {target} HTTP/1.1\r\nHost: docker\r\nConnection: close\r\n\r\n".encode("latin-1"))
+                # http.client reads the long streamed body piece by piece; exchange() would hold it whole.
+                response = http.client.HTTPResponse(sock, method="GET")
+                response.begin()
+                if response.status >= 400:
+                    body = response.read(_MAX_RESPONSE_BYTES)
+                    raise DockerApiError(_engine_message(response.status, body), action=action, status=response.status)
+                while True:
+                    chunk = response.read(1024 * 1024)
+                    if not chunk:
+                        return total
+                    total += len(chunk)
+                    if total > max_bytes:
+                        raise DockerApiError(f"the export is larger than {max_bytes} bytes", action=action)
+                    out.write(chunk)
+            finally:
+                sock.close()
+        except (OSError, http.client.HTTPException) as exc:
+            raise DockerApiError(_transport_text(exc, self.host), action=action) from exc
 
     # --- transport ------------------------------------------------------------------------------------------
 
@@ -213,12 +358,13 @@ class DockerApi:
         body: Any = None,
         timeout_s: float | None = None,
         versioned: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> _DockerAnswer:
         url = (self._prefix if versioned else "") + path
         if query:
             url += "?" + urllib.parse.urlencode(query)
         payload = None if body is None else json.dumps(body).encode("utf-8")
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        headers = {**({"Content-Type": "application/json"} if payload is not None else {}), **(headers or {})}
         try:
             sock = self._connect(self.timeout_s if timeout_s is None else timeout_s)
             try:
@@ -233,6 +379,25 @@ class DockerApi:
         if status >= 400:
             raise DockerApiError(_engine_message(status, data), action=action, status=status)
         return _DockerAnswer(status, dict(answer.headers), data)
+
+
+class _BodyAfterHeaders:
+    """The socket ``exchange`` writes its request to, sending ``chunks`` as the body right after the headers:
+    an image archive streams to the engine without being held in memory."""
+
+    def __init__(self, sock: socket.socket, chunks: Iterable[bytes]) -> None:
+        self._sock = sock
+        self._chunks = chunks
+
+    def sendall(self, data: bytes) -> None:
+        self._sock.sendall(data)
+        for chunk in self._chunks:
+            self._sock.sendall(chunk)
+
+    def makefile(self, mode: str) -> Any:
+        if mode != "rb":
+            raise ValueError(f"only the answer is read from this socket (mode 'rb'), not {mode!r}")
+        return self._sock.makefile("rb")
 
 
 def demultiplex(stream: bytes) -> bytes:

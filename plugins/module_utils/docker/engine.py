@@ -7,7 +7,8 @@ What this file guarantees, so the modules above it cannot get it wrong:
   those labels: Docker copies image labels into containers, so an image with ``LABEL
   meridian.node/owned=true`` would otherwise make a stranger's container look like ours. ``start``,
   ``stop`` and ``remove`` refuse a foreign container; finding one by name reports it and leaves it alone.
-- It never pulls. ``resolve_image`` looks in the local engine only; a digest-pinned reference resolves
+- It never pulls (``docker.image_pull`` does, by digest, for the engine modules before they create).
+  ``resolve_image`` looks in the local engine only; a digest-pinned reference resolves
   through the registry digest (``RepoDigests``) or, for images built or imported here that have no
   registry digest, through the image id (``repository@sha256:<image id>``, accepted only when the image
   is tagged in that repository). Containers are created from the resolved image id, so what runs is
@@ -103,7 +104,7 @@ class DockerUnavailableError(DockerEngineError):
 
 
 class ImageNotFoundError(DockerEngineError):
-    """The image is not in the local engine (nothing is ever pulled)."""
+    """The image is not in the local engine (this adapter never pulls; ``docker.image_pull`` does)."""
 
 
 class UnsafeImageError(DockerEngineError):
@@ -597,8 +598,8 @@ class DockerEngine:
         except ImageNotFoundError:
             if not digest:
                 raise ImageNotFoundError(
-                    f"image {reference!r} is not in the local Docker Engine and meridian.node never pulls; "
-                    "load or pull it first"
+                    f"image {reference!r} is not in the local Docker Engine, and meridian.node never pulls a "
+                    "reference without a digest; pin it by digest (it is then pulled) or load it first"
                 ) from None
             attrs = self._by_image_id(reference, repository, digest)
             pinned_by = "image-id"
@@ -620,7 +621,7 @@ class DockerEngine:
         except ImageNotFoundError:
             raise ImageNotFoundError(
                 f"image {reference!r} is not in the local Docker Engine: no image has registry digest or image "
-                f"id {digest}; meridian.node never pulls, so load or pull it first"
+                f"id {digest}; this adapter never pulls (the engine modules pull it by digest before they create)"
             ) from None
         # The image id is content-addressed, but the repository is what policy allows: the image must
         # really be that repository's, or 'allowed/repo@<id of anything>' would slip past the allowlist.

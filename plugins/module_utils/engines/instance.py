@@ -14,17 +14,23 @@ the safety argument, so it is spelt out here:
    and, when its config hash is the one asked for, its live settings against those it would be created
    with now (``docker.drift``: changed by hand is replaced, and the result names the settings);
 6. ``engines.plan.plan_engine`` decides the actions;
-7. for plans that create a container: the image is local and safe, the requested GPUs / MIG instances
+7. for plans that create a container: the image is local and safe (or missing, and then pulled in step 8), the
+   requested GPUs / MIG instances
    exist, are not cordoned and are not unhealthy or of unknown health (unless the spec says ``force``: then,
    as for a degraded GPU, the result's ``warnings`` and diff say so), free VRAM covers ``min_vram_mib``
    after the other owned engines' reservations, the port is free on the bind address, the NVIDIA runtime is
    there when GPUs are asked for;
-8. check mode stops here, reporting the actions and the diff;
-9. the actions run: drain (durable mark, then wait for the engine's in-flight gauges to reach 0), stop,
+8. an image the plan creates from and Docker lacks is pulled by its digest (``engines.image_pulls``,
+   ``docker.image_pull``: the policy's repositories, stall bound and disk floor; verified, then checked as in
+   step 7), before anything is drained or stopped: a failed or stalled pull leaves the old engine serving.
+   Check mode asks the registry instead and reports the pull it would make (``image_pull``);
+9. check mode stops here, reporting the actions and the diff;
+10. the actions run: drain (durable mark, then wait for the engine's in-flight gauges to reach 0), stop,
    remove, create, start, wait until ready (on timeout the new container is stopped, never left
    half-running).
 
-Nothing is created, stopped or removed before step 9, so every refusal leaves the host as it was.
+Nothing is created, stopped or removed before step 10, so every refusal leaves the host as it was (a pulled
+image stays: the next run needs it too).
 
 A replace of a running engine never leaves the model down (``engines.plan``): with ``replace_beside`` and room
 (``find_room``: a free port in the policy's range, and the new engine's GPUs and VRAM besides the old one's)
@@ -61,9 +67,11 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     ContainerSettings,
     DockerEngine,
     DockerEngineError,
+    ImageNotFoundError,
     address_overlaps,
     port_bind_problem,
 )
+from ansible_collections.meridian.node.plugins.module_utils.docker.image_pull import ImagePullError
 from ansible_collections.meridian.node.plugins.module_utils.docker.log_scrub import EnvScrubber
 from ansible_collections.meridian.node.plugins.module_utils.engines.cordon import (
     CordonError,
@@ -96,6 +104,11 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
     LaunchSettings,
     ProbeVerdict,
     get_driver,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import (
+    bring_image,
+    image_missing,
+    puller_for,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import (
     engine_labels,
@@ -141,6 +154,8 @@ __all__ = [
     "EngineRun",
     "Options",
     "apply_engine",
+    "bring_images",
+    "check_image",
     "check_placement",
     "converge",
     "cordon_in_force",
@@ -248,6 +263,10 @@ class EngineRun:
     leftovers: tuple[str, ...] = ()
     # What placement let through but must be said: a degraded GPU, or one only the spec's force placed on.
     placement_warnings: list[str] = field(default_factory=list)
+    # The plan creates from an image Docker lacks (placement found it missing): its label check comes after the pull.
+    image_missing: bool = False
+    # The pull of that image: done (bytes, seconds), would be done (check mode), or how far it got.
+    image_pull: dict[str, Any] | None = None
 
     def result(self, **extra: Any) -> dict[str, Any]:
         container = None
@@ -256,7 +275,11 @@ class EngineRun:
         replace = None
         if self.plan.way is not None:
             replace = {"way": self.plan.way, "why": self.plan.why, "outcome": self.outcome, "reason": self.reason}
-        warned = {"placement_warnings": list(self.placement_warnings)} if self.placement_warnings else {}
+        warned: dict[str, Any] = (
+            {"placement_warnings": list(self.placement_warnings)} if self.placement_warnings else {}
+        )
+        if self.image_pull is not None:
+            warned["image_pull"] = dict(self.image_pull)
         return {
             "changed": bool(self.done) or bool(extra.pop("planned", False)),
             "actions": [str(action) for action in self.plan.actions],
@@ -313,6 +336,10 @@ def converge(
         # A run pending its artifact (check mode) has no settings to place: it says so in its result instead.
         if creates(run.plan) and run.spec is not None and run.settings is not None:
             _check_placement(run, run.spec, read_gpus)
+        elif creates(run.plan) and run.spec is not None:
+            run.image_missing = image_missing(engine, run.spec.image)
+        if run.image_missing and policy is not None:
+            bring_images([run], policy, check_mode=check_mode, clock=clock)
         if check_mode or not run.plan.actions:
             result = report_engine(run, check_mode)
         else:
@@ -687,14 +714,10 @@ def check_placement(
     refusal = cordon_refusal(run.options.cordon, spec.name)
     if refusal is not None:
         raise EngineInstanceError(refusal, check="placement-cordoned")
-    image = run.engine.resolve_image(spec.image)
-    spoofing = sorted(set(image.labels) & set(RESERVED_LABELS))
-    if spoofing:
-        raise EngineInstanceError(
-            f"engine {spec.name!r}: image {spec.image!r} carries labels {spoofing}, which would make its "
-            "containers pass as meridian.node's; rebuild it without them",
-            check="image",
-        )
+    try:
+        check_image(run, spec)
+    except ImageNotFoundError:
+        run.image_missing = True  # pulled once every check passed, and checked then (bring_images)
     problem = placement_problem(
         name=spec.name,
         gpus=spec.gpus,
@@ -719,6 +742,57 @@ def check_placement(
             check="placement-runtime",
         )
     run.placement_warnings = placement_warnings(name=spec.name, gpus=spec.gpus, gpu_facts=gpu_facts, force=spec.force)
+
+
+def check_image(run: EngineRun, spec: ParsedEngineSpec) -> None:
+    """The local image ``spec`` names does not carry our ownership labels (which Docker would copy into its
+    containers, making them pass as meridian.node's); ``EngineInstanceError`` check ``image`` if it does."""
+    image = run.engine.resolve_image(spec.image)
+    spoofing = sorted(set(image.labels) & set(RESERVED_LABELS))
+    if spoofing:
+        raise EngineInstanceError(
+            f"engine {spec.name!r}: image {spec.image!r} carries labels {spoofing}, which would make its "
+            "containers pass as meridian.node's; rebuild it without them",
+            check="image",
+        )
+
+
+def bring_images(
+    runs: Sequence[EngineRun],
+    policy: Policy,
+    *,
+    check_mode: bool,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Pull the images ``runs`` create from and Docker lacks, each once (check mode: forecast the pulls), each
+    run's ``image_pull`` set; a pulled image is then checked as placement checks a local one (``check_image``).
+
+    Raises ``EngineInstanceError`` naming the check (``image-pull``, ``image-pull-stalled``, ``disk-low``,
+    ``registry-auth``, ``image-digest-mismatch``, ``policy-image``...) with the result of the first run that
+    needed the failed image; every run that needed it has its ``image_pull`` saying how far it got. Nothing
+    of any engine has been touched yet.
+    """
+    wanted = [(run, run.spec) for run in runs if run.image_missing and run.spec is not None]
+    if not wanted:
+        return
+    puller = puller_for(policy, wanted[0][0].engine, clock)
+    for reference in dict.fromkeys(spec.image for _run, spec in wanted):
+        users = [run for run, spec in wanted if spec.image == reference]
+        try:
+            pulled = bring_image(puller, reference, check_mode=check_mode)
+        except ImagePullError as exc:
+            for run in users:
+                run.image_pull = exc.summary
+            raise EngineInstanceError(
+                f"engine {users[0].name!r}: {exc}; nothing was changed", check=exc.check, result=users[0].result()
+            ) from exc
+        for run in users:
+            run.image_pull = dict(pulled)
+            if not check_mode:
+                run.image_missing = False
+    if not check_mode:
+        for run, spec in wanted:
+            check_image(run, spec)
 
 
 def report_engine(run: EngineRun, check_mode: bool) -> dict[str, Any]:

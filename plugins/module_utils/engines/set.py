@@ -16,8 +16,11 @@ everything was checked.
    Placement reads the GPUs' health and the verdicts held on the host (``engines.placement``): what it lets
    through but must say (a degraded GPU, ``force`` on a bad one) is in the run's ``warnings``.
    Every refusal is collected; any refusal fails the run before anything changed.
-3. Check mode stops here and reports what would change.
-4. Act: drain and remove the dropped engines in a listed engine's way; converge the engines wave by wave
+3. Every image an engine is to be created from and Docker lacks is pulled by digest, each once
+   (``engines.instance.bring_images``), before anything is drained, held or stopped: a failed or stalled pull
+   fails the run with every old engine still serving. Check mode asks the registry instead.
+4. Check mode stops here and reports what would change.
+5. Act: drain and remove the dropped engines in a listed engine's way; converge the engines wave by wave
    (``engines.set_plan.waves``), up to ``parallel`` at a time, each one's actions in ``engines.instance``'s
    order (drain before replacing, its own timeouts); then, if every engine converged, drain and remove the
    other dropped engines and, for an envelope with ``record``, record its generation as applied, as step 1
@@ -52,10 +55,12 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.cordon impor
 from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import HostCordon, mark_cordoned
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, clear_draining
+from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import image_missing
 from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
     EngineRun,
     Options,
     apply_engine,
+    bring_images,
     check_placement,
     cordon_in_force,
     creates,
@@ -519,12 +524,15 @@ def converge_set(
     order = _prune_order(runs, containers, options, keep=held) if options.prune else PruneOrder([], [])
     if not refusals:
         refusals.extend(_place(runs, containers, order, read_gpus))
+    if not refusals:
+        refusals.extend(_mark_missing_images(runs))
     if refusals:
         engines = {name: {"failed": True, "msg": message, "check": check} for name, message, check in refusals}
         raise EngineSetError(
             f"nothing was changed: {_failure_text(refusals)}",
             result={"check": refusals[0][2] if len(refusals) == 1 else "engines", "engines": engines, "pruned": []},
         )
+    _bring_images(runs, policy, check_mode=check_mode, clock=clock)
     pruned = [{"name": name, "reason": "first"} for name in order.first]
     pruned += [{"name": name, "reason": "later"} for name in order.later]
     held_results = _hold_all(held, cordon, options, engine, check_mode, sleep, clock)
@@ -539,6 +547,44 @@ def converge_set(
             raise
     _release_cordon_marks(result, runs, options, check_mode=check_mode)
     return _with_held(result, held_results)
+
+
+# --- images (engines.image_pulls) -----------------------------------------------------------------------
+
+
+def _mark_missing_images(runs: Mapping[str, EngineRun]) -> list[tuple[str, str, str]]:
+    """Mark the runs whose plan creates from an image Docker lacks that placement did not look at (check mode
+    before the artifact is in the store: no settings to place); the refusals of those whose image could not be
+    looked at. Placement marks the others (``check_placement``)."""
+    refusals: list[tuple[str, str, str]] = []
+    for run in runs.values():
+        if creates(run.plan) and run.spec is not None and run.settings is None:
+            try:
+                run.image_missing = image_missing(run.engine, run.spec.image)
+            except DockerEngineError as exc:
+                refusals.append((run.name, str(exc), "docker"))
+    return refusals
+
+
+def _bring_images(
+    runs: Mapping[str, EngineRun], policy: Policy, *, check_mode: bool, clock: Callable[[], float]
+) -> None:
+    """Every missing image pulled (or forecast) before any engine is touched; a failure fails the set with
+    nothing changed, each engine that needed the image naming the check and how far the pull got."""
+    try:
+        bring_images(list(runs.values()), policy, check_mode=check_mode, clock=clock)
+    except EngineInstanceError as exc:
+        engines = {
+            name: {**run.result(), "failed": True, "msg": str(exc), "check": exc.check}
+            for name, run in runs.items()
+            if run.image_pull is not None and not run.image_pull.get("pulled") and not run.image_pull.get("would_pull")
+        }
+        raise EngineSetError(
+            f"every engine serves as before: {exc}",
+            result={"check": exc.check, "engines": engines, "pruned": []},
+        ) from exc
+    except DockerEngineError as exc:
+        raise EngineSetError(f"nothing was changed: {exc}", result={"check": "docker", "pruned": []}) from exc
 
 
 # --- cordons (engines.cordon) ---------------------------------------------------------------------------

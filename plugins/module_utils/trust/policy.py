@@ -27,6 +27,9 @@ Choices worth knowing:
 - ``images.allowed_repositories`` entries match the repository part of a reference exactly
   (``ghcr.io/org/vllm``), or every repository below a prefix when they end in ``/*``. No registry
   name normalisation: ``vllm/vllm-openai`` and ``docker.io/vllm/vllm-openai`` are different entries.
+- ``images.registry_auth_file`` (optional, absolute) names the registry credentials a pull sends, in docker's
+  ``config.json`` ``auths`` form; ``images.pull_stall_seconds`` (default 120) and ``images.min_free_bytes``
+  (default 1Gi; a size as ``store.max_bytes``, or 0 for no floor) bound a pull (``docker.image_pull``).
 - ``trust.control.max_lifetime`` (optional, e.g. ``7d``; units ``s``, ``m``, ``h``, ``d``, ``w``) caps how
   long a desired state may be valid: a state whose ``expires_at`` is further than that from its
   ``issued_at`` is refused (``schema``). Without it any lifetime is accepted. Only ``control`` takes it:
@@ -37,7 +40,8 @@ Choices worth knowing:
   refused beyond before any member is read: ``max_bytes`` (the sum of the sizes ``bundle.json`` lists;
   a size like ``max_bytes`` of the store) and ``max_members``; and ``shipped_code`` (``pinned``, the
   default, or ``refuse``): whether a bundle's own playbooks and collection may run, and then only when the
-  control-signed state pins their digests (``runbook.py``).
+  control-signed state pins their digests (``runbook.py``); and ``max_image_layer_bytes`` (a size, default
+  64 GiB), the most any blob of a bundle's image archive may declare.
 - ``cordon`` (optional; docs/GPU_HEALTH.md) lists ``gpus`` (uuid, index or MIG uuid, at least one) that take
   no new engine, with ``drain`` (stop and hold the engines there too) and a ``reason``. It is read together
   with the host's cordon file and the signed state's cordon (``engines.cordon_file.merge_cordons``).
@@ -252,10 +256,43 @@ def _known(values: tuple[str, ...], where: str, known: tuple[str, ...], what: st
 
 
 def _images(data: Any) -> ImagesPolicy:
-    document = check_mapping(data, "images", optional=("allowed_repositories", "require_digest"))
+    document = check_mapping(
+        data,
+        "images",
+        optional=(
+            "allowed_repositories",
+            "require_digest",
+            "registry_auth_file",
+            "pull_stall_seconds",
+            "min_free_bytes",
+        ),
+    )
+    auth_file = document.get("registry_auth_file")
+    if auth_file is not None:
+        auth_file = check_str(auth_file, "images.registry_auth_file")
+        if not os.path.isabs(auth_file) or os.path.normpath(auth_file) != auth_file:
+            raise FieldError(
+                "images.registry_auth_file", f"must be a normal absolute path (got {short_repr(auth_file)})"
+            )
+    floor = document.get("min_free_bytes", ImagesPolicy.min_free_bytes)
+    if isinstance(floor, bool) or not isinstance(floor, (int, str)):
+        raise FieldError("images.min_free_bytes", f"must be a byte count or a size like 10G (got {short_repr(floor)})")
+    try:
+        # 0 switches the floor off; anything else is a size as store.max_bytes takes it.
+        min_free = 0 if floor == 0 else parse_size(floor)
+    except ValueError as exc:
+        raise FieldError("images.min_free_bytes", str(exc)) from None
     return ImagesPolicy(
         allowed_repositories=check_str_list(document.get("allowed_repositories", []), "images.allowed_repositories"),
         require_digest=check_bool(document.get("require_digest", True), "images.require_digest"),
+        registry_auth_file=auth_file,
+        pull_stall_seconds=check_int(
+            document.get("pull_stall_seconds", ImagesPolicy.pull_stall_seconds),
+            "images.pull_stall_seconds",
+            ge=1,
+            le=86400,
+        ),
+        min_free_bytes=min_free,
     )
 
 
@@ -362,34 +399,44 @@ class AirGapPolicy:
     refuse a bundle whose signed listing asks for more, before any member is read. ``shipped_code`` says
     whether a bundle's own ``playbooks/`` and ``collection/`` may run at all: ``pinned`` (the default) runs
     them only when the control-signed state inside pins exactly those bytes (``runbook``), ``refuse`` refuses
-    every bundle that ships code, pinned or not."""
+    every bundle that ships code, pinned or not. ``max_image_layer_bytes`` caps each blob of an image archive
+    a bundle carries (``images/``), refused at its header before a byte of it is read."""
 
     scratch_dir: str = DEFAULT_BUNDLE_SCRATCH
     max_bytes: int = 1024**4
     max_members: int = 10_000
     shipped_code: str = "pinned"
+    # The largest engine images (CUDA inference servers) have single layers of 10-20 GB.
+    max_image_layer_bytes: int = 64 * 1024**3
 
 
 def _air_gap(data: Any) -> AirGapPolicy:
-    document = check_mapping(data, "air_gap", optional=("scratch_dir", "max_bytes", "max_members", "shipped_code"))
+    document = check_mapping(
+        data, "air_gap", optional=("scratch_dir", "max_bytes", "max_members", "shipped_code", "max_image_layer_bytes")
+    )
     scratch = check_str(document.get("scratch_dir", DEFAULT_BUNDLE_SCRATCH), "air_gap.scratch_dir")
     if not scratch.startswith("/") or os.path.normpath(scratch) != scratch or scratch == "/":
         raise FieldError(
             "air_gap.scratch_dir",
             f"must be an absolute path without '.', '..', '//' or a trailing '/' (got {scratch!r})",
         )
-    max_bytes = document.get("max_bytes", AirGapPolicy.max_bytes)
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, str)):
-        raise FieldError("air_gap.max_bytes", f"must be a byte count or a size like 2TiB (got {short_repr(max_bytes)})")
-    try:
-        size = parse_size(max_bytes)
-    except ValueError as exc:
-        raise FieldError("air_gap.max_bytes", str(exc)) from None
+    size = _air_gap_size(document, "max_bytes", AirGapPolicy.max_bytes)
+    layer = _air_gap_size(document, "max_image_layer_bytes", AirGapPolicy.max_image_layer_bytes)
     members = check_int(document.get("max_members", AirGapPolicy.max_members), "air_gap.max_members", ge=1)
     shipped = check_choice(
         document.get("shipped_code", AirGapPolicy.shipped_code), "air_gap.shipped_code", SHIPPED_CODE
     )
-    return AirGapPolicy(scratch, size, members, shipped)
+    return AirGapPolicy(scratch, size, members, shipped, layer)
+
+
+def _air_gap_size(document: Mapping[str, Any], key: str, default: int) -> int:
+    value = document.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise FieldError(f"air_gap.{key}", f"must be a byte count or a size like 2TiB (got {short_repr(value)})")
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise FieldError(f"air_gap.{key}", str(exc)) from None
 
 
 # --- cordoned GPUs (docs/GPU_HEALTH.md) -------------------------------------------------------------------
@@ -425,8 +472,16 @@ def _cordon(data: Any) -> CordonPolicy:
 
 @dataclass(frozen=True)
 class ImagesPolicy:
+    """Which images engines may run, and how a missing one is pulled (``docker.image_pull``): from
+    ``registry_auth_file``'s credentials (a root-owned 0600 file in docker's config.json ``auths`` form; None:
+    anonymous), cancelled when its bytes do not move for ``pull_stall_seconds``, and refused before it starts
+    when it would leave less than ``min_free_bytes`` free under Docker's data-root (0: no floor)."""
+
     allowed_repositories: tuple[str, ...]
     require_digest: bool
+    registry_auth_file: str | None = None
+    pull_stall_seconds: int = 120
+    min_free_bytes: int = 1024**3
 
 
 @dataclass(frozen=True)

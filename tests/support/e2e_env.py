@@ -138,8 +138,6 @@ def observed_engine(name: str, image: LocalImage, port: int, **overrides: Any) -
         "restarts": 0,
         "exit_code": None,
         "exit_reason": None,
-        # Only an engine that is failing carries its log's last lines (docs/LOGS.md).
-        "last_lines": None,
         **overrides,
     }
 

@@ -199,7 +199,9 @@ def test_a_stalled_pull_is_cancelled_within_the_bound_and_the_old_engine_keeps_s
         pushed_image(docker_client, registry, vllm.id, prefix, tag="big", blob_bytes=64 * 1024 * 1024) as big,
         StallingProxy(registry.port, stall_after=8 * 1024 * 1024) as proxy,
     ):
-        pull_host(host, [f"{registry.host}/{prefix}", f"{proxy.host}/{prefix}"], pull_stall_seconds=3)
+        # A bound well above a loaded machine's gaps between progress messages: the first 8 MiB must get through
+        # before the proxy stalls, or this would be the paused-registry case below.
+        pull_host(host, [f"{registry.host}/{prefix}", f"{proxy.host}/{prefix}"], pull_stall_seconds=10)
         name = f"{prefix}-s"
         port, old_id = _serving_engine(host, old, name, prefix)
         stalling = big.pinned_via(proxy.host)
@@ -208,7 +210,7 @@ def test_a_stalled_pull_is_cancelled_within_the_bound_and_the_old_engine_keeps_s
         assert failed["check"] == "image-pull-stalled", failed
         pull = failed["engines"][name]["image_pull"]
         assert pull["pulled"] is False and pull["bytes"] > 0
-        assert "no progress for 3s" in failed["msg"]
+        assert "no progress for 10s" in failed["msg"]
         assert proxy.stalled.is_set()
         assert host.container(name).id == old_id and host.container(name).status == "running"
         assert serving(port)

@@ -30,6 +30,7 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.support.e2e_env import E2E_REPOSITORY, engine_spec, make_e2e_node
 from ansible_collections.meridian.node.tests.support.e2e_env import last_observation as kept_observation
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
+from ansible_collections.meridian.node.tests.support.instant_apply import instant_success
 from ansible_collections.meridian.node.tests.support.node_env import Node, publish
 from ansible_collections.meridian.node.tests.support.recorded_events import recording_logger
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
@@ -69,20 +70,7 @@ class Host:
 
     def apply(self, envelope: bytes, *, generation: int, reason: str | None = None, **_: Any) -> ApplyResult:
         self.asked.append(reason)
-        now = datetime.now(UTC)
-        return ApplyResult(
-            ident=f"gen-{generation}-{now:%Y%m%dT%H%M%S.%fZ}",
-            generation=generation,
-            status="successful",
-            rc=0,
-            changed=0,
-            failed=0,
-            journal=Path(),
-            started_at=now,
-            finished_at=now,
-            wall_s=0.0,
-            failures=[],
-        )
+        return instant_success(generation)
 
 
 def _up(name: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.log_scrub imp
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import E2E_REPOSITORY, engine_spec, make_e2e_node
+from ansible_collections.meridian.node.tests.support.instant_apply import instant_success
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.recorded_events import recording_logger
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
@@ -94,20 +95,7 @@ class Applies:
     """The applier seam: every apply succeeds at once (what is under test is the log line before it)."""
 
     def apply(self, envelope: bytes, *, generation: int, **_: Any) -> ApplyResult:
-        now = datetime.now(UTC)
-        return ApplyResult(
-            ident=f"gen-{generation}-{now:%Y%m%dT%H%M%S.%fZ}",
-            generation=generation,
-            status="successful",
-            rc=0,
-            changed=0,
-            failed=0,
-            journal=Path(),
-            started_at=now,
-            finished_at=now,
-            wall_s=0.0,
-            failures=[],
-        )
+        return instant_success(generation)
 
 
 def test_the_agents_engines_drifted_line_carries_what_the_failing_engine_last_printed(

@@ -22,6 +22,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.placement im
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HOLD_FILE, HealthHolds
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
+from ansible_collections.meridian.node.tests.support.instant_apply import instant_success
 from ansible_collections.meridian.node.tests.support.path_unit import write_split_config
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     NODE_ID,
@@ -250,19 +251,7 @@ class RecordingApplier:
 
     def apply(self, envelope: bytes, *, generation: int, ident: str, **_options: Any) -> ApplyResult:
         RecordingApplier.seen.append({u: v.health for u, v in HealthHolds(self.state_dir).all().items()})
-        now = datetime.now(UTC)
-        return ApplyResult(
-            ident=ident,
-            generation=generation,
-            status="successful",
-            rc=0,
-            changed=0,
-            failed=0,
-            journal=self.state_dir / "journal" / ident,
-            started_at=now,
-            finished_at=now,
-            wall_s=0.0,
-        )
+        return instant_success(generation, ident=ident, journal=self.state_dir / "journal" / ident)
 
 
 @pytest.fixture

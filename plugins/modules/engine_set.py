@@ -229,6 +229,11 @@ options:
     description:
       - Drain and remove the engines of O(owner) that the set does not list. Never a container of another owner
         or without meridian.node's labels.
+      - Then, once every listed engine converged, remove the images O(owner)'s runs pulled (and, with
+        O(envelope), images loaded from air-gap bundles) that no listed engine names and no container uses,
+        C(images.prune_grace_seconds) of the policy (default one day) after a prune first found them unused.
+        An image with any tag or repository digest this project did not give it is kept. See C(docs/SECURITY.md),
+        "Pruning engine images".
       - Defaults to V(false) with O(engines) and V(true) with O(envelope).
     type: bool
   wait_ready:
@@ -391,6 +396,14 @@ pruned:
   type: list
   elements: dict
   sample: [{name: old-llama, reason: first}]
+images:
+  description: With O(prune), the images removed (in check mode, that a real run would remove now) and those
+    waiting out their grace (C(seconds_left)), each by C(reference) and C(image_id).
+  returned: with O(prune)
+  type: dict
+  sample:
+    removed: [{image_id: "sha256:5d2e...", reference: "registry.example/vllm@sha256:9f1c..."}]
+    waiting: [{image_id: "sha256:77ab...", reference: "registry.example/vllm@sha256:0b3e...", seconds_left: 3541.2}]
 generation:
   description: The desired state's generation.
   returned: with O(envelope)
@@ -403,7 +416,7 @@ recorded:
 check:
   description: On failure before any change, the check that refused (for example C(policy-image),
     C(ownership), C(placement-vram), C(placement-health), C(placement-cordoned)); when engines failed while
-    converging, C(engines).
+    converging, C(engines); when the engines converged but the image prune failed, C(image-prune).
   returned: failed
   type: str
 rejection:

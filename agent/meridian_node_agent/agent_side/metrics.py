@@ -120,11 +120,11 @@ class Metrics:
             "Bytes the reconcile playbook brought into the artifact store (downloaded or copied)",
             registry=self.registry,
         )
-        # The hook for images pulled by digest or loaded from an air-gap bundle: nothing fetches images yet, so
-        # nothing calls ``image_fetched``; the series is exported (at 0) so that dashboards need not change.
+        # Images pulled by digest in the agent's applies (``ApplyResult.image_bytes``, from the engine modules'
+        # ``image_pull``); ``image_fetched`` is the hook for other fetches (bundle loads do not call it yet).
         self.image_bytes = Counter(
             "meridian_node_image_fetched_bytes",
-            "Bytes of engine images pulled or loaded (0 until images are fetched by the agent's applies)",
+            "Bytes of engine images the agent's applies pulled",
             registry=self.registry,
         )
         self.collector = StatusCollector()
@@ -161,6 +161,8 @@ class Metrics:
             self.apply_failures.labels(reason=apply_failure_reason(result)).inc()
         if result.fetched_bytes:
             self.artifact_bytes.inc(result.fetched_bytes)
+        if result.image_bytes:
+            self.image_fetched(result.image_bytes)
 
     def apply_not_spooled(self) -> None:
         self.apply_failures.labels(reason="not-spooled").inc()
@@ -176,7 +178,7 @@ class Metrics:
         self.renewal_failures.inc()
 
     def image_fetched(self, size: int) -> None:
-        """Bytes of an engine image pulled or loaded: the hook for the apply that fetches images."""
+        """Bytes of engine images pulled or loaded (``applied`` calls it with what an apply pulled)."""
         self.image_bytes.inc(size)
 
     def status_written(self, document: Mapping[str, Any]) -> None:

@@ -95,14 +95,16 @@ def run_ident(generation: int, now: datetime) -> str:
 
 
 class _Counter:
-    """ansible-runner event handler: changed/failed task results, the first failure messages, and the bytes
-    verified_artifact brought into the store (the agent's meridian_node_artifact_fetched_bytes_total)."""
+    """ansible-runner event handler: changed/failed task results, the first failure messages, the bytes
+    verified_artifact brought into the store (the agent's meridian_node_artifact_fetched_bytes_total) and the
+    bytes of engine images the engine modules pulled (meridian_node_image_fetched_bytes_total)."""
 
     def __init__(self) -> None:
         self.changed = 0
         self.failed = 0
         self.failures: list[str] = []
         self.fetched_bytes = 0
+        self.image_bytes = 0
 
     def __call__(self, event: dict[str, Any]) -> bool:
         kind = event.get("event")
@@ -111,6 +113,9 @@ class _Counter:
         result: dict[str, Any] = res if isinstance(res, dict) else {}
         if kind == "runner_on_ok" and str(data.get("task_action", "")).endswith("verified_artifact"):
             self.fetched_bytes += _fetched_bytes(result)
+        if kind in ("runner_on_ok", "runner_on_failed") and str(data.get("task_action", "")).endswith(_PULLING):
+            # A failed run's pulls happened too (a later engine failing does not give the bytes back).
+            self.image_bytes += _pulled_bytes(result)
         if kind in ("runner_on_ok", "runner_item_on_ok") and result.get("changed"):
             # Loop tasks report per item and once for the whole task; count the task, not the items.
             if kind == "runner_on_ok":
@@ -135,6 +140,22 @@ def _fetched_bytes(result: dict[str, Any]) -> int:
             if isinstance(entry, dict) and isinstance(entry.get("size"), int):
                 total += max(0, entry["size"] - int(entry.get("resumed_from") or 0))
     return total
+
+
+_PULLING = ("engine_set", "engine_instance")
+
+
+def _pulled_bytes(result: dict[str, Any]) -> int:
+    """The image bytes one engine_set (per engine) or engine_instance result says it pulled (``image_pull``). Each
+    image is pulled once, and every engine that uses it carries the same summary: counted once per image."""
+    engines = result.get("engines")
+    runs = list(engines.values()) if isinstance(engines, dict) else [result]
+    pulled: dict[str, int] = {}
+    for run in runs:
+        summary = run.get("image_pull") if isinstance(run, dict) else None
+        if isinstance(summary, dict) and summary.get("pulled") is True and isinstance(summary.get("bytes"), int):
+            pulled[str(summary.get("image"))] = max(0, summary["bytes"])
+    return sum(pulled.values())
 
 
 def _failure_message(result: dict[str, Any]) -> str:
@@ -315,6 +336,7 @@ class Applier:
             wall_s=wall_s,
             failures=counter.failures,
             fetched_bytes=counter.fetched_bytes,
+            image_bytes=counter.image_bytes,
         )
 
 

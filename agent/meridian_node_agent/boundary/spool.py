@@ -103,6 +103,7 @@ class ApplyResult:
     wall_s: float  # the answer's ``wall_seconds``
     failures: list[str] = field(default_factory=list)
     fetched_bytes: int = 0  # what verified_artifact brought into the store (the agent's metrics)
+    image_bytes: int = 0  # what the engine modules pulled of engine images (the agent's metrics)
 
     @property
     def ok(self) -> bool:
@@ -157,6 +158,7 @@ class ApplyAnswer(StrictModel):
     wall_seconds: Annotated[float, Field(ge=0)]
     # A default, so that an answer of the release before (an apply in flight across an upgrade) still reads.
     fetched_bytes: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    image_bytes: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
 
     def to_result(self) -> ApplyResult:
         return ApplyResult(
@@ -172,6 +174,7 @@ class ApplyAnswer(StrictModel):
             wall_s=self.wall_seconds,
             failures=list(self.failures),
             fetched_bytes=self.fetched_bytes,
+            image_bytes=self.image_bytes,
         )
 
     @classmethod
@@ -191,6 +194,7 @@ class ApplyAnswer(StrictModel):
             finished_at=format_rfc3339(result.finished_at),
             wall_seconds=result.wall_s,
             fetched_bytes=result.fetched_bytes,
+            image_bytes=result.image_bytes,
         )
 
 

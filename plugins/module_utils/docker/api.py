@@ -245,6 +245,12 @@ class DockerApi:
         query = {"force": "1" if force else "0", "v": "0"}
         self._request("DELETE", f"/containers/{_quote(container_id)}", f"removing {container_id[:12]}", query=query)
 
+    def remove_image(self, image_id: str) -> None:
+        """Remove one image by its id, never forced: Docker itself refuses (409) while a container uses it or
+        while it is tagged in more than one repository, a second guard behind ``engines.image_prune``."""
+        query = {"force": "0", "noprune": "0"}
+        self._request("DELETE", f"/images/{_quote(image_id)}", f"removing image {image_id[:19]}", query=query)
+
     def rename(self, container_id: str, name: str) -> None:
         self._request(
             "POST", f"/containers/{_quote(container_id)}/rename", f"renaming {container_id[:12]}", query={"name": name}

@@ -24,7 +24,9 @@ everything was checked.
    (``engines.set_plan.waves``), up to ``parallel`` at a time, each one's actions in ``engines.instance``'s
    order (drain before replacing, its own timeouts); then, if every engine converged, drain and remove the
    other dropped engines and, for an envelope with ``record``, record its generation as applied, as step 1
-   verified it.
+   verified it. With ``prune``, the images this owner pulled (written down in step 3, ``engines.image_record``)
+   and, for an envelope, those loaded from bundles, that nothing uses any more go after the policy's grace
+   (``engines.image_prune``; check mode reports what would go).
 
 An engine that fails does not stop the others under way; the engines that wait on it are not started.
 ``secret_env`` values never leave: nothing puts one in a result (diffs show ``<secret>``, the config hash
@@ -47,6 +49,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     ContainerInfo,
     DockerEngine,
     DockerEngineError,
+    ImageNotFoundError,
     address_overlaps,
     port_bind_problem,
 )
@@ -55,6 +58,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.cordon impor
 from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import HostCordon, mark_cordoned
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, clear_draining
+from ansible_collections.meridian.node.plugins.module_utils.engines.image_prune import prune_images, record_pulled
 from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import image_missing
 from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
     EngineRun,
@@ -134,6 +138,8 @@ class SetOptions:
     state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
     prune_reason: str = "the engine set no longer lists it"
+    # Images loaded from air-gap bundles are the agent's (only it loads them): only a signed state's run prunes them.
+    prune_loaded: bool = False
     # The signed state's cordon (``contracts.Cordon`` as a dict), read with the host's and the policy's.
     cordon: Mapping[str, Any] | None = None
 
@@ -168,8 +174,10 @@ def run_engine_set(
     gpu_facts: Callable[[], Mapping[str, Any]] | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
 ) -> dict[str, Any]:
-    """The module's whole run from its parameters; raises ``EngineSetError`` with the module's failure."""
+    """The module's whole run from its parameters; raises ``EngineSetError`` with the module's failure.
+    ``wall`` is the clock the image prune's grace counts on (it spans runs: seconds since the epoch)."""
     envelope_path = params.get("envelope")
     if params.get("record") and not envelope_path:
         raise EngineSetError("record: true needs envelope (and node_id): only a signed desired state is recorded")
@@ -210,6 +218,7 @@ def run_engine_set(
         state_dir=str(params.get("state_dir") or DEFAULT_STATE_DIR),
         store_path=params.get("store_path"),
         prune_reason=reason,
+        prune_loaded=verified is not None,
         cordon=verified.get("cordon") if verified is not None else params.get("cordon"),
     )
     secrets = [
@@ -229,7 +238,14 @@ def run_engine_set(
                 raise EngineSetError(str(exc), result={"check": "docker"}) from exc
         try:
             result = converge_set(
-                specs, options, check_mode=check_mode, engine=engine, gpu_facts=gpu_facts, sleep=sleep, clock=clock
+                specs,
+                options,
+                check_mode=check_mode,
+                engine=engine,
+                gpu_facts=gpu_facts,
+                sleep=sleep,
+                clock=clock,
+                wall=wall,
             )
         except EngineSetError as exc:
             if verified is not None:
@@ -476,6 +492,7 @@ def converge_set(
     gpu_facts: Callable[[], Mapping[str, Any]] | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
 ) -> dict[str, Any]:
     """Plan the whole set, then (outside check mode) act; returns the module's result.
 
@@ -533,6 +550,8 @@ def converge_set(
             result={"check": refusals[0][2] if len(refusals) == 1 else "engines", "engines": engines, "pruned": []},
         )
     _bring_images(runs, policy, check_mode=check_mode, clock=clock)
+    if not check_mode and options.owner:
+        _record_pulls(runs, options, engine)
     pruned = [{"name": name, "reason": "first"} for name in order.first]
     pruned += [{"name": name, "reason": "later"} for name in order.later]
     held_results = _hold_all(held, cordon, options, engine, check_mode, sleep, clock)
@@ -545,6 +564,8 @@ def converge_set(
         except EngineSetError as exc:
             _with_held(exc.result, held_results)
             raise
+    if options.prune and options.owner:
+        _prune_images(result, runs, containers, options, policy, engine, check_mode=check_mode, now=wall())
     _release_cordon_marks(result, runs, options, check_mode=check_mode)
     return _with_held(result, held_results)
 
@@ -585,6 +606,74 @@ def _bring_images(
         ) from exc
     except DockerEngineError as exc:
         raise EngineSetError(f"nothing was changed: {exc}", result={"check": "docker", "pruned": []}) from exc
+
+
+def _record_pulls(runs: Mapping[str, EngineRun], options: SetOptions, engine: DockerEngine) -> None:
+    """Root's record of the images this run pulled, for the owner's image prune (``engines.image_record``)."""
+    pulled = [
+        run.spec.image
+        for run in runs.values()
+        if run.spec is not None and run.image_pull is not None and run.image_pull.get("pulled")
+    ]
+    try:
+        record_pulled(engine, options.state_dir, str(options.owner), list(dict.fromkeys(pulled)))
+    except MeridianError as exc:
+        raise EngineSetError(f"no engine was changed: {exc}", result={"check": "image-record", "pruned": []}) from exc
+
+
+def _image_ids(engine: DockerEngine, references: Iterable[str]) -> set[str]:
+    """The local image ids of ``references``; one Docker lacks (check mode, before its pull) has none."""
+    found = set()
+    for reference in references:
+        try:
+            found.add(engine.resolve_image(reference).id)
+        except ImageNotFoundError:
+            continue
+    return found
+
+
+def _prune_images(
+    result: dict[str, Any],
+    runs: Mapping[str, EngineRun],
+    containers: Sequence[ContainerInfo],
+    options: SetOptions,
+    policy: Policy,
+    engine: DockerEngine,
+    *,
+    check_mode: bool,
+    now: float,
+) -> None:
+    """After every engine converged: the owner's brought images no engine uses, removed after the policy's
+    grace (``engines.image_prune``); the result's ``images``. Check mode predicts from the plan: the owner's
+    listed engines end on their specs' images and its dropped ones are gone, every other container stays."""
+    wanted = [run.spec.image for run in runs.values() if run.spec is not None]
+    try:
+        in_use = _image_ids(engine, wanted)
+        if check_mode:
+            ours = set(runs) | {str(entry["name"]) for entry in result.get("pruned") or ()}
+            mine = {c.id for c in containers if c.labels.get(LABEL_OWNER) == options.owner and c.name in ours}
+            in_use |= {c.image_id for c in containers if c.id not in mine}
+        else:
+            in_use |= {c.image_id for c in engine.list_containers()}
+        images = prune_images(
+            engine,
+            state_dir=options.state_dir,
+            owner=str(options.owner),
+            loaded_too=options.prune_loaded,
+            in_use=in_use,
+            now=now,
+            grace_s=policy.images.prune_grace_seconds,
+            check_mode=check_mode,
+            allowed=policy.repository_allowed,
+        )
+    except MeridianError as exc:
+        # Every engine converged and the dropped ones are gone: say so, and fail on the images alone.
+        raise EngineSetError(
+            f"the engines converged, but the image prune failed: {exc}", result={**result, "check": "image-prune"}
+        ) from exc
+    removed_any = bool(images.pop("changed"))
+    result["changed"] = bool(result.get("changed")) or removed_any
+    result["images"] = images
 
 
 # --- cordons (engines.cordon) ---------------------------------------------------------------------------

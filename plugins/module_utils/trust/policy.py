@@ -30,6 +30,8 @@ Choices worth knowing:
 - ``images.registry_auth_file`` (optional, absolute) names the registry credentials a pull sends, in docker's
   ``config.json`` ``auths`` form; ``images.pull_stall_seconds`` (default 120) and ``images.min_free_bytes``
   (default 1Gi; a size as ``store.max_bytes``, or 0 for no floor) bound a pull (``docker.image_pull``).
+  ``images.prune_grace_seconds`` (default 86400, one day; 0 to 31536000) is how long an image the project
+  brought stays after a pruning ``engine_set`` first found no engine using it (``engines.image_prune``).
 - ``trust.control.max_lifetime`` (optional, e.g. ``7d``; units ``s``, ``m``, ``h``, ``d``, ``w``) caps how
   long a desired state may be valid: a state whose ``expires_at`` is further than that from its
   ``issued_at`` is refused (``schema``). Without it any lifetime is accepted. Only ``control`` takes it:
@@ -265,6 +267,7 @@ def _images(data: Any) -> ImagesPolicy:
             "registry_auth_file",
             "pull_stall_seconds",
             "min_free_bytes",
+            "prune_grace_seconds",
         ),
     )
     auth_file = document.get("registry_auth_file")
@@ -293,6 +296,12 @@ def _images(data: Any) -> ImagesPolicy:
             le=86400,
         ),
         min_free_bytes=min_free,
+        prune_grace_seconds=check_int(
+            document.get("prune_grace_seconds", ImagesPolicy.prune_grace_seconds),
+            "images.prune_grace_seconds",
+            ge=0,
+            le=365 * 86400,
+        ),
     )
 
 
@@ -475,13 +484,16 @@ class ImagesPolicy:
     """Which images engines may run, and how a missing one is pulled (``docker.image_pull``): from
     ``registry_auth_file``'s credentials (a root-owned 0600 file in docker's config.json ``auths`` form; None:
     anonymous), cancelled when its bytes do not move for ``pull_stall_seconds``, and refused before it starts
-    when it would leave less than ``min_free_bytes`` free under Docker's data-root (0: no floor)."""
+    when it would leave less than ``min_free_bytes`` free under Docker's data-root (0: no floor). An image the
+    project brought and no engine uses any more is removed ``prune_grace_seconds`` after a prune first found it
+    unused (``engines.image_prune``; 0: at once)."""
 
     allowed_repositories: tuple[str, ...]
     require_digest: bool
     registry_auth_file: str | None = None
     pull_stall_seconds: int = 120
     min_free_bytes: int = 1024**3
+    prune_grace_seconds: int = 86400
 
 
 @dataclass(frozen=True)
@@ -593,6 +605,10 @@ class Policy:
             allowed = ", ".join(self.images.allowed_repositories) or "none"
             return f"repository {repository!r} is not allowed by policy {self.source} (allowed: {allowed})"
         return None
+
+    def repository_allowed(self, repository: str) -> bool:
+        """Whether ``images.allowed_repositories`` takes ``repository`` (the image prune's test for loaded images)."""
+        return any(_repository_matches(pattern, repository) for pattern in self.images.allowed_repositories)
 
     def driver_allowed(self, driver: str) -> str | None:
         if driver in self.engines.allowed_drivers:

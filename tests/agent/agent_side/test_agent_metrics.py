@@ -50,10 +50,10 @@ def test_metrics_endpoint_serves_the_agent_registry() -> None:
 
 
 def _result(
-    status: str, *, ident: str = "gen-1-20261205T070000.000000Z", failed: int = 0, fetched: int = 0
+    status: str, *, ident: str = "gen-1-20261205T070000.000000Z", failed: int = 0, fetched: int = 0, pulled: int = 0
 ) -> ApplyResult:
     at = datetime.now(UTC)
-    return ApplyResult(ident, 1, status, 0, 0, failed, Path(), at, at, 0.0, fetched_bytes=fetched)
+    return ApplyResult(ident, 1, status, 0, 0, failed, Path(), at, at, 0.0, fetched_bytes=fetched, image_bytes=pulled)
 
 
 def test_failed_applies_are_counted_by_reason_and_fetched_bytes_add_up() -> None:
@@ -70,3 +70,11 @@ def test_failed_applies_are_counted_by_reason_and_fetched_bytes_add_up() -> None
     assert sample("meridian_node_applies_total", {"status": "failed"}) == 2
     assert sample("meridian_node_artifact_fetched_bytes_total") == 1000
     assert sample("meridian_node_image_fetched_bytes_total") == 0
+
+
+def test_image_bytes_an_apply_pulled_add_up_failed_or_not() -> None:
+    metrics = Metrics()
+    metrics.applied(_result("successful", pulled=4096))
+    metrics.applied(_result("failed", failed=1, pulled=100))  # pulled before a later engine failed
+    metrics.applied(_result("successful"))
+    assert metrics.registry.get_sample_value("meridian_node_image_fetched_bytes_total") == 4196

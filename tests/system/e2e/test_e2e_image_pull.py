@@ -66,5 +66,7 @@ def test_the_agent_pulls_a_published_engine_only_in_the_registry_by_digest(
         observed = last_observation(server, node_id)
         assert observed is not None and observed["applied_generation"] == generation
         assert {e["name"]: e["ready"] for e in observed["engines"]}[name] is True
+        # What the apply pulled is what the agent's meridian_node_image_fetched_bytes_total gets (Metrics.applied).
+        assert agent.last_run is not None and agent.last_run.image_bytes > 0
         assert agent.cycle().outcome == CycleStatus.UNCHANGED
         assert container_named(docker_client, name).id == container.id

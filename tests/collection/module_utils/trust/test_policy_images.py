@@ -41,8 +41,18 @@ def test_a_zero_floor_switches_it_off(tmp_path: Path) -> None:
         ({"registry_auth_file": "auth.json"}, "images.registry_auth_file: must be a normal absolute path"),
         ({"registry_auth_file": "/etc/../tmp/auth.json"}, "images.registry_auth_file"),
         ({"registry_auth": "/etc/auth.json"}, "registry_auth"),
+        ({"prune_grace_seconds": -1}, "images.prune_grace_seconds: must be >= 0"),
+        ({"prune_grace_seconds": "1d"}, "images.prune_grace_seconds"),
+        ({"prune_grace_seconds": True}, "images.prune_grace_seconds"),
+        ({"prune_grace_seconds": 366 * 86400}, "images.prune_grace_seconds"),
     ],
 )
 def test_bad_pull_limits_are_refused_naming_the_field(tmp_path: Path, images: dict[str, object], expected: str) -> None:
     with pytest.raises(PolicyError, match=expected.replace(".", r"\.")):
         load_policy(policy_with(tmp_path, images), keys=False)
+
+
+def test_the_image_prune_grace_defaults_to_a_day_and_zero_means_at_once(tmp_path: Path) -> None:
+    assert load_policy(policy_with(tmp_path, {}), keys=False).images.prune_grace_seconds == 86400
+    other = tmp_path / "zero"
+    assert load_policy(policy_with(other, {"prune_grace_seconds": 0}), keys=False).images.prune_grace_seconds == 0

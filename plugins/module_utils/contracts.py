@@ -112,6 +112,7 @@ __all__ = [
     "ServingProjection",
     "Signature",
     "StrictModel",
+    "TransferObservation",
     "ValidationError",
     "bundle_path_key",
     "describe_validation_error",
@@ -944,6 +945,21 @@ class EngineObservation(StrictModel):
     )
 
 
+class TransferObservation(StrictModel):
+    """An image pull or artifact download of the apply in flight, as its module last said (docs/PROTOCOL.md)."""
+
+    kind: Literal["image", "artifact"]
+    name: Annotated[
+        str, Field(min_length=1, max_length=512, description="the image reference, or 'artifact version: path'")
+    ]
+    bytes_done: Annotated[int, Field(ge=0, le=INT64_MAX)]
+    bytes_total: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(
+        default=None, description="null until the whole size is known (an image's layers say theirs as each starts)"
+    )
+    started_at: UtcTimestamp
+    updated_at: UtcTimestamp
+
+
 class ArtifactObservation(StrictModel):
     name: str
     version: str
@@ -1029,6 +1045,11 @@ class Observation(StrictModel):
     kubernetes: Optional[KubernetesObservation] = None
     cordons: list[NodeCordon] = Field(default_factory=list)
     refused_state: Optional[StateRefusal] = None
+    transfers: list[TransferObservation] = Field(
+        default_factory=list,
+        max_length=32,
+        description="the image pulls and artifact downloads of the apply in flight, refreshed at most every 10 s",
+    )
 
 
 class ServingEndpoint(StrictModel):

@@ -275,6 +275,7 @@ options:
 extends_documentation_fragment:
   - meridian.node.attributes
   - meridian.node.host
+  - meridian.node.image_pull
 attributes:
   check_mode:
     support: full

@@ -311,6 +311,7 @@ options:
 extends_documentation_fragment:
   - meridian.node.attributes
   - meridian.node.host
+  - meridian.node.image_pull
   - meridian.node.attributes.action
 attributes:
   action:

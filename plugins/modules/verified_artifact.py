@@ -97,6 +97,13 @@ options:
     description:
       - Seconds to wait for another run holding the store lock; unset waits as long as it takes.
     type: float
+  progress_file:
+    description:
+      - A file to keep the byte progress of this run's downloads in while they run (JSON, replaced at most once a
+        second, mode 0640, group its directory's), for the pull agent to show in its observations and status.
+      - Its directory must be a real directory owned by the user the module runs as and writable by no one else;
+        otherwise no progress is written and the run warns. Downloads run the same either way.
+    type: path
 extends_documentation_fragment:
   - meridian.node.attributes
   - meridian.node.host.policy

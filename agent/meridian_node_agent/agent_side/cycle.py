@@ -60,7 +60,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
-from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation, format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.contracts import (
+    Lease,
+    Observation,
+    TransferObservation,
+    format_rfc3339,
+)
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import (
@@ -86,6 +91,7 @@ from meridian_node_agent.agent_side.supervision_record import (
     RememberedState,
     SupervisionRecord,
 )
+from meridian_node_agent.agent_side.transfer_watch import TransferWatch, transfers_path
 from meridian_node_agent.apply.applier import ApplyAbandoned, ApplyResult
 from meridian_node_agent.apply.oplog import ABANDONED, OpLog
 from meridian_node_agent.config import READ_ONLY_MODES, AgentConfig
@@ -265,6 +271,8 @@ class Agent:
         self.store = StateStore(self.state_dir)
         self.oplog = OpLog(self.state_dir / "oplog.jsonl")
         self.spool = self.state_dir / SPOOL_FILE
+        # The pulls and downloads of the apply in flight, as its modules write them (``transfer_watch``).
+        self.transfers = TransferWatch(transfers_path(config), self.log, monotonic)
         # Taken back from the status file the last run wrote: ``status`` counts across restarts (``counters``).
         carried = restore_counters(self.state_dir / STATUS_FILE, log=self.log)
         self.counters = carried.counters
@@ -705,6 +713,9 @@ class Agent:
             failed = False
             while not stop.wait(APPLY_REPORT_S):
                 try:
+                    if self.transfers.poll():
+                        # The cycle's own thread only waits on the apply meanwhile: ``status`` shows the pull now.
+                        self.write_status()
                     self.observer.forget()
                     self._report()
                 except ControlCallStopped:
@@ -721,6 +732,7 @@ class Agent:
         finally:
             stop.set()
             thread.join()
+            self.transfers.clear()
 
     def _supervise_state(self, envelope: bytes, verified: VerifiedState) -> None:
         self._desired = (envelope, verified)
@@ -928,6 +940,9 @@ class Agent:
             cordon=self._applied_cordon(),
             refused_state=self.refused if self.config.mode == "kubernetes-integrated" else None,
         )
+        if self.transfers.transfers:
+            transfers = [TransferObservation.model_validate(entry) for entry in self.transfers.transfers]
+            observation = observation.model_copy(update={"transfers": transfers})
         self._seen_gpus(observation)
         self._kubernetes = None if observation.kubernetes is None else observation.kubernetes.model_dump(mode="json")
         # Not in the observation's contract: the observer keeps it aside for supervision (and status).
@@ -1007,6 +1022,8 @@ class Agent:
             # Each GPU's verdict at the last report, and the cordons then in force.
             "gpus": self._gpus,
             "cordons": self._cordons,
+            # The image pulls and artifact downloads of the apply in flight (``transfer_watch``); [] between applies.
+            "transfers": self.transfers.transfers,
         }
         if self.metrics is not None:
             # Its gauges are this document as the cycle composed it: the scrape (another thread) reads no state

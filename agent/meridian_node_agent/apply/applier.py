@@ -189,6 +189,7 @@ class Applier:
         collections_path: Path | None = None,
         extravars: dict[str, str] | None = None,
         cancel: Callable[[], bool] | None = None,
+        progress_file: Path | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.cancel = cancel
@@ -206,6 +207,9 @@ class Applier:
             self.collections_path = f"{collections}{os.pathsep}{collections_path}"
         self.playbook = playbook or playbooks / "reconcile.yml"
         self.extravars = dict(extravars or {})
+        if progress_file is not None:
+            # Where the playbook's pulls and downloads say how far they got, for the agent to show while it runs.
+            self.extravars["meridian_progress_file"] = str(progress_file)
         self.runs_dir = self.state_dir / "runs"
         self.journal_dir = self.state_dir / "journal"
         # In-process this is the agent's oplog; in the root apply unit, root's own (in root's directory): the

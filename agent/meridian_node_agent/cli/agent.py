@@ -16,6 +16,7 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state 
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneError
 from meridian_node_agent.agent_side.identity import CertificateInfo, IdentityError, NodeIdentity
 from meridian_node_agent.agent_side.stop import StopSignal
+from meridian_node_agent.agent_side.transfer_watch import transfers_path
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.config import (
     AgentConfig,
@@ -204,6 +205,7 @@ def build_applier(config: AgentConfig, *, gpu_relay: Any = None, stop: StopSigna
         policy_path=config.policy,
         keep_runs=config.journal.keep_runs,
         cancel=None if stop is None else stop.is_stopping,
+        progress_file=transfers_path(config),
     )
 
 
@@ -387,6 +389,7 @@ def format_status(
         ("apply retry", _retry_text((status or {}).get("apply_retry"))),
         ("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none"),
         ("engines", _engines_text((status or {}).get("engines") or [])),
+        ("transfers", _transfers_text((status or {}).get("transfers") or [])),
         ("gpu health", _gpus_text((status or {}).get("gpus"))),
         ("cordons", _cordons_text((status or {}).get("cordons"))),
         *(
@@ -404,6 +407,29 @@ def format_status(
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _transfers_text(transfers: list[dict[str, Any]]) -> str:
+    """The pulls and downloads of the apply in flight: ``image r@sha256:...: 1.2 GiB of 4.0 GiB (30.0%)``."""
+    if not transfers:
+        return "none"
+    parts = []
+    for transfer in transfers:
+        done, total = transfer.get("bytes_done") or 0, transfer.get("bytes_total")
+        amount = (
+            f"{_bytes_text(done)} of {_bytes_text(total)} ({100 * done / total:.1f}%)" if total else _bytes_text(done)
+        )
+        parts.append(f"{transfer.get('kind')} {transfer.get('name')}: {amount}, as of {transfer.get('updated_at')}")
+    return "; ".join(parts)
+
+
+def _bytes_text(count: int) -> str:
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
 
 
 def _accepted_text(accepted: Any, applied: int) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TRANSFERS_FILE
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import PolicyError, load_policy
@@ -315,6 +316,7 @@ def answer_one(
         policy_path=config.policy,
         keep_runs=config.journal.keep_runs,
         clock=clock,
+        progress_file=root.public / TRANSFERS_FILE,
     )
     result = applier.apply(
         envelope,

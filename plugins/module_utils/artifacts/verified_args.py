@@ -16,7 +16,12 @@ from ansible.module_utils.basic import missing_required_lib
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import CappedReadError, read_capped
 from ansible_collections.meridian.node.plugins.module_utils._module import POLICY_ARGS
-from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import ArtifactError, FetchConfig
+from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TransferReporter
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import (
+    ArtifactError,
+    FetchConfig,
+    FetchProgress,
+)
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.store import (
     ArtifactStoreError,
     Store,
@@ -44,6 +49,7 @@ ARGUMENT_SPEC: dict[str, Any] = {
     "timeout": {"type": "float", "default": 30},
     "attempts": {"type": "int", "default": 5},
     "lock_timeout": {"type": "float"},
+    "progress_file": {"type": "path"},
 }
 
 
@@ -106,20 +112,30 @@ def run(
             lock_timeout_s=params["lock_timeout"],
         )
     else:
-        outcome = ensure_artifact(
-            store,
-            manifest,
-            manifest_sha256=verified.payload_sha256,
-            source=params["source"],
-            pin=params["pin"],
-            promote=params["promote"],
-            verify=params["verify"],
-            max_bytes=host_policy.store.max_bytes,
-            in_use=params["in_use"],
-            config=FetchConfig(timeout_s=params["timeout"], attempts=params["attempts"]),
-            check_mode=check_mode,
-            lock_timeout_s=params["lock_timeout"],
-        )
+        reporter = TransferReporter(params.get("progress_file"))
+        try:
+            outcome = ensure_artifact(
+                store,
+                manifest,
+                manifest_sha256=verified.payload_sha256,
+                source=params["source"],
+                pin=params["pin"],
+                promote=params["promote"],
+                verify=params["verify"],
+                max_bytes=host_policy.store.max_bytes,
+                in_use=params["in_use"],
+                config=FetchConfig(
+                    timeout_s=params["timeout"],
+                    attempts=params["attempts"],
+                    progress=_progress_to(reporter, f"{manifest.name} {manifest.version}"),
+                ),
+                check_mode=check_mode,
+                lock_timeout_s=params["lock_timeout"],
+            )
+        finally:
+            reporter.end_all()
+        if reporter.problem is not None:
+            warn(reporter.problem)
     plan = outcome.plan
     if plan.remove and plan.previous_current == plan.version:
         after_current = None
@@ -144,3 +160,18 @@ def run(
     if diff:
         result["diff"] = plan.diff()
     return result
+
+
+def _progress_to(reporter: TransferReporter, artifact: str) -> Callable[[FetchProgress], None]:
+    """Each file's download, told to ``reporter`` as ``<artifact> <version>: <path>`` from its first bytes to its
+    last (``_transfer_progress``: the agent shows it)."""
+
+    def report(event: FetchProgress) -> None:
+        name = f"{artifact}: {event.path}"
+        if name not in reporter:
+            reporter.start("artifact", name, event.size)
+        reporter.advance(name, event.done, event.size)
+        if event.done >= event.size:
+            reporter.end(name)
+
+    return report

@@ -289,6 +289,14 @@ class PullProgress:
     def bytes_done(self) -> int:
         return sum(self._downloaded.values())
 
+    @property
+    def bytes_total(self) -> int | None:
+        """The bytes to download over all layers, once every layer the engine named has said its size (a layer
+        the host already has counts nothing); None before that."""
+        if any(layer not in self._totals and state[0] != "Already exists" for layer, state in self._last.items()):
+            return None
+        return sum(self._totals.values())
+
     def feed(self, data: bytes) -> bool:
         """Take the bytes that arrived; True when they carried a message that moved the pull on."""
         self._pending += data
@@ -387,8 +395,11 @@ class ImagePuller:
             free_bytes=free,
         )
 
-    def pull(self, reference: str) -> PullSummary:
-        """Pull ``reference`` by its digest, within the stall bound, and check the image Docker then holds."""
+    def pull(self, reference: str, on_progress: Callable[[int, int | None], None] | None = None) -> PullSummary:
+        """Pull ``reference`` by its digest, within the stall bound, and check the image Docker then holds.
+
+        ``on_progress`` is told the bytes downloaded so far (and the total, once known) after each read of the
+        engine's stream, at least every ``_READ_SLICE_S`` seconds, whether the pull moved or not."""
         repository, digest = self._admit(reference)
         auth = self._auth_header(repository)
         self._check_disk(reference)
@@ -415,12 +426,13 @@ class ImagePuller:
                 if left <= 0:
                     raise failed(self._stalled_text(reference, repository, progress.bytes_done), "image-pull-stalled")
                 data = stream.read(min(left, _READ_SLICE_S))
-                if data is None:
-                    continue
-                if not data:
+                if data == b"":
                     break
-                if progress.feed(data):
+                if data is not None and progress.feed(data):
                     last_moved = self._clock()
+                if on_progress is not None:
+                    # Each slice, moved or not: a paced reporter writes what it held back once its interval is up.
+                    on_progress(progress.bytes_done, progress.bytes_total)
         except DockerApiError as exc:
             raise failed(f"pulling image {reference!r} failed: {exc.reason}", "image-pull") from exc
         except ValueError as exc:  # the engine's progress stream was not what the Engine API documents

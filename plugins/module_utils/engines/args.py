@@ -70,4 +70,6 @@ RUN_OPTIONS: dict[str, Any] = {
     **HOST_ARGS,
     "store_path": {"type": "path"},
     "owner": {"type": "str"},
+    "progress_file": {"type": "path"},
+    "pull": {"type": "str", "choices": ["missing", "never"], "default": "missing"},
 }

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TransferReporter
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, ImageNotFoundError
 from ansible_collections.meridian.node.plugins.module_utils.docker.image_pull import (
     ImagePuller,
@@ -45,8 +46,11 @@ def puller_for(policy: Policy, engine: DockerEngine, clock: Callable[[], float] 
     return ImagePuller(engine.api, limits, allowed=policy.image_allowed, clock=clock)
 
 
-def bring_image(puller: ImagePuller, reference: str, *, check_mode: bool) -> dict[str, Any]:
-    """Pull ``reference`` (check mode: forecast the pull); its summary for the engines' results.
+def bring_image(
+    puller: ImagePuller, reference: str, *, check_mode: bool, reporter: TransferReporter | None = None
+) -> dict[str, Any]:
+    """Pull ``reference`` (check mode: forecast the pull); its summary for the engines' results. ``reporter``
+    is told the pull's bytes as they move, for the agent (``_transfer_progress``).
 
     A failure raises ``docker.image_pull.ImagePullError``: its ``check`` and ``summary`` say what and how far,
     and its ``image`` is ``reference``.
@@ -54,7 +58,13 @@ def bring_image(puller: ImagePuller, reference: str, *, check_mode: bool) -> dic
     try:
         if check_mode:
             return puller.forecast(reference).as_result()
-        return puller.pull(reference).as_result()
+        if reporter is None:
+            return puller.pull(reference).as_result()
+        reporter.start("image", reference)
+        try:
+            return puller.pull(reference, lambda done, total: reporter.advance(reference, done, total)).as_result()
+        finally:
+            reporter.end(reference)
     except ImagePullError as exc:
         exc.image = exc.image or reference  # the credentials file's errors name no image of their own
         raise

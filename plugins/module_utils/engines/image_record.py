@@ -2,10 +2,10 @@
 
 A pulled image cannot carry a label saying who brought it (its config is the registry's, and its id is the
 hash of that config), and the repository digest it is known by is the same whoever pulled it. So
-``engine_set`` writes down, in its own state directory, every image it pulled and for which ``owner``:
-``<state_dir>/images.json``. ``engines.image_prune`` removes only images found here (or loaded from a bundle,
-recognised by their ``meridian-<id>`` tag) and keeps here the time a prune first found each one unused, which
-is where the grace counts from.
+``engine_set`` and ``engine_instance`` write down, in their state directory, every image they pulled and for
+which ``owner``: ``<state_dir>/images.json``. ``engines.image_prune`` removes only images found here (or loaded
+from a bundle, recognised by their ``meridian-<id>`` tag) and keeps here the time a prune first found each one
+unused, which is where the grace counts from.
 
 The file is root's (0600): the agent never reads it, and nothing of it is secret or needed outside. A file
 that does not parse is an error naming it, never a reset: forgetting what we pulled would only keep images

@@ -54,7 +54,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY, DEFAULT_STATE_DIR
+from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TransferReporter
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout import (
     ArtifactNotPromotedError,
     ArtifactStoreError,
@@ -105,6 +107,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
     ProbeVerdict,
     get_driver,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.image_prune import record_pulled
 from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import (
     bring_image,
     image_missing,
@@ -202,6 +205,10 @@ class Options:
     state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
     owner: str | None = None
+    # Where the byte progress of pulls goes for the agent (``_transfer_progress``); None: nowhere.
+    progress_file: str | None = None
+    # ``missing``: pull an image Docker lacks; ``never``: refuse it (``image-missing``), as on an air-gapped host.
+    pull: str = "missing"
     # The cordons in force, as one (``engines.cordon_file``): set by ``converge``/``converge_set`` from the host's
     # file, the policy and the signed state, never by a caller.
     cordon: HostCordon | None = None
@@ -339,7 +346,10 @@ def converge(
         elif creates(run.plan) and run.spec is not None:
             run.image_missing = image_missing(engine, run.spec.image)
         if run.image_missing and policy is not None:
-            bring_images([run], policy, check_mode=check_mode, clock=clock)
+            reporter = TransferReporter(options.progress_file)
+            bring_images([run], policy, check_mode=check_mode, clock=clock, reporter=reporter, pull=options.pull)
+            if not check_mode and options.owner and run.spec is not None:
+                _record_pull(run, run.spec.image, options, engine)
         if check_mode or not run.plan.actions:
             result = report_engine(run, check_mode)
         else:
@@ -757,15 +767,33 @@ def check_image(run: EngineRun, spec: ParsedEngineSpec) -> None:
         )
 
 
+def _record_pull(run: EngineRun, image: str, options: Options, engine: DockerEngine) -> None:
+    """Root's record of the image this run pulled, so that ``engine_set``'s image prune for the same owner may
+    remove it once nothing uses it (``engines.image_record``); an operator's run without ``owner`` records none."""
+    if not (run.image_pull or {}).get("pulled"):
+        return
+    try:
+        record_pulled(engine, options.state_dir, str(options.owner), [image])
+    except MeridianError as exc:
+        raise EngineInstanceError(
+            f"engine {run.name!r}: no engine was changed: {exc}", check="image-record", result=run.result()
+        ) from exc
+
+
 def bring_images(
     runs: Sequence[EngineRun],
     policy: Policy,
     *,
     check_mode: bool,
     clock: Callable[[], float] = time.monotonic,
+    reporter: TransferReporter | None = None,
+    pull: str = "missing",
 ) -> None:
     """Pull the images ``runs`` create from and Docker lacks, each once (check mode: forecast the pulls), each
     run's ``image_pull`` set; a pulled image is then checked as placement checks a local one (``check_image``).
+    ``reporter`` is told each pull's bytes as they move (``_transfer_progress``). ``pull`` ``never`` (an
+    air-gapped host, whose images come in its bundles) refuses a missing image instead (``image-missing``), in
+    check mode too, before any registry is asked.
 
     Raises ``EngineInstanceError`` naming the check (``image-pull``, ``image-pull-stalled``, ``disk-low``,
     ``registry-auth``, ``image-digest-mismatch``, ``policy-image``...) with the result of the first run that
@@ -775,17 +803,28 @@ def bring_images(
     wanted = [(run, run.spec) for run in runs if run.image_missing and run.spec is not None]
     if not wanted:
         return
+    if pull == "never":
+        run, spec = wanted[0]
+        raise EngineInstanceError(
+            f"engine {run.name!r}: image {spec.image!r} is not in the local Docker Engine and this run may not pull "
+            f"(pull: never); bring it with the bundle (meridian-node make-bundle --image {spec.image}) or load it "
+            "first; nothing was changed",
+            check="image-missing",
+            result=run.result(),
+        )
     puller = puller_for(policy, wanted[0][0].engine, clock)
     for reference in dict.fromkeys(spec.image for _run, spec in wanted):
         users = [run for run, spec in wanted if spec.image == reference]
         try:
-            pulled = bring_image(puller, reference, check_mode=check_mode)
+            pulled = bring_image(puller, reference, check_mode=check_mode, reporter=reporter)
         except ImagePullError as exc:
             for run in users:
                 run.image_pull = exc.summary
             raise EngineInstanceError(
                 f"engine {users[0].name!r}: {exc}; nothing was changed", check=exc.check, result=users[0].result()
             ) from exc
+        if reporter is not None and reporter.problem is not None:
+            pulled = {**pulled, "progress_problem": reporter.problem}
         for run in users:
             run.image_pull = dict(pulled)
             if not check_mode:

@@ -48,6 +48,8 @@ def engine_instance_outcome(params: Mapping[str, Any], *, check_mode: bool) -> d
         state_dir=params["state_dir"],
         store_path=params["store_path"],
         owner=params["owner"],
+        progress_file=params["progress_file"],
+        pull=params["pull"],
     )
     try:
         engine = docker_engine.DockerEngine.from_env()

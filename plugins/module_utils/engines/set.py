@@ -45,6 +45,7 @@ from typing import Any, Protocol, TypeVar
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY, DEFAULT_STATE_DIR
+from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TransferReporter
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     ContainerInfo,
     DockerEngine,
@@ -137,6 +138,10 @@ class SetOptions:
     policy_path: str = DEFAULT_POLICY
     state_dir: str = DEFAULT_STATE_DIR
     store_path: str | None = None
+    # Where the byte progress of pulls goes for the agent (``_transfer_progress``); None: nowhere.
+    progress_file: str | None = None
+    # ``missing``: pull an image Docker lacks; ``never``: refuse it (``image-missing``), as on an air-gapped host.
+    pull: str = "missing"
     prune_reason: str = "the engine set no longer lists it"
     # Images loaded from air-gap bundles are the agent's (only it loads them): only a signed state's run prunes them.
     prune_loaded: bool = False
@@ -217,6 +222,8 @@ def run_engine_set(
         policy_path=str(params.get("policy") or DEFAULT_POLICY),
         state_dir=str(params.get("state_dir") or DEFAULT_STATE_DIR),
         store_path=params.get("store_path"),
+        progress_file=params.get("progress_file"),
+        pull=str(params.get("pull") or "missing"),
         prune_reason=reason,
         prune_loaded=verified is not None,
         cordon=verified.get("cordon") if verified is not None else params.get("cordon"),
@@ -549,7 +556,9 @@ def converge_set(
             f"nothing was changed: {_failure_text(refusals)}",
             result={"check": refusals[0][2] if len(refusals) == 1 else "engines", "engines": engines, "pruned": []},
         )
-    _bring_images(runs, policy, check_mode=check_mode, clock=clock)
+    _bring_images(
+        runs, policy, check_mode=check_mode, clock=clock, progress_file=options.progress_file, pull=options.pull
+    )
     if not check_mode and options.owner:
         _record_pulls(runs, options, engine)
     pruned = [{"name": name, "reason": "first"} for name in order.first]
@@ -588,12 +597,19 @@ def _mark_missing_images(runs: Mapping[str, EngineRun]) -> list[tuple[str, str, 
 
 
 def _bring_images(
-    runs: Mapping[str, EngineRun], policy: Policy, *, check_mode: bool, clock: Callable[[], float]
+    runs: Mapping[str, EngineRun],
+    policy: Policy,
+    *,
+    check_mode: bool,
+    clock: Callable[[], float],
+    progress_file: str | None,
+    pull: str,
 ) -> None:
     """Every missing image pulled (or forecast) before any engine is touched; a failure fails the set with
     nothing changed, each engine that needed the image naming the check and how far the pull got."""
     try:
-        bring_images(list(runs.values()), policy, check_mode=check_mode, clock=clock)
+        reporter = TransferReporter(progress_file)
+        bring_images(list(runs.values()), policy, check_mode=check_mode, clock=clock, reporter=reporter, pull=pull)
     except EngineInstanceError as exc:
         engines = {
             name: {**run.result(), "failed": True, "msg": str(exc), "check": exc.check}

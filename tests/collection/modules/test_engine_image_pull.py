@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -22,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TRANSFERS_FILE, read_transfers
+from ansible_collections.meridian.node.plugins.module_utils.engines.image_record import read_image_record
 from ansible_collections.meridian.node.tests.support.engine_harness import BIND, PORTS, REPO, VENV_BIN, Host, free_port
 from ansible_collections.meridian.node.tests.support.registry import (
     PushedImage,
@@ -135,11 +140,14 @@ def test_engine_instance_pulls_in_its_own_run_and_not_again(
 ) -> None:
     with pushed_image(docker_client, registry, vllm.id, prefix) as image:
         pull_host(host, [f"{registry.host}/{prefix}"])
-        spec = host.params(**engine(image.pinned, f"{prefix}-i", free_port()))
+        spec = host.params(**engine(image.pinned, f"{prefix}-i", free_port()), owner=prefix)
         results = host.play([("check", spec, True), ("apply", spec, False), ("again", spec, False)])
         assert results["check"]["image_pull"]["would_pull"] is True
         assert results["apply"]["image_pull"]["pulled"] is True and results["apply"]["ready"] is True
         assert results["again"]["changed"] is False and "image_pull" not in results["again"]
+        # Recorded for its owner, as engine_set's pulls are: that owner's engine_set prune may remove it later.
+        record = read_image_record(str(host.state_dir))
+        assert [(i.reference, i.owner, i.brought) for i in record.values()] == [(image.pinned, prefix, "pulled")]
 
 
 def test_the_registry_serving_another_image_under_the_same_tag_is_never_used(
@@ -352,3 +360,79 @@ def test_a_registry_that_wants_credentials_without_them_fails_as_a_pull(
         )
         assert results["apply"]["check"] == "image-pull", results["apply"]
         assert "no basic auth credentials" in results["apply"]["msg"]
+
+
+def test_a_pull_in_flight_writes_its_bytes_to_the_progress_file_and_leaves_nothing_when_done(
+    host: Host, vllm: LocalImage, registry: Registry, prefix: str, docker_client: Any
+) -> None:
+    with (
+        pushed_image(docker_client, registry, vllm.id, prefix, tag="big", blob_bytes=32 * 1024 * 1024) as big,
+        StallingProxy(registry.port, stall_after=4 * 1024 * 1024) as proxy,
+    ):
+        pull_host(host, [f"{proxy.host}/{prefix}"], pull_stall_seconds=60)
+        public = host.root / "public"
+        public.mkdir(mode=0o750)
+        progress = public / TRANSFERS_FILE
+        pulling = big.pinned_via(proxy.host)
+        params = {
+            "policy": str(host.policy),
+            "state_dir": str(host.state_dir),
+            "owner": prefix,
+            "engines": [engine(pulling, f"{prefix}-g", free_port())],
+            "progress_file": str(progress),
+        }
+        outcome: dict[str, Any] = {}
+        run = threading.Thread(
+            target=lambda: outcome.update(host.play_module("meridian.node.engine_set", [("apply", params, False)])[0])
+        )
+        run.start()
+        try:
+            assert proxy.stalled.wait(120), "the pull never reached the proxy's stall"
+            # The module writes at most once a second, and again each second while the pull stands still: the
+            # bytes that came before the stall show within a few seconds.
+            seen: list[Any] = []
+            for _attempt in range(100):
+                seen = read_transfers(str(progress))
+                if seen and seen[0].bytes_done > 0:
+                    break
+                time.sleep(0.1)
+            assert [(t.kind, t.name) for t in seen] == [("image", pulling)], seen
+            assert 0 < seen[0].bytes_done <= 4 * 1024 * 1024
+            assert stat.S_IMODE(progress.stat().st_mode) == 0o640
+        finally:
+            proxy.release()
+            run.join(300)
+        applied = outcome["apply"]["engines"][f"{prefix}-g"]
+        assert applied["image_pull"]["pulled"] is True and applied["ready"] is True, outcome
+        assert "progress_problem" not in applied["image_pull"]
+        assert read_transfers(str(progress)) == []
+        forget_local(docker_client, f"{proxy.host}/{prefix}/standin")
+
+
+def test_pull_never_refuses_a_missing_image_without_asking_the_registry_and_changes_nothing(
+    host: Host, vllm: LocalImage, prefix: str, docker_client: Any
+) -> None:
+    # The registry is stopped (SIGSTOP) for the whole test: asking it anything would hang into the stall bound.
+    with running_registry() as stopped, pushed_image(docker_client, stopped, vllm.id, prefix) as image:
+        pull_host(host, [f"{stopped.host}/{prefix}"], pull_stall_seconds=300)
+        name = f"{prefix}-n"
+        params = {
+            "policy": str(host.policy),
+            "state_dir": str(host.state_dir),
+            "owner": prefix,
+            "pull": "never",
+            "engines": [engine(image.pinned, name, free_port())],
+        }
+        stopped.process.send_signal(signal.SIGSTOP)
+        try:
+            results, _output = host.play_module(
+                "meridian.node.engine_set", [("check", params, True), ("apply", params, False)]
+            )
+        finally:
+            stopped.process.send_signal(signal.SIGCONT)
+        for label in ("check", "apply"):
+            refused = results[label]
+            assert refused["failed"] is True and refused["check"] == "image-missing", refused
+            assert "pull: never" in refused["msg"] and f"make-bundle --image {image.pinned}" in refused["msg"]
+        assert local_images(docker_client, image.repository) == []
+        assert docker_client.containers.list(all=True, filters={"name": name}) == []

@@ -33,6 +33,13 @@ DEFAULT_STATE_DIR = "/var/lib/meridian-node"
 DEFAULT_APPLY_STATE_DIR = "/var/lib/meridian-node-apply"
 CONFIG_ENV = "MERIDIAN_NODE_CONFIG"
 
+# Every timer of the agent that paces a call to the control plane (the lease renewal, the pause between cycles,
+# the long-poll, the observation refresh, the certificate's renewal point) is drawn within this fraction of its
+# setting, each time it is set: a fleet started in one rollout, or reconnecting after a control-plane restart,
+# spreads out instead of calling in lockstep. A bound derived from these timers (how long until the agent has
+# surely reported) allows for it.
+TIMER_JITTER = 0.1
+
 # Where the kubelet serves its PodResources API unless its --root-dir moved it (dcgm-exporter reads the same path).
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
@@ -121,11 +128,20 @@ class ControlPlaneConfig(_Section):
     long_poll_seconds: Annotated[
         int,
         Field(
-            ge=0, le=300, description="how long one fetch waits for a new state (at most heartbeat_seconds); 0 polls"
+            ge=0,
+            le=300,
+            description="how long one fetch waits for a new state, less up to 10 % (jitter) and never past the next "
+            "heartbeat; 0 polls",
         ),
     ] = 30
     heartbeat_seconds: Annotated[
-        int, Field(ge=1, le=3600, description="how often the lease is renewed; also the pause between cycles")
+        int,
+        Field(
+            ge=1,
+            le=3600,
+            description="how often the lease is renewed, ±10 % (jitter), and at most every half lease; also the pause "
+            "between cycles",
+        ),
     ] = 15
 
     @model_validator(mode="after")
@@ -154,7 +170,13 @@ class CertificateRenewalConfig(_Section):
     # Renew once less than this fraction of the certificate's lifetime is left: a third of a 30-day
     # certificate is 10 days of retries before it lapses.
     remaining_fraction: Annotated[
-        float, Field(gt=0, lt=1, description="renew once less than this fraction of the certificate's lifetime is left")
+        float,
+        Field(
+            gt=0,
+            lt=1,
+            description="renew once less than this fraction (±10 %, drawn at start) of the certificate's lifetime "
+            "is left",
+        ),
     ] = 1 / 3
     retry_initial_seconds: Annotated[
         float, Field(gt=0, le=86400, description="the wait before retrying a failed renewal; doubles with jitter")

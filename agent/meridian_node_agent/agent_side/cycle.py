@@ -37,7 +37,17 @@ Rules the loop keeps:
   in flight is abandoned (in-process: ansible-runner kills the playbook; under the split: the request stays with
   root) with its oplog entry left started, so the next start resumes it as after a crash (``recover``). The log
   says ``agent-stopping`` (the signal, and what the loop was doing) and ``cmd_run`` says ``agent-stopped``.
-- The client certificate is renewed once less than ``certificate_renewal.remaining_fraction`` of its
+- What it costs the control plane is kept small (bench/protocol_cost.py measures it per node and hour): the
+  heartbeat is a body-less lease renewal; the desired state is fetched with ``If-None-Match`` and answered 304
+  while unchanged; an observation is posted when what it says changed (a digest of it, a GPU's gauges of the
+  moment left out) or every ``REPORT_REFRESH_S``, never on every cycle.
+- Every timer that paces a call to the control plane is drawn within ±``TIMER_JITTER`` (10 %) of its setting,
+  each time it is set, from the injected random source: the lease renewal (``heartbeat_seconds``, and the pause
+  between cycles without a long-poll), the long-poll (up to 10 % shorter, never longer: the server refuses a
+  wait over its limit), the observation refresh and the certificate's renewal point. Nodes started together
+  spread out instead of calling in lockstep for ever. Failed calls back off exponentially, with jitter
+  (``Backoff``): the loop's, a certificate renewal's and the reports made while an apply runs.
+- The client certificate is renewed once less than ``certificate_renewal.remaining_fraction`` (±10 %) of its
   lifetime is left, at the start of a cycle, so the rest of the cycle already uses the new pair. A failed
   renewal is logged and retried after a backoff of its own; it never fails the cycle, because the old
   certificate is still valid (and when it is not, the calls after it say so).
@@ -46,6 +56,7 @@ Rules the loop keeps:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -94,7 +105,7 @@ from meridian_node_agent.agent_side.supervision_record import (
 from meridian_node_agent.agent_side.transfer_watch import TransferWatch, transfers_path
 from meridian_node_agent.apply.applier import ApplyAbandoned, ApplyResult
 from meridian_node_agent.apply.oplog import ABANDONED, OpLog
-from meridian_node_agent.config import READ_ONLY_MODES, AgentConfig
+from meridian_node_agent.config import READ_ONLY_MODES, TIMER_JITTER, AgentConfig
 from meridian_node_agent.logs import EventLogger
 
 __all__ = [
@@ -102,18 +113,47 @@ __all__ = [
     "REPORT_REFRESH_S",
     "SPOOL_FILE",
     "STATUS_FILE",
+    "TIMER_JITTER",
     "Agent",
     "ApplyRetry",
     "Backoff",
     "CycleOutcome",
+    "jittered",
     "read_status",
 ]
 
 SPOOL_FILE = Path("spool") / "desired-state.json"
 STATUS_FILE = "status.json"
-# An unchanged observation is re-sent at least this often; a changed one at once. The heartbeat already
-# proves the node alive each cycle, and posting identical observations is most of an idle cycle's cost.
-REPORT_REFRESH_S = 60.0
+# An unchanged observation is re-sent this often (±TIMER_JITTER); a changed one at once. The heartbeat already
+# proves the node alive, so the refresh only carries the gauges that move on their own (below). Five minutes is
+# the kubelet's node status report (KEP 0009, ``nodeStatusReportFrequency``) and balena-supervisor's metrics report.
+REPORT_REFRESH_S = 300.0
+# A GPU's readings of the moment: they move with load while nothing changed that the control plane acts on, so
+# they are left out of the digest that decides whether an observation is new. They ride along with every post
+# and the refresh (balena-supervisor holds its metrics back the same way). Everything else (engines, readiness,
+# draining, health verdicts with their counters and reasons, MIG layout, processes, cordons, the applied
+# generation, the lease epoch) is in the digest, and a change in it is posted in the cycle that sees it.
+_GPU_GAUGES: dict[str, Any] = {
+    "gpus": {
+        "__all__": {
+            "memory": {"used_mib", "free_mib"},
+            "utilization_gpu_percent": True,
+            "utilization_memory_percent": True,
+            "temperature_c": True,
+            "power_draw_w": True,
+            "processes": {"__all__": {"used_memory_mib"}},
+            "clocks": {"graphics_mhz", "sm_mhz", "memory_mhz"},
+            # The link as trained now: GPUs retrain it down when idle. A downgrade that matters is in the verdict.
+            "pcie": {"generation", "width"},
+            "health": {"readings": {"clock_event_reasons", "power_violation_ns", "thermal_violation_ns"}},
+        }
+    }
+}
+# The observation outside its GPU facts (digested apart, once per GPU refresh): its time and the free VRAM.
+_OBSERVATION_GAUGES: dict[str, Any] = {"observed_at": True, "gpu": True, "capacity": {"vram_free_mib"}}
+# A long-poll the server ends a little before the renewal it was sized to reach still renews in the cycle after
+# it, instead of one more short fetch first (the wait is sent in milliseconds).
+_RENEWAL_SLACK_S = 0.1
 # How often an apply in progress is observed, so that a replace's switch reaches the serving projection while
 # it happens; well inside the reconcile playbook's drain settle (5 s).
 APPLY_REPORT_S = 1.0
@@ -192,6 +232,11 @@ class ObservePort(Protocol):
     def forget(self) -> None: ...
 
 
+def jittered(seconds: float, rng: random.Random) -> float:
+    """``seconds`` ±``TIMER_JITTER``, drawn from ``rng``: each timer of the agent is set through this."""
+    return seconds * (1 + rng.uniform(-TIMER_JITTER, TIMER_JITTER))
+
+
 @dataclass
 class Backoff:
     """Exponential backoff with jitter: attempt n waits a random time in [base/2, base], base = initial·2^(n-1)."""
@@ -266,7 +311,11 @@ class Agent:
         # Intervals (heartbeat due, observation refresh) run on this clock; a test or a benchmark can
         # stand in a clock that moves as a long-poll of ``wait_s`` seconds would.
         self.monotonic = monotonic
-        self.backoff = Backoff(config.backoff.initial_seconds, config.backoff.max_seconds, rng or random.Random())  # noqa: S311 - jitter, not secrecy
+        # Every timer's jitter and every backoff draw from this one source: a test that seeds it replays a run.
+        self.rng = rng or random.Random()  # noqa: S311 - jitter, not secrecy
+        self.backoff = Backoff(config.backoff.initial_seconds, config.backoff.max_seconds, self.rng)
+        # The reports made while an apply runs back off on their own count: the loop's is not theirs to move.
+        self.report_backoff = Backoff(config.backoff.initial_seconds, config.backoff.max_seconds, self.rng)
         self.state_dir = Path(config.state_dir)
         self.store = StateStore(self.state_dir)
         self.oplog = OpLog(self.state_dir / "oplog.jsonl")
@@ -281,9 +330,11 @@ class Agent:
         self.etag: str | None = None
         self.last_run: ApplyResult | None = None
         self._rejected_etag: str | None = None
-        self._reported: tuple[str, float] | None = None
+        # The digest of the observation last posted, and when it is due again unchanged (monotonic).
+        self._reported: tuple[bytes, float] | None = None
         self._status_written: tuple[dict[str, Any], float] | None = None
-        self._renewed_at: float | None = None
+        # When the lease is next renewed (monotonic): set at each renewal, jittered.
+        self._renew_at: float | None = None
         self._epoch_ok = True
         self._engines: list[dict[str, Any]] = []
         supervision = config.supervision
@@ -305,20 +356,28 @@ class Agent:
         # Mode kubernetes-integrated: the state last refused (for status), and the kubelet's view last observed.
         self.refused: dict[str, Any] | None = None
         self._kubernetes: dict[str, Any] | None = None
-        # The GPU facts of the last observation (the object, as a dict and as JSON: dumped once per GPU refresh),
-        # each GPU's verdict for status, the cordons in force, and the engines last reported on an unhealthy GPU.
-        self._gpu_seen: tuple[Any, dict[str, Any], str] | None = None
+        # The GPU facts of the last observation (the object, as a dict, and as JSON without its gauges for the digest:
+        # dumped once per GPU refresh), each GPU's verdict for status, the cordons in force, and the engines last
+        # reported on an unhealthy GPU.
+        self._gpu_seen: tuple[Any, dict[str, Any], bytes] | None = None
         self._gpus: list[dict[str, Any]] = []
         self._cordons: list[dict[str, Any]] = []
         self._gpu_trouble: dict[str, str] = {}
         # Renewal talks to the real control client even when a test wraps ``client`` for the other calls.
         self.issuer: CertificateIssuer | None = client if isinstance(client, CertificateIssuer) else None
         renewal = config.certificate_renewal
+        # The renewal point is jittered once per start: a fleet enrolled in one rollout would otherwise renew in
+        # one cycle, a burst of CSRs for the control plane's CA to sign.
         self.renewal = CertificateRenewal(
-            NodeIdentity(config.identity_dir), remaining_fraction=renewal.remaining_fraction
+            NodeIdentity(config.identity_dir),
+            remaining_fraction=min(0.99, jittered(renewal.remaining_fraction, self.rng)),
         )
-        self.renewal_backoff = Backoff(renewal.retry_initial_seconds, renewal.retry_max_seconds, self.backoff.rng)
+        self.renewal_backoff = Backoff(renewal.retry_initial_seconds, renewal.retry_max_seconds, self.rng)
         control = config.control_plane
+        # The longest a fetch may wait for a new state; each cycle's wait is jittered below it, and ends at the
+        # next renewal when that comes first (``_long_poll_wait``).
+        self.long_poll_s = float(control.long_poll_seconds) if control else 0.0
+        # A steady cycle's nominal length: its long-poll ends at the next renewal, ``heartbeat_seconds`` ±10 % away.
         self.wait_s = float(min(control.long_poll_seconds, control.heartbeat_seconds)) if control else 0.0
         self.pause_s = float(control.heartbeat_seconds) if control else 30.0
 
@@ -342,7 +401,7 @@ class Agent:
             attempts += 1
             ok = True
             try:
-                outcome = self.cycle(wait_s=0 if once else self.wait_s)
+                outcome = self.cycle(wait_s=0 if once else self.long_poll_s)
                 # A failed repair is not the control plane's fault: supervision paces its own retries.
                 ok = outcome.outcome not in (
                     CycleStatus.APPLY_FAILED,
@@ -388,8 +447,9 @@ class Agent:
                 continue
             failures = 0
             waiting = "between-cycles"
-            if self.wait_s == 0:
-                self.sleep(self.pause_s)
+            if self.long_poll_s == 0:
+                # Without a long-poll the pause paces the loop: until the lease's next renewal, which is jittered.
+                self.sleep(self._until_renewal())
 
     def _stopped(self, during: str, abandoned: ApplyAbandoned | None = None) -> int:
         """Say that the loop stops, why and what it was doing; the exit status for ``meridian-node run``."""
@@ -414,6 +474,7 @@ class Agent:
             self.metrics.close()
 
     def cycle(self, *, wait_s: float = 0) -> CycleOutcome:
+        """One cycle; its fetch long-polls for up to ``wait_s`` seconds (``_long_poll_wait``), 0: it does not."""
         try:
             return self._cycle(wait_s)
         finally:
@@ -427,10 +488,11 @@ class Agent:
         if self.issuer is not None and self.renewal.due(self.clock()):
             self._renew_certificate(self.issuer)
         if self._heartbeat_due():
+            asked_at = self.monotonic()
             self.lease = self.client.heartbeat(node)
-            self._renewed_at = self.monotonic()
+            self._renewed(self.lease, asked_at)
             self._epoch_ok = self._observe_epoch(self.lease.epoch)
-        fetched = self.client.fetch_desired_state(node, etag=self.etag, wait_s=wait_s)
+        fetched = self.client.fetch_desired_state(node, etag=self.etag, wait_s=self._long_poll_wait(wait_s))
         if fetched.status == FetchStatus.NOT_MODIFIED:
             outcome = CycleOutcome(CycleStatus.UNCHANGED, fetched.generation)
             if self._retry is not None:
@@ -710,8 +772,10 @@ class Agent:
         stop = threading.Event()
 
         def report() -> None:
-            failed = False
-            while not stop.wait(APPLY_REPORT_S):
+            logged = False
+            failures = 0
+            pause_s = APPLY_REPORT_S
+            while not stop.wait(pause_s):
                 try:
                     if self.transfers.poll():
                         # The cycle's own thread only waits on the apply meanwhile: ``status`` shows the pull now.
@@ -721,9 +785,15 @@ class Agent:
                 except ControlCallStopped:
                     return  # the agent is stopping: the apply is being abandoned, there is nothing to report
                 except Exception as exc:  # noqa: BLE001 - reporting mid-apply is a courtesy, the apply is the job
-                    if not failed:
+                    if not logged:
                         self.log.warning("apply-report-failed", reason=f"{type(exc).__name__}: {exc}")
-                    failed = True
+                    logged = True
+                    # An apply can last an hour (a model download): a control plane that is down is asked less and
+                    # less often, not every APPLY_REPORT_S.
+                    failures += 1
+                    pause_s = max(APPLY_REPORT_S, self.report_backoff.delay(failures))
+                else:
+                    failures, pause_s = 0, APPLY_REPORT_S
 
         thread = threading.Thread(target=report, name="report-while-applying", daemon=True)
         thread.start()
@@ -908,16 +978,43 @@ class Agent:
             self.log.info("certificate-renewed", serial=f"{info.serial:x}", not_after=format_rfc3339(info.not_after))
 
     def _heartbeat_due(self) -> bool:
-        """Renew every ``heartbeat_seconds``, and always while the lease is unknown or about to lapse.
+        """Renew when the renewal set by the last one is due, and always while the lease is unknown.
 
         Cycles come faster than that only when states change quickly (a long-poll returns early); then
         one renewal per interval is enough, and a fence is still seen within one interval.
         """
-        if self.lease is None or self._renewed_at is None:
+        if self.lease is None or self._renew_at is None:
             return True
-        if self.monotonic() - self._renewed_at >= self.pause_s:
-            return True
-        return (self.lease.expires_at - self.clock()).total_seconds() < self.pause_s
+        return self.monotonic() >= self._renew_at - _RENEWAL_SLACK_S
+
+    def _renewed(self, lease: Lease, asked_at: float) -> None:
+        """Set the next renewal: ``heartbeat_seconds`` ±10 % after this one was asked for, and never later than half
+        the lease (the control plane's length, from the lease itself), so one failed renewal can still be retried
+        before the lease lapses. Timed from the ask, not the answer: the lease began before the answer came."""
+        lease_s = (lease.expires_at - lease.renewed_at).total_seconds()
+        interval_s = min(self.pause_s, max(1.0, lease_s / 2))
+        self._renew_at = asked_at + jittered(interval_s, self.rng)
+
+    def _until_renewal(self) -> float:
+        """Seconds until the next renewal is due (the pause between cycles when there is no long-poll)."""
+        if self._renew_at is None:
+            return jittered(self.pause_s, self.rng)
+        return max(0.0, self._renew_at - self.monotonic())
+
+    def _long_poll_wait(self, wait_s: float) -> float:
+        """This cycle's long-poll: ``wait_s`` less up to ``TIMER_JITTER`` of it, ending at the next renewal if that
+        comes first, in whole milliseconds; 0 when ``wait_s`` is 0.
+
+        Never longer than ``wait_s``: ``long_poll_seconds`` is set within the server's limit on a wait, and a
+        longer one is refused. With the defaults (long-poll 30 s, heartbeat 15 s) the renewal ends every wait, so a
+        steady cycle is one renewal and one 304, ``heartbeat_seconds`` ±10 % apart.
+        """
+        if wait_s <= 0:
+            return 0.0
+        wait = wait_s * (1 - TIMER_JITTER * self.rng.random())
+        if self._renew_at is not None:
+            wait = min(wait, self._renew_at - self.monotonic())
+        return max(0.0, round(wait, 3))
 
     def _observe_epoch(self, epoch: int) -> bool:
         try:
@@ -963,16 +1060,18 @@ class Agent:
             for e in observation.engines
         ]
         assert self._gpu_seen is not None
-        # The GPU facts (with their health readings, most of an observation's bytes) as dumped once per refresh.
-        fingerprint = self._gpu_seen[2] + observation.model_dump_json(exclude={"observed_at", "gpu"})
+        # The GPU facts (most of an observation's bytes) digested without their gauges, once per GPU refresh.
+        digest = hashlib.sha256(self._gpu_seen[2])
+        digest.update(observation.model_dump_json(exclude=_OBSERVATION_GAUGES).encode())
+        content = digest.digest()
         now = self.monotonic()
-        if self._reported and self._reported[0] == fingerprint and now - self._reported[1] < REPORT_REFRESH_S:
+        if self._reported is not None and self._reported[0] == content and now < self._reported[1]:
             return
         try:
             self.client.post_observation(observation)
         except ControlPlaneRejected as exc:
             self.log.warning("observation-refused", status=exc.status, reason=exc.reason, detail=exc.detail)
-        self._reported = (fingerprint, now)
+        self._reported = (content, now + jittered(REPORT_REFRESH_S, self.rng))
 
     def _applied_cordon(self) -> dict[str, Any] | None:
         """The cordon of the state last applied (the one the engines run by), as a dict."""
@@ -986,7 +1085,7 @@ class Agent:
         gpu = observation.gpu
         if self._gpu_seen is None or self._gpu_seen[0] is not gpu:
             facts = gpu.model_dump(mode="json")
-            self._gpu_seen = (gpu, facts, gpu.model_dump_json())
+            self._gpu_seen = (gpu, facts, gpu.model_dump_json(exclude=_GPU_GAUGES).encode())
             self._gpus = [verdict_summary(entry) for entry in facts["gpus"]]
         self._cordons = (
             [cordon.model_dump(mode="json") for cordon in observation.cordons] if observation.cordons else []

@@ -579,7 +579,11 @@ def _certificate_text(certificate: CertificateInfo | None, now: datetime) -> str
 def _renewal_text(config: AgentConfig, certificate: CertificateInfo | None, renewal: dict[str, Any]) -> str:
     if certificate is None:
         return "-"
-    due = format_rfc3339(certificate.renew_after(config.certificate_renewal.remaining_fraction))
+    # The running agent's own point (its fraction is jittered at its start) while it is for this certificate; the
+    # configured fraction's otherwise (no agent has run with the certificate on disk yet).
+    due = renewal.get("renew_after")
+    if not due or renewal.get("serial") != f"{certificate.serial:x}":
+        due = format_rfc3339(certificate.renew_after(config.certificate_renewal.remaining_fraction))
     parts = [f"due from {due}"]
     if renewal.get("last_renewed_at"):
         parts.append(f"last renewed at {renewal['last_renewed_at']}")

@@ -26,10 +26,10 @@ The order, and why each wait is there:
 1. list this node's running engines (owner ``agent:<node id>``) through a read-only Docker client;
 2. mark each draining (``engines.drain_marks``), reason naming this service and the boot;
 3. if any mark is new, wait one *observation interval*: the agent reads ``draining/`` directly at most every
-   ``AGENT_ENGINES_REFRESH_S`` and reports once per cycle (at most ``control_plane.heartbeat_seconds``, or the
-   long-poll when shorter), and until the control plane has that report, the gateway still sends requests.
-   Rewriting ``engines.json`` would not make this faster: draining is not in that file, the agent reads the
-   marks themselves. An in-flight count of zero before this wait ends would not mean that no request is
+   ``AGENT_ENGINES_REFRESH_S`` and reports once per cycle (at most ``control_plane.heartbeat_seconds`` and its
+   10 % jitter, or the long-poll when shorter), and until the control plane has that report, the gateway still
+   sends requests. Rewriting ``engines.json`` would not make this faster: draining is not in that file, the agent
+   reads the marks themselves. An in-flight count of zero before this wait ends would not mean that no request is
    still on its way;
 4. wait until each engine's running + waiting gauges are 0 (engines without gauges get a fixed grace), all
    within one deadline: ``--timeout-seconds`` from the signal, or logind's ``InhibitDelayMaxSec`` when that is
@@ -92,7 +92,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks 
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import Driver
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
-from meridian_node_agent.config import AgentConfig
+from meridian_node_agent.config import TIMER_JITTER, AgentConfig
 from meridian_node_agent.logs import EventLogger, configure_logging
 from meridian_node_agent.root_side.apply_unit import open_root_side
 from meridian_node_agent.root_side.read_only_docker import connect_read_only
@@ -288,7 +288,8 @@ class DrainSettings:
     engines without in-flight gauges; all in seconds."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
-    settle_s: float = 15.0 + AGENT_ENGINES_REFRESH_S  # the agent's default heartbeat (observation_interval_s)
+    # The agent's default heartbeat at its latest (observation_interval_s).
+    settle_s: float = 15.0 * (1 + TIMER_JITTER) + AGENT_ENGINES_REFRESH_S
     grace_s: float = DEFAULT_GRACE_S
 
 
@@ -557,8 +558,11 @@ def observation_interval_s(config: AgentConfig) -> float:
     control = config.control_plane
     if control is None:
         return 0.0
-    cycle = min(control.long_poll_seconds, control.heartbeat_seconds) or control.heartbeat_seconds
-    return float(cycle) + AGENT_ENGINES_REFRESH_S
+    # A cycle ends at the lease's next renewal, jittered up to TIMER_JITTER late, or at the long-poll's end, which
+    # the agent never makes longer than its setting.
+    renewal_s = control.heartbeat_seconds * (1 + TIMER_JITTER)
+    cycle_s = min(control.long_poll_seconds, renewal_s) if control.long_poll_seconds else renewal_s
+    return float(cycle_s) + AGENT_ENGINES_REFRESH_S
 
 
 # --- logind on the system bus, through jeepney ------------------------------------------------------------

@@ -71,7 +71,8 @@ def _agent_past_renewal_point(node: Node) -> tuple[Agent, _Clock]:
     clock = _Clock()
     agent = node.agent(clock=clock)
     info = NodeIdentity(node.config.identity_dir).certificate()
-    clock.now = info.renew_after(node.config.certificate_renewal.remaining_fraction) + timedelta(seconds=1)
+    # The agent's own renewal point: the configured fraction, jittered once at its start.
+    clock.now = info.renew_after(agent.renewal.remaining_fraction) + timedelta(seconds=1)
     return agent, clock
 
 
@@ -326,7 +327,7 @@ def test_status_shows_the_certificate_expiry_and_the_last_renewal(node: Node) ->
     assert shown.returncode == 0, shown.stderr
     table = {name.strip(): value.strip() for name, value in (line.split("  ", 1) for line in shown.stdout.splitlines())}
     assert table["certificate"].startswith(f"serial {info.serial:x}, valid until {format_rfc3339(info.not_after)}")
-    due = format_rfc3339(info.renew_after(node.config.certificate_renewal.remaining_fraction))
+    due = format_rfc3339(info.renew_after(agent.renewal.remaining_fraction))
     assert table["cert renewal"].startswith(f"due from {due}; last renewed at ")
 
 

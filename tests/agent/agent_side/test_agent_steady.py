@@ -28,6 +28,7 @@ from meridian_node_agent.agent_side.control_client import (
 from meridian_node_agent.agent_side.cycle import (
     REPORT_REFRESH_S,
     STATUS_REFRESH_S,
+    TIMER_JITTER,
     Agent,
     CycleStatus,
 )
@@ -100,7 +101,7 @@ def test_unchanged_observation_is_resent_at_the_refresh_interval_not_every_cycle
         clock.now += 1
         assert agent.cycle().outcome == CycleStatus.UNCHANGED
     held_back = len(counting.posted)
-    clock.now += REPORT_REFRESH_S
+    clock.now += REPORT_REFRESH_S * (1 + TIMER_JITTER)  # the refresh is jittered: past its latest
     agent.cycle()
 
     assert held_back == 1
@@ -146,7 +147,7 @@ def test_lease_is_renewed_once_per_interval_and_before_it_can_lapse(
     for _ in range(3):  # long-polls that returned early, within one heartbeat interval
         agent.cycle()
     early = counting.heartbeats - renewals
-    clock.now += agent.pause_s
+    clock.now += agent.pause_s * (1 + TIMER_JITTER)  # the renewal is jittered: past its latest
     agent.cycle()
 
     assert early == 0

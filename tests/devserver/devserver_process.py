@@ -57,6 +57,8 @@ class DevServer:
     control_public_key: Path
     tokens: dict[str, str] = field(default_factory=dict)
     stderr_path: Path | None = None
+    # The serve process itself (a test that kills a server mid-flush signals it).
+    process: subprocess.Popen[str] | None = None
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return cli(self.data_dir, *args, check=check)
@@ -90,8 +92,11 @@ def cli(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedP
 
 
 @contextmanager
-def running(data_dir: Path, tokens: Sequence[str] = (), extra: Sequence[str] = ()) -> Iterator[DevServer]:
-    stderr_path = data_dir.parent / f"{data_dir.name}.stderr.log"
+def running(
+    data_dir: Path, tokens: Sequence[str] = (), extra: Sequence[str] = (), *, name: str | None = None
+) -> Iterator[DevServer]:
+    """``serve`` on ``data_dir``; ``name`` tells apart the stderr logs of several servers on one data dir."""
+    stderr_path = data_dir.parent / f"{name or data_dir.name}.stderr.log"
     token_args = [arg for spec in tokens for arg in ("--token", spec)]
     with stderr_path.open("w") as stderr:
         process = subprocess.Popen(
@@ -109,6 +114,7 @@ def running(data_dir: Path, tokens: Sequence[str] = (), extra: Sequence[str] = (
         pump.start()
         try:
             server = _read_banner(process, lines, data_dir, stderr_path)
+            server.process = process
             _wait_until_answering(server, process)
             yield server
         finally:

@@ -1,16 +1,16 @@
 """Protocol v1 over HTTP: the FastAPI application (see docs/PROTOCOL.md for the wire contract).
 
 Handlers are thin: read and validate the body with the contract models, authenticate the client
-certificate from the ASGI TLS extension, call ``ControlPlane``, shape the response. Every error body is
-``{"reason": "<code>", "detail": "<sentence>"}``.
+certificate from the ASGI TLS extension, call ``HotPath`` (``ControlPlane`` answered from memory), shape the
+response. Every error body is ``{"reason": "<code>", "detail": "<sentence>"}``.
 
-Database calls are synchronous SQLite statements of well under a millisecond; they run on the event loop
-rather than in a thread pool because the only slow operation, the long-poll, waits with ``asyncio.sleep``.
+A steady call reads no database (``hot_path.py``). What still does (an enrollment, a renewal, a cache's first read
+of a node) is a statement or a short transaction of about a millisecond, run on the event loop: a thread pool hop
+would cost more than it saves. What waits (a long-poll, an observation waiting for its batch) waits on a future.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -29,6 +29,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     parse_document,
 )
 from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
+from meridian_node_agent.devserver.hot_path import HotPath
 from meridian_node_agent.devserver.openapi import (
     GENERATION_HEADER,
     OPENAPI_PATH,
@@ -36,20 +37,20 @@ from meridian_node_agent.devserver.openapi import (
     ProtocolErrorBody,
     openapi_document,
 )
-from meridian_node_agent.devserver.store import PublishedState
 from meridian_node_agent.devserver.tls import peer_certificate_der
 
-__all__ = ["MAX_REQUEST_BYTES", "POLL_INTERVAL_S", "create_app"]
+__all__ = ["MAX_REQUEST_BYTES", "create_app"]
 
 # Requests are small JSON documents; an observation of a busy 8-GPU host is a few tens of KiB.
 MAX_REQUEST_BYTES = 1024 * 1024
-# How often a long-poll looks at the database's change counter (a header read, not a query).
-POLL_INTERVAL_S = 0.05
 
 Model = TypeVar("Model", bound=BaseModel)
 
 
-def create_app(control: ControlPlane) -> FastAPI:
+def create_app(control: ControlPlane, hot: HotPath | None = None) -> FastAPI:
+    """The application over ``hot`` (``server.serve`` starts it; without one, a ``HotPath`` that was never started,
+    which answers from the database on every cache miss: enough to list the routes)."""
+    hot = hot if hot is not None else HotPath(control)
     # FastAPI's own document would show bodies as untyped (the handlers read them): ours is served instead.
     app = FastAPI(title="meridian-node devserver", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     document = openapi_document(control.settings.max_wait_s)
@@ -73,26 +74,26 @@ def create_app(control: ControlPlane) -> FastAPI:
     async def openapi(request: Request) -> JSONResponse:
         # Behind the node certificate like /v1/serving: the unauthenticated surface stays what enrollment
         # needs, and the same schemas are public in contracts/v1 for a node that has none yet.
-        _authenticate(control, request, None)
+        await _authenticate(hot, request, None)
         return JSONResponse(document)
 
     @app.post("/v1/enroll")
     async def enroll(request: Request) -> Response:
         body = await _read_model(request, EnrollmentRequest)
-        response = control.enroll(body, request.client.host if request.client else None)
+        response = hot.enroll(body, request.client.host if request.client else None)
         return _json(response)
 
     @app.post("/v1/nodes/{node_id}/heartbeat")
     async def heartbeat(node_id: str, request: Request) -> Response:
-        _authenticate(control, request, node_id)
-        return _json(control.heartbeat(node_id))
+        await _authenticate(hot, request, node_id)
+        return _json(hot.heartbeat(node_id))
 
     @app.get("/v1/nodes/{node_id}/desired-state")
     async def desired_state(node_id: str, request: Request) -> Response:
-        _authenticate(control, request, node_id)
+        await _authenticate(hot, request, node_id)
         wait_s = _wait_seconds(request, control.settings.max_wait_s)
         known = _etags(request.headers.get("if-none-match"))
-        current = await _wait_for_change(control, request, node_id, known, wait_s)
+        current = await hot.desired_state(node_id, known, wait_s, lambda: _disconnected(request))
         if current is None:
             return Response(status_code=204)
         headers = {"ETag": current.etag, GENERATION_HEADER: str(current.generation), "Cache-Control": "no-cache"}
@@ -102,53 +103,37 @@ def create_app(control: ControlPlane) -> FastAPI:
 
     @app.post("/v1/nodes/{node_id}/observations")
     async def observations(node_id: str, request: Request) -> Response:
-        _authenticate(control, request, node_id)
+        await _authenticate(hot, request, node_id)
         observation = await _read_model(request, Observation)
         remote = request.client.host if request.client else "unknown"
-        control.observe(node_id, observation, remote)
+        await hot.observe(node_id, observation, remote)
         return Response(status_code=204)
 
     @app.post("/v1/nodes/{node_id}/certificate")
     async def renew_certificate(node_id: str, request: Request) -> Response:
-        _authenticate(control, request, node_id)
+        await _authenticate(hot, request, node_id)
         body = await _read_model(request, CertificateRenewalRequest)
-        return _json(control.renew_certificate(peer_certificate_der(request.scope), node_id, body))
+        return _json(hot.renew_certificate(peer_certificate_der(request.scope), node_id, body))
 
     @app.get("/v1/serving")
     async def serving(request: Request) -> Response:
-        _authenticate(control, request, None)
-        return _json(control.serving())
+        await _authenticate(hot, request, None)
+        return _json(await hot.serving())
 
     return app
 
 
-def _authenticate(control: ControlPlane, request: Request, node_id: str | None) -> str:
-    return control.authenticate(peer_certificate_der(request.scope), node_id)
+async def _authenticate(hot: HotPath, request: Request, node_id: str | None) -> str:
+    """The node the request speaks for (403 otherwise), after catching up with other processes' changes."""
+    await hot.fresh()
+    return hot.authenticate(peer_certificate_der(request.scope), node_id)
 
 
-async def _wait_for_change(
-    control: ControlPlane, request: Request, node_id: str, known: set[str], wait_s: float
-) -> PublishedState | None:
-    """The node's latest state, waiting up to ``wait_s`` seconds for one whose ETag the client does not have.
-
-    Publishes come from this process or from the CLI writing the same database file; both move the
-    store's change marker, and only then is the state queried again.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
-    marker: tuple[int, int] | None = None
-    current: PublishedState | None = None
-    while True:
-        now_marker = control.store.change_marker()
-        if now_marker != marker:
-            marker = now_marker
-            current = control.desired_state(node_id)
-            if current is not None and current.etag not in known and "*" not in known:
-                return current
-        remaining_s = deadline - loop.time()
-        if remaining_s <= 0 or await request.is_disconnected():
-            return current
-        await asyncio.sleep(min(POLL_INTERVAL_S, remaining_s))
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone. A GET's body was never read, so the first message is its (empty) body;
+    what follows is the disconnect, or nothing until the response is sent."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _wait_seconds(request: Request, limit_s: float) -> float:

@@ -1,8 +1,10 @@
 """``meridian-node-devserver``: run the reference control plane and operate it.
 
-``serve`` runs the HTTPS server; the other verbs work on the same data dir (and the same SQLite file)
-from another process while it runs: ``publish`` reaches a long-polling node within a poll interval,
-``revoke`` and ``fence`` apply to the next request.
+``serve`` runs the HTTPS server; the other verbs work on the same data dir (and the same database)
+from another process while it runs, and announce what they changed to the running servers
+(``change_feed.py``): on SQLite ``publish``, ``revoke`` and ``fence`` apply to the server's next request, on
+PostgreSQL within a round trip (at most 2 s). Several ``serve`` processes may share one PostgreSQL database and
+one data dir (replicas).
 
 Exit status: 0 done, 1 refused (unknown node, used token name, invalid document), 2 usage error.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -23,7 +26,7 @@ from ansible_collections.meridian.node.plugins.module_utils._errors import Merid
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import CappedReadError, read_capped
 from meridian_node_agent import VersionAction
 from meridian_node_agent.devserver.control import ControlPlane, Settings, check_node_id, open_control_plane
-from meridian_node_agent.devserver.store import NodeRow, UnknownNode
+from meridian_node_agent.devserver.store import DATABASE_URL_ENV, DatabaseUnavailable, NodeRow, UnknownNode
 from meridian_node_agent.errors import UsageError
 
 __all__ = ["build_parser", "main"]
@@ -39,8 +42,8 @@ class Refused(MeridianError):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meridian-node-devserver",
-        description="The meridian.node reference control plane (protocol v1, dev/CI scale): HTTPS with mutual "
-        "TLS, an embedded SQLite database, its own CA and control signing key, all in --data-dir.",
+        description="The meridian.node reference control plane (protocol v1): HTTPS with mutual TLS, an embedded "
+        "SQLite database (or PostgreSQL: --database-url), its own CA and control signing key, all in --data-dir.",
     )
     parser.add_argument("--version", action=VersionAction, help="print the version and exit")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -55,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free)")
     serve.add_argument(
+        "--server-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another DNS name or address the server certificate is valid for (repeatable): the name nodes dial when "
+        "replicas sit behind a load balancer or share a DNS name",
+    )
+    serve.add_argument(
         "--token",
         action="append",
         default=[],
@@ -63,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         "'@NODE_ID' binds the token to that node id (recommended: an unbound token can enroll any node id)",
     )
     serve.add_argument(
-        "--database", help="SQLite database: a file path or ':memory:' (default DATA_DIR/devserver.sqlite3)"
+        "--database",
+        help="SQLite database: a file path or ':memory:' (default DATA_DIR/devserver.sqlite3; or --database-url)",
     )
     serve.add_argument("--lease-seconds", type=int, default=Settings.lease_s, help="lease length per heartbeat")
     serve.add_argument(
@@ -187,6 +199,13 @@ def _verb(
 ) -> argparse.ArgumentParser:
     parser = verbs.add_parser(name, help=summary, description=description)
     parser.add_argument("--data-dir", required=True, type=Path, help="the devserver's state directory")
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="the database: postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE (the database must exist; its "
+        f"tables are made or migrated on open) or sqlite:///PATH (default: ${DATABASE_URL_ENV}, else the SQLite "
+        "file DATA_DIR/devserver.sqlite3)",
+    )
     return parser
 
 
@@ -204,8 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _open(args: argparse.Namespace, settings: Settings | None = None, database: str | None = None) -> ControlPlane:
+    if database is not None and args.database_url is not None:
+        raise UsageError("--database and --database-url both name the database; give one of them")
+    if database is None:
+        database = args.database_url or os.environ.get(DATABASE_URL_ENV) or None
     try:
         return open_control_plane(args.data_dir, database=database, settings=settings)
+    except DatabaseUnavailable as exc:
+        raise UsageError(str(exc)) from exc
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot open data dir {str(args.data_dir)!r}: {exc}") from exc
 
@@ -247,7 +272,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sock = bind(args.host, args.port)
         except OSError as exc:
             raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
-        tls = prepare_tls(control, args.host)
+        tls = prepare_tls(control, args.host, args.server_name)
         _say(f"data dir: {args.data_dir}")
         _say(f"ca bundle: {tls.ca}")
         _say(f"control public key: {control.paths.control_public_key} (keyid {control.control_keyid})")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -43,6 +43,16 @@ from meridian_node_agent.devserver.ca import (
     PeerCertificateError,
     node_ids_in,
 )
+from meridian_node_agent.devserver.change_feed import (
+    ChangeFeed,
+    ChangeKind,
+    InProcessFeed,
+    PostgresChangeChannel,
+    SqliteChangeLog,
+    StateChange,
+    change_log_path,
+    libpq_conninfo,
+)
 from meridian_node_agent.devserver.files import private_file_exclusive, write_public_file
 from meridian_node_agent.devserver.store import (
     SUPERSEDED_BY_ENROLLMENT,
@@ -59,14 +69,21 @@ __all__ = [
     "SERVER_ASSIGNED_FIELDS",
     "ControlPlane",
     "DataDir",
+    "LocalState",
     "ProtocolError",
     "Settings",
     "check_node_id",
+    "check_observation_node",
+    "epoch_refusal",
     "open_control_plane",
+    "unknown_node",
 ]
 
 _log = logging.getLogger(__name__)
 _NODE_ID = TypeAdapter(NodeId)
+
+# How a certificate's record is looked up by serial: the database, or a server's cache of it.
+CertificateRecords = Callable[[str], CertificateRecord | None]
 
 # Fields of a desired state that publish fills in; a document that sets them is refused.
 SERVER_ASSIGNED_FIELDS = ("generation", "lease_epoch", "issued_at", "expires_at")
@@ -147,13 +164,34 @@ class DataDir:
 def open_control_plane(
     data_dir: Path, *, database: str | None = None, settings: Settings | None = None
 ) -> ControlPlane:
-    """Open (creating on first use) the CA, control key and database in ``data_dir``."""
+    """Open (creating on first use) the CA, control key and database in ``data_dir``.
+
+    ``database``: a SQLite file path, ``:memory:`` or a database URL (``postgresql+psycopg://...``); by default
+    the SQLite file in ``data_dir``. ``store.Database`` migrates it to the newest schema.
+    """
     paths = DataDir(data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     ca = CertificateAuthority(paths.ca_dir)
     key = _load_or_create_control_key(paths)
-    store = Database(database if database is not None else str(paths.database))
-    return ControlPlane(store=store, ca=ca, control_key=key, paths=paths, settings=settings or Settings())
+    location = database if database is not None else str(paths.database)
+    store = Database(location)
+    return ControlPlane(
+        store=store,
+        ca=ca,
+        control_key=key,
+        paths=paths,
+        settings=settings or Settings(),
+        feed=_change_feed(store, location),
+    )
+
+
+def _change_feed(store: Database, location: str) -> ChangeFeed:
+    """Where this database's changes are announced to the servers holding it in memory (``change_feed.py``)."""
+    if store.backend == "postgresql":
+        return PostgresChangeChannel(libpq_conninfo(location))
+    if store.path == ":memory:":
+        return InProcessFeed()
+    return SqliteChangeLog(change_log_path(store.path))
 
 
 def _load_or_create_control_key(paths: DataDir) -> Ed25519PrivateKey:
@@ -184,7 +222,25 @@ def check_node_id(value: str) -> str:
         ) from exc
 
 
+class LocalState(Protocol):
+    """What a server in this process holds in memory (``state_cache.NodeStateCache``), told of this process's own
+    changes as they commit: no announcement needs to come back for them."""
+
+    def note_published(self, state: PublishedState) -> None: ...
+
+    def note_epoch(self, node_id: str, epoch: int) -> None: ...
+
+    def forget_certificates(self, node_id: str) -> None: ...
+
+
 class ControlPlane:
+    """The control plane's verbs against the database, for the CLI and the server alike.
+
+    Every verb that changes what a server holds in memory (a publish, a fence, a revocation, a re-enrollment)
+    tells ``local`` (a server in this process, if any) and announces it on ``feed`` to the servers in other
+    processes, after its transaction has committed (``change_feed.py``).
+    """
+
     def __init__(
         self,
         *,
@@ -194,6 +250,7 @@ class ControlPlane:
         paths: DataDir,
         settings: Settings,
         clock: Callable[[], datetime] | None = None,
+        feed: ChangeFeed | None = None,
     ) -> None:
         self.store = store
         self.ca = ca
@@ -201,6 +258,8 @@ class ControlPlane:
         self.paths = paths
         self.settings = settings
         self._clock = clock or (lambda: datetime.now(UTC))
+        self.feed = feed or InProcessFeed()
+        self.local: LocalState | None = None
 
     @property
     def control_keyid(self) -> str:
@@ -210,7 +269,11 @@ class ControlPlane:
         return self._clock()
 
     def close(self) -> None:
+        self.feed.close()
         self.store.close()
+
+    def _changed(self, kind: ChangeKind, node_id: str) -> None:
+        self.feed.announce(StateChange(kind, node_id))
 
     # Operator verbs
 
@@ -266,13 +329,25 @@ class ControlPlane:
             data = json.dumps(envelope, separators=(",", ":")).encode()
             return data, f'"{hashlib.sha256(data).hexdigest()}"'
 
-        return self.store.publish(node_id, build, self.now())
+        published = self.store.publish(node_id, build, self.now())
+        if self.local is not None:
+            self.local.note_published(published)
+        self._changed(ChangeKind.PUBLISHED, node_id)
+        return published
 
     def fence(self, node_id: str) -> int:
-        return self.store.fence(node_id)
+        epoch = self.store.fence(node_id)
+        if self.local is not None:
+            self.local.note_epoch(node_id, epoch)
+        self._changed(ChangeKind.FENCED, node_id)
+        return epoch
 
     def revoke(self, node_id: str) -> int:
-        return self.store.revoke(node_id, self.now())
+        revoked = self.store.revoke(node_id, self.now())
+        if self.local is not None:
+            self.local.forget_certificates(node_id)
+        self._changed(ChangeKind.REVOKED, node_id)
+        return revoked
 
     def nodes(self) -> list[NodeRow]:
         return self.store.nodes()
@@ -306,6 +381,10 @@ class ControlPlane:
             )
             raise ProtocolError(403, exc.reason, exc.detail) from exc
         if enrolled.superseded:
+            # Certificates a server may hold as valid were revoked: no earlier key may speak for the node from now.
+            if self.local is not None:
+                self.local.forget_certificates(request.node_id)
+            self._changed(ChangeKind.ENROLLED, request.node_id)
             # Expected after a revocation or a rebuilt node; anything else means someone else enrolled as it.
             _log.warning(
                 "node %r enrolled again from %s: its %d earlier certificate(s) are revoked",
@@ -320,22 +399,30 @@ class ControlPlane:
             lease=_lease(enrolled.lease),
         )
 
-    def authenticate(self, certificate_der: bytes | None, node_id: str | None) -> str:
+    def authenticate(
+        self, certificate_der: bytes | None, node_id: str | None, *, records: CertificateRecords | None = None
+    ) -> str:
         """The node a request speaks for, from its client certificate; 403 unless it may speak for ``node_id``.
 
         ``node_id`` None (an endpoint without a node in its path) accepts any valid, unrevoked certificate.
-        Revocation is looked up per request, so ``revoke`` takes effect on the next one.
+        ``records`` looks the certificate's record up (default: the database; a server passes its cache, which a
+        revocation empties, so ``revoke`` takes effect on the next request either way).
         """
-        return self._authenticated(certificate_der, node_id)[1].node_id
+        return self._authenticated(certificate_der, node_id, records or self.store.certificate)[1].node_id
 
     def renew_certificate(
-        self, certificate_der: bytes | None, node_id: str, request: CertificateRenewalRequest
+        self,
+        certificate_der: bytes | None,
+        node_id: str,
+        request: CertificateRenewalRequest,
+        *,
+        records: CertificateRecords | None = None,
     ) -> EnrollmentResponse:
         """A new certificate for the CSR's (new) key, for the node whose current certificate made the call.
 
         Authenticated like every node endpoint; the presented certificate stays valid until it expires.
         """
-        presented, record = self._authenticated(certificate_der, node_id)
+        presented, record = self._authenticated(certificate_der, node_id, records or self.store.certificate)
         if request.node_id != node_id:
             raise ProtocolError(
                 403,
@@ -363,7 +450,7 @@ class ControlPlane:
         )
 
     def _authenticated(
-        self, certificate_der: bytes | None, node_id: str | None
+        self, certificate_der: bytes | None, node_id: str | None, records: CertificateRecords
     ) -> tuple[x509.Certificate, CertificateRecord]:
         if certificate_der is None:
             raise ProtocolError(
@@ -378,7 +465,7 @@ class ControlPlane:
         except PeerCertificateError as exc:
             raise ProtocolError(403, "certificate-untrusted", str(exc)) from exc
         serial = _serial_key(certificate.serial_number)
-        record = self.store.certificate(serial)
+        record = records(serial)
         if record is None:
             raise ProtocolError(
                 403, "certificate-unknown", f"certificate serial {serial} was never issued by this control plane"
@@ -407,23 +494,14 @@ class ControlPlane:
             )
         return certificate, record
 
-    def heartbeat(self, node_id: str) -> Lease:
-        try:
-            record = self.store.renew_lease(node_id, timedelta(seconds=self.settings.lease_s), self.now())
-        except UnknownNode as exc:
-            raise _unknown(node_id) from exc
-        return _lease(record)
-
     def desired_state(self, node_id: str) -> PublishedState | None:
+        """The node's latest desired state, read from the database (a server answers from memory: ``hot_path``)."""
         return self.store.latest_desired(node_id)
 
     def observe(self, node_id: str, observation: Observation, remote_host: str) -> None:
-        if observation.node_id != node_id:
-            raise ProtocolError(
-                403,
-                "wrong-node",
-                f"the observation is about node {observation.node_id!r}, but was posted for node {node_id!r}",
-            )
+        """Store the observation now, in a transaction of its own (``import-outbox``; a server batches them:
+        ``observation_writer.py``)."""
+        check_observation_node(node_id, observation)
         try:
             self.store.record_observation(
                 node_id,
@@ -434,7 +512,7 @@ class ControlPlane:
                 self.now(),
             )
         except UnknownNode as exc:
-            raise _unknown(node_id) from exc
+            raise unknown_node(node_id) from exc
         except StoreConflict as exc:
             raise ProtocolError(409, exc.reason, exc.detail) from exc
 
@@ -493,5 +571,41 @@ def _serial_key(serial: int) -> str:
     return format(serial, "x")
 
 
-def _unknown(node_id: str) -> ProtocolError:
+def unknown_node(node_id: str) -> ProtocolError:
     return ProtocolError(404, "unknown-node", f"node {node_id!r} is not known to this control plane")
+
+
+def check_observation_node(node_id: str, observation: Observation) -> None:
+    """403 unless the observation is about the node it was posted for."""
+    if observation.node_id != node_id:
+        raise ProtocolError(
+            403,
+            "wrong-node",
+            f"the observation is about node {observation.node_id!r}, but was posted for node {node_id!r}",
+        )
+
+
+def epoch_refusal(node_id: str, lease_epoch: int, epoch: int) -> ProtocolError:
+    """The 409 for an observation under ``lease_epoch`` when the node is at ``epoch``."""
+    if lease_epoch > epoch:
+        return ProtocolError(
+            409,
+            "future-epoch",
+            f"the observation carries lease epoch {lease_epoch}, but node {node_id!r} is only at epoch {epoch}: "
+            "this control plane never issued it",
+        )
+    if lease_epoch < epoch:
+        return ProtocolError(
+            409,
+            "stale-epoch",
+            f"the observation carries lease epoch {lease_epoch}, but node {node_id!r} is at epoch {epoch}: it comes "
+            "from a writer that has been fenced; heartbeat to learn the current epoch",
+        )
+    # The database's fence refused a row whose epoch moved while it was written, and moved back is impossible:
+    # another observation of the node replaced it in its batch and that one was refused.
+    return ProtocolError(
+        409,
+        "stale-epoch",
+        f"the observation of node {node_id!r} under lease epoch {lease_epoch} was refused by the database's epoch "
+        "check while it was being stored; heartbeat to learn the current epoch and post it again",
+    )

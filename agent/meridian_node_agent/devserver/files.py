@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
 
-__all__ = ["private_file_exclusive", "write_public_file"]
+__all__ = ["private_file_exclusive", "public_file_exclusive", "write_public_file"]
 
 
 def private_file_exclusive(path: Path, data: bytes) -> bool:
@@ -19,10 +19,19 @@ def private_file_exclusive(path: Path, data: bytes) -> bool:
     exists, so two processes creating the same key at once cannot interleave and the loser keeps the
     winner's key, and nobody ever sees a half-written key.
     """
+    return _create_exclusive(path, data, 0o600)
+
+
+def public_file_exclusive(path: Path, data: bytes) -> bool:
+    """``private_file_exclusive`` for a public file (0644): the CA certificate two servers may both be making."""
+    return _create_exclusive(path, data, 0o644)
+
+
+def _create_exclusive(path: Path, data: bytes, mode: int) -> bool:
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o600)
+            os.fchmod(handle.fileno(), mode)
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

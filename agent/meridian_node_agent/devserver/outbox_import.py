@@ -16,9 +16,7 @@ way, until its cause is fixed.
 from __future__ import annotations
 
 import hashlib
-import sqlite3
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,7 +29,6 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
     CappedReadReason,
     read_capped,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from meridian_node_agent.boundary.outbox import (
     MAX_RECORD_BYTES,
     OutboxRecord,
@@ -40,21 +37,9 @@ from meridian_node_agent.boundary.outbox import (
     verify_outbox_record,
 )
 from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
+from meridian_node_agent.devserver.store import StoreConflict
 
 __all__ = ["ImportResult", "import_outbox"]
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS outbox_records (
-    node_id TEXT NOT NULL,
-    sequence INTEGER NOT NULL,
-    kind TEXT NOT NULL,
-    sha256 TEXT NOT NULL,
-    result TEXT NOT NULL,
-    imported_at TEXT NOT NULL,
-    body TEXT NOT NULL,
-    PRIMARY KEY (node_id, sequence)
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -92,8 +77,7 @@ def import_outbox(
         except OutboxRefused as exc:
             results.append(ImportResult(name, "refused", reason=exc.reason, message=exc.message))
     verified.sort(key=lambda item: (item[2].node_id, item[2].sequence))
-    with _database(control.store.path) as conn:
-        results.extend(_ingest(control, conn, name, data, record) for name, data, record in verified)
+    results.extend(_ingest(control, name, data, record) for name, data, record in verified)
     return results
 
 
@@ -113,33 +97,26 @@ def _read(path: Path, name: str) -> tuple[bytes | None, ImportResult | None]:
         return None, ImportResult(name, "refused", reason=reason, message=str(exc))
 
 
-def _ingest(
-    control: ControlPlane, conn: sqlite3.Connection, name: str, data: bytes, record: OutboxRecord
-) -> ImportResult:
+def _ingest(control: ControlPlane, name: str, data: bytes, record: OutboxRecord) -> ImportResult:
     digest = hashlib.sha256(data).hexdigest()
 
     def answer(result: str, reason: str | None = None, message: str | None = None) -> ImportResult:
         return ImportResult(name, result, record.node_id, record.sequence, record.record_kind, reason, message)
 
-    row = conn.execute(
-        "SELECT sha256 FROM outbox_records WHERE node_id = ? AND sequence = ?", (record.node_id, record.sequence)
-    ).fetchone()
-    if row is not None:
-        if row[0] == digest:
+    store = control.store
+    known = store.outbox_record_digest(record.node_id, record.sequence)
+    if known is not None:
+        if known == digest:
             return answer("duplicate")
         return answer(
             "refused",
             "sequence-reused",
             f"node {record.node_id!r} record {record.sequence} was already imported with other bytes "
-            f"(sha256 {row[0][:16]}...): a node whose counter was reset must be told the highest sequence seen",
+            f"(sha256 {known[:16]}...): a node whose counter was reset must be told the highest sequence seen",
         )
     result = "imported"
     if record.observation is not None:
-        newest = conn.execute(
-            "SELECT MAX(sequence) FROM outbox_records WHERE node_id = ? AND kind = 'observation' "
-            "AND result = 'imported'",
-            (record.node_id,),
-        ).fetchone()[0]
+        newest = store.newest_imported_observation(record.node_id)
         if newest is not None and newest > record.sequence:
             result = "superseded"
         else:
@@ -152,19 +129,18 @@ def _ingest(
                     # The online advice (heartbeat) means nothing to a node that reaches no one.
                     return answer("refused", exc.reason, _stale_outbox_record(record.node_id, record.lease_epoch))
                 return answer("refused", exc.reason, exc.detail)
-    conn.execute(
-        "INSERT INTO outbox_records (node_id, sequence, kind, sha256, result, imported_at, body) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (
+    try:
+        store.add_outbox_record(
             record.node_id,
             record.sequence,
-            record.record_kind,
-            digest,
-            result,
-            format_rfc3339(datetime.now(UTC)),
-            record.model_dump_json(),
-        ),
-    )
+            kind=record.record_kind,
+            sha256=digest,
+            result=result,
+            imported_at=datetime.now(UTC),
+            body=record.model_dump_json(),
+        )
+    except StoreConflict as exc:
+        return answer("refused", exc.reason, exc.detail)
     return answer(result)
 
 
@@ -179,14 +155,3 @@ def _stale_outbox_record(node_id: str, epoch: int) -> str:
         f"the observation was written under lease epoch {epoch}, {when}, and node {node_id!r} is at a later "
         "epoch now: it is not ingested; the node's observations after its next bundle carry the current epoch"
     )
-
-
-@contextmanager
-def _database(path: str) -> Iterator[sqlite3.Connection]:
-    conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
-    try:
-        conn.execute("PRAGMA busy_timeout = 10000")
-        conn.executescript(_SCHEMA)
-        yield conn
-    finally:
-        conn.close()

@@ -1,113 +1,103 @@
-"""The devserver's embedded SQLite database: tokens, nodes and leases, certificates, desired states, observations.
+"""The devserver's database: tokens, nodes and leases, certificates, desired states, observations.
 
-One connection per ``Database``, shared by every thread under a lock. That is what makes ``:memory:`` work
-(each SQLite connection to ``:memory:`` is a separate database) and it is plenty for a dev/CI server.
-A file database runs in WAL mode with a busy timeout, so the CLI (``publish``, ``fence``, ``revoke``) can
-write while ``serve`` reads, and the connection is in autocommit mode, so every read sees the latest
-commit of any process: a revocation made by the CLI applies to the server's next request.
+SQLAlchemy Core (no ORM) over two backends: SQLite, embedded, the default (a file in the data dir, or
+``:memory:``), and PostgreSQL through psycopg 3, for a fleet that outgrows one file or wants several server
+processes on one database. How each is connected: ``store_engine.py``; the tables: ``store_schema.py``; the
+statements, built once: ``store_queries.py``; the schema's history: ``migrations/`` (Alembic, run when a
+``Database`` opens; databases from before Alembic are adopted there).
 
-Every multi-statement change runs in ``BEGIN IMMEDIATE``: the write lock is taken up front, so assigning
-the next generation or bumping an epoch cannot race another process doing the same.
+Every read sees the latest commit of any process: a revocation made by the CLI applies to the server's next
+request. Writes are short transactions that take their locks first:
+
+* SQLite: ``BEGIN IMMEDIATE``, the database's one write lock, up front. Assigning the next generation or bumping
+  an epoch cannot race another process doing the same.
+* PostgreSQL (READ COMMITTED): a write locks the node's row before it reads what it decides on (``UPDATE ...
+  RETURNING`` or ``SELECT ... FOR UPDATE``), so two publishes get two generations, and a renewal and a
+  revocation of the same node do not cross; a token is locked (``FOR UPDATE``) before it is consumed. An
+  observation is written only if the node's row, share-locked (``FOR SHARE``), carries the observation's epoch,
+  in the upsert itself: once ``fence`` has returned, no write under the old epoch lands.
 
 Enrollment tokens are stored as sha256 digests; the value is shown once, when it is created. A token
-may be bound to one node id (``tokens.node_id``); NULL means it can enroll any node id. Databases made
-before that column existed get it when they are opened (``_migrate``).
+may be bound to one node id (``tokens.node_id``); NULL means it can enroll any node id.
 
 Enrolling a node id that already has certificates revokes them in the same transaction: the new
 certificate supersedes them, so a copy of an earlier key stops working at its next request, and a
 node whose key leaked is made safe by enrolling it again. ``certificates.revoked_reason`` says why a
 certificate was revoked (``revoked``: the operator's ``revoke``; ``superseded``: a later enrollment),
 so the refusal can tell the two apart; it is NULL for revocations recorded before the column existed.
+
+``change_marker()`` is what a long-poll asks before it queries again; it moves when a desired state is published
+and when a node is fenced, enrolled or revoked. SQLite answers with ``PRAGMA data_version`` on a connection of
+its own (it moves on any other connection's commit, this process's included: every commit, so leases and
+observations move it too); ``:memory:`` has only this process's writes, counted. PostgreSQL has no such
+counter: the store bumps a row (``change_marker``) as the last statement of the transactions above, so the
+marker moves exactly when their change becomes visible, and a reader pays one primary-key read. Lease renewals
+and observations do not bump it: they are the fleet's steady traffic and no long-poll waits on them. (A sequence
+would move before its transaction commits, and a waiter could re-read the old state and miss the change.)
+
+``renew_leases`` and ``record_observations`` are the batched writes a server that holds leases and
+observations in memory flushes: one transaction, one ``executemany`` each. ``statement_count`` and
+``commit_count`` count what this ``Database`` sent (``store_engine.StatementCounter``).
+
+The devserver's command line imports this module for every verb. Without the ``devserver`` extra (SQLAlchemy,
+Alembic, psycopg) it still imports, and ``Database`` says which package to install.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sqlite3
+import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, NamedTuple
 
-from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from meridian_node_agent.devserver.store_errors import DatabaseUnavailable, StoreConflict, UnknownNode
+
+_missing_package: str | None = None
+# What the `devserver` extra brings for the database (mako: Alembic's; typing_extensions: SQLAlchemy's).
+_DATABASE_STACK = frozenset({"sqlalchemy", "alembic", "psycopg", "mako", "typing_extensions"})
+try:
+    from sqlalchemy import Connection, func, insert, select, text
+    from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+    from meridian_node_agent.devserver import migrations
+    from meridian_node_agent.devserver.store_engine import (
+        WRITE_OPTION,
+        StatementCounter,
+        create_store_engine,
+        locate,
+    )
+    from meridian_node_agent.devserver.store_queries import StoreQueries
+    from meridian_node_agent.devserver.store_schema import outbox_records
+except ModuleNotFoundError as exc:
+    if (exc.name or "").partition(".")[0] not in _DATABASE_STACK:
+        raise
+    _missing_package = exc.name
 
 __all__ = [
+    "DATABASE_URL_ENV",
     "REVOKED_BY_OPERATOR",
     "SUPERSEDED_BY_ENROLLMENT",
     "CertificateRecord",
     "Database",
+    "DatabaseUnavailable",
     "Enrollment",
     "LeaseRecord",
     "NodeRow",
     "ObservationRecord",
+    "ObservationWrite",
     "PublishedState",
     "StoreConflict",
     "UnknownNode",
 ]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS tokens (
-    name TEXT PRIMARY KEY,
-    value_sha256 TEXT NOT NULL UNIQUE,
-    created_at TEXT NOT NULL,
-    used_at TEXT,
-    used_by TEXT,
-    node_id TEXT
-);
-CREATE TABLE IF NOT EXISTS nodes (
-    node_id TEXT PRIMARY KEY,
-    epoch INTEGER NOT NULL CHECK (epoch >= 1),
-    lease_expires_at TEXT,
-    renewed_at TEXT,
-    enrolled_at TEXT,
-    revoked_at TEXT
-);
-CREATE TABLE IF NOT EXISTS certificates (
-    serial TEXT PRIMARY KEY,
-    node_id TEXT NOT NULL REFERENCES nodes(node_id),
-    issued_at TEXT NOT NULL,
-    not_after TEXT NOT NULL,
-    revoked_at TEXT,
-    revoked_reason TEXT
-);
-CREATE TABLE IF NOT EXISTS desired_states (
-    node_id TEXT NOT NULL REFERENCES nodes(node_id),
-    generation INTEGER NOT NULL CHECK (generation >= 1),
-    lease_epoch INTEGER NOT NULL,
-    envelope BLOB NOT NULL,
-    etag TEXT NOT NULL,
-    published_at TEXT NOT NULL,
-    PRIMARY KEY (node_id, generation)
-);
-CREATE TABLE IF NOT EXISTS observations (
-    node_id TEXT PRIMARY KEY REFERENCES nodes(node_id),
-    lease_epoch INTEGER NOT NULL,
-    observed_at TEXT NOT NULL,
-    received_at TEXT NOT NULL,
-    remote_host TEXT NOT NULL,
-    body TEXT NOT NULL
-);
-"""
 
-
-class UnknownNode(MeridianError, LookupError):
-    """No node by that id: never enrolled and nothing published for it."""
-
-
-class StoreConflict(MeridianError):
-    """A write refused because of what is stored: a used token, a stale epoch. ``reason`` is a short code.
-
-    ``detail`` goes back to the caller; ``server_note``, when set, is for the server's log only and may
-    name what an unauthenticated caller must not learn (such as the node a token is bound to).
-    """
-
-    def __init__(self, reason: str, detail: str, *, server_note: str | None = None) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-        self.server_note = server_note
+# Where the devserver's verbs find the database when --database-url is not given (else the SQLite file).
+DATABASE_URL_ENV = "MERIDIAN_DEVSERVER_DATABASE_URL"
 
 
 @dataclass(frozen=True)
@@ -170,72 +160,176 @@ class NodeRow:
     last_observed_at: datetime | None
 
 
+class ObservationWrite(NamedTuple):
+    """One row of ``record_observations``: a node's observation (``body``, its JSON) as the server received it.
+
+    The first four fields are the plain tuple ``record_observations`` also takes. ``observed_at`` defaults to
+    the body's own ``observed_at`` (else ``received_at``); ``remote_host`` to the address already stored for
+    the node (else its node id).
+    """
+
+    node_id: str
+    lease_epoch: int
+    body: bytes
+    received_at: datetime
+    observed_at: datetime | None = None
+    remote_host: str | None = None
+
+
 def token_digest(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8")).hexdigest()
 
 
+# Node ids per `IN (...)` list: well under SQLite's 32,766 and PostgreSQL's 65,535 bound parameters.
+_IN_CHUNK = 5000
+# pg_advisory_xact_lock's key while migrating: any constant the devserver alone uses ("mndv" in ASCII).
+_MIGRATION_LOCK_KEY = 0x6D6E6476
+
+
 class Database:
-    """The database. ``path`` is a file path or ``:memory:``."""
+    """The database at ``path``: a SQLite file path, ``:memory:``, or a URL (``sqlite:///PATH``,
+    ``postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE``). Opening migrates it to the newest schema.
+
+    ``path`` afterwards is what to show: the file, ``:memory:``, or the URL without its password. Methods are
+    safe to call from several threads.
+    """
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.RLock()
+        if _missing_package is not None:
+            raise DatabaseUnavailable(_not_installed(_missing_package, "of the devserver"))
+        location = locate(path)
+        self.path = location.shown
+        self.backend = location.backend
+        self._postgresql = location.backend == "postgresql"
+        self._memory = location.memory
+        try:
+            self._engine = create_store_engine(location)
+        except ModuleNotFoundError as exc:  # the driver (psycopg) is imported here, not above
+            raise DatabaseUnavailable(_not_installed(exc, self.path)) from exc
+        self._counter = StatementCounter(self._engine)
+        self._writer = self._engine.execution_options(**{WRITE_OPTION: True})
+        # PostgreSQL reads in autocommit: no BEGIN/ROLLBACK round trips around a SELECT.
+        self._reader = (
+            self._engine.execution_options(isolation_level="AUTOCOMMIT") if self._postgresql else self._engine
+        )
+        # :memory: is one connection for every thread: one caller at a time.
+        self._lock = threading.RLock() if self._memory else None
         self._local_changes = 0
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10.0)
-        with self._lock:
-            self._conn.execute("PRAGMA busy_timeout = 10000")
-            self._conn.execute("PRAGMA foreign_keys = ON")
-            if path != ":memory:":
-                self._conn.execute("PRAGMA journal_mode = WAL")
-            self._conn.executescript(_SCHEMA)
-        self._migrate()
+        self._marker_lock = threading.Lock()
+        self._marker: Connection | None = None
+        self._q = StoreQueries.for_backend(postgresql_backend=self._postgresql)
+        try:
+            self._migrate()
+        except ModuleNotFoundError as exc:  # Alembic is imported only when there is migrating to do
+            self._engine.dispose()
+            raise DatabaseUnavailable(_not_installed(exc, self.path)) from exc
+        except OperationalError as exc:
+            self._engine.dispose()
+            raise DatabaseUnavailable(self._unavailable(exc)) from exc
+        except BaseException:
+            self._engine.dispose()
+            raise
 
-    def _migrate(self) -> None:
-        """Bring a database made by an older devserver up to ``_SCHEMA``: columns added since then.
-
-        Checked inside the write lock, so two processes opening the same old file add the column once.
-        """
-        with self._write() as conn:
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(tokens)")}
-            if "node_id" not in columns:
-                # Tokens made before binding existed stay unbound (NULL): they keep working as they did.
-                conn.execute("ALTER TABLE tokens ADD COLUMN node_id TEXT")
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(certificates)")}
-            if "revoked_reason" not in columns:
-                # Revocations recorded before reasons were kept stay revoked, with no reason (NULL).
-                conn.execute("ALTER TABLE certificates ADD COLUMN revoked_reason TEXT")
+    def _unavailable(self, exc: OperationalError) -> str:
+        reason = str(exc.orig).strip() or type(exc.orig).__name__
+        if self._postgresql:
+            return (
+                f"cannot open the database {self.path}: {reason}; check that the PostgreSQL server runs and that "
+                "the URL's user, password, host, port and database are right (the database must exist)"
+            )
+        return (
+            f"cannot open the SQLite database {self.path}: {reason}; check that its directory exists and that this "
+            "user may write there"
+        )
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        with self._marker_lock:
+            if self._marker is not None:
+                self._marker.close()
+                self._marker = None
+        self._engine.dispose()
+
+    @property
+    def statement_count(self) -> int:
+        """Statements this ``Database`` has sent (an ``executemany`` counts once; BEGIN and COMMIT do not)."""
+        return self._counter.statements
+
+    @property
+    def commit_count(self) -> int:
+        """Transactions this ``Database`` has committed."""
+        return self._counter.commits
+
+    # Plumbing
+
+    def _migrate(self) -> None:
+        """Bring the database to the newest schema (``migrations``), unless it is there already."""
+        if self._at_head():
+            return
+        with self._serialized(), self._writer.begin() as conn:
+            if self._postgresql:
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+            migrations.upgrade(conn)
+
+    def _at_head(self) -> bool:
+        try:
+            with self._read() as conn:
+                version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except DBAPIError:
+            # No alembic_version (a new database, or one from before Alembic), or no database to reach:
+            # _migrate says which.
+            return False
+        return version == migrations.HEAD
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _serialized(self) -> Iterator[None]:
+        if self._lock is None:
+            yield
+            return
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+            yield
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        with self._serialized():
+            with self._writer.begin() as conn:
+                yield conn
             self._local_changes += 1
 
-    def _read(self, sql: str, params: tuple[object, ...] = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            cursor = self._conn.execute(sql, params)
-            cursor.row_factory = sqlite3.Row
-            return list(cursor.fetchall())
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self._serialized(), self._reader.connect() as conn:
+            yield conn
+
+    def _bump(self, conn: Connection) -> None:
+        """Move PostgreSQL's change marker: the last statement of a transaction long-polls wait on."""
+        if self._postgresql:
+            conn.execute(self._q.marker_bump)
 
     def change_marker(self) -> tuple[int, int]:
-        """Changes when anything commits: another process (``data_version``) or this one (a counter).
-
-        ``PRAGMA data_version`` only compares a counter in the database header, so a long-poll can ask
-        every few tens of milliseconds and re-query only when it moved.
+        """A value that changes when a desired state is published or a node fenced, enrolled or revoked (by any
+        process), and may change on other writes: compare it, and query again only when it moved (module doc).
         """
-        with self._lock:
-            row = self._conn.execute("PRAGMA data_version").fetchone()
-            return int(row[0]), self._local_changes
+        if self._memory:
+            return 0, self._local_changes
+        with self._marker_lock:
+            try:
+                return self._marker_read(), 0
+            except DBAPIError as exc:
+                if not exc.connection_invalidated:
+                    raise
+                return self._marker_read(), 0  # the server dropped the connection (a restart): once more, anew
+
+    def _marker_read(self) -> int:
+        if self._marker is None:
+            self._marker = self._reader.connect()
+        try:
+            value = self._marker.execute(self._q.marker_value).scalar_one()
+            self._marker.rollback()  # ends SQLAlchemy's bookkeeping; nothing is sent (autocommit, no BEGIN)
+        except DBAPIError:
+            self._marker.close()
+            self._marker = None
+            raise
+        return int(value)
 
     # Tokens
 
@@ -244,19 +338,20 @@ class Database:
 
         With ``node_id`` the token can enroll only that node id; without, any.
         """
+        q = self._q
         with self._write() as conn:
-            row = conn.execute("SELECT used_by FROM tokens WHERE name = ?", (name,)).fetchone()
-            if row is not None and row[0] is not None:
+            used_by = conn.execute(q.token_used_by, {"b_name": name}).scalar_one_or_none()
+            if used_by is not None:
                 raise StoreConflict(
-                    "token-used", f"token {name!r} was already used (by node {row[0]!r}); choose another name"
+                    "token-used", f"token {name!r} was already used (by node {used_by!r}); choose another name"
                 )
-            conn.execute("DELETE FROM tokens WHERE name = ?", (name,))
+            conn.execute(q.token_delete, {"b_name": name})
             try:
                 conn.execute(
-                    "INSERT INTO tokens (name, value_sha256, created_at, node_id) VALUES (?, ?, ?, ?)",
-                    (name, token_digest(value), format_rfc3339(now), node_id),
+                    q.token_insert,
+                    {"name": name, "value_sha256": token_digest(value), "created_at": now, "node_id": node_id},
                 )
-            except sqlite3.IntegrityError as exc:
+            except IntegrityError as exc:
                 raise StoreConflict("token-exists", "another token already has this value; choose another") from exc
 
     # Enrollment, leases, certificates
@@ -270,45 +365,41 @@ class Database:
         unused: the node it was made for must still be able to enroll with it. A refused enrollment
         revokes nothing.
         """
-        stamp = format_rfc3339(now)
+        q = self._q
         with self._write() as conn:
-            row = conn.execute(
-                "SELECT name, used_at, node_id FROM tokens WHERE value_sha256 = ?", (token_digest(token),)
-            ).fetchone()
+            row = conn.execute(q.token_by_digest, {"b_digest": token_digest(token)}).first()
             if row is None:
                 raise StoreConflict("token-unknown", "this enrollment token is not known to the control plane")
-            if row[2] is not None and row[2] != node_id:
+            if row.node_id is not None and row.node_id != node_id:
                 raise StoreConflict(
                     "token-wrong-node",
                     f"this enrollment token is bound to another node id, not {node_id!r}; enroll with the token "
                     "made for this node, or ask the operator for one",
-                    server_note=f"token {row[0]!r} is bound to node {row[2]!r} but was presented for node {node_id!r}",
+                    server_note=f"token {row.name!r} is bound to node {row.node_id!r} but was presented for node "
+                    f"{node_id!r}",
                 )
-            if row[1] is not None:
+            if row.used_at is not None:
                 raise StoreConflict(
-                    "token-used", f"enrollment token {row[0]!r} was already used at {row[1]}; tokens are one-time"
+                    "token-used",
+                    f"enrollment token {row.name!r} was already used at {format_rfc3339(row.used_at)}; tokens are "
+                    "one-time",
                 )
-            conn.execute("UPDATE tokens SET used_at = ?, used_by = ? WHERE name = ?", (stamp, node_id, row[0]))
-            conn.execute(
-                "INSERT INTO nodes (node_id, epoch) VALUES (?, 1) ON CONFLICT (node_id) DO NOTHING", (node_id,)
-            )
-            expires = format_rfc3339(now + lease_for)
-            conn.execute(
-                "UPDATE nodes SET enrolled_at = ?, revoked_at = NULL, lease_expires_at = ?, renewed_at = ? "
-                "WHERE node_id = ?",
-                (stamp, expires, stamp, node_id),
-            )
+            conn.execute(q.token_consume, {"b_name": row.name, "b_used_at": now, "b_used_by": node_id})
+            conn.execute(q.node_insert_if_missing, {"b_node_id": node_id})
+            # Locks the node's row: a renewal or revocation of it waits, then sees the certificates below.
+            lease = conn.execute(
+                q.node_enroll, {"b_node_id": node_id, "b_now": now, "b_expires_at": now + lease_for}
+            ).one()
             # The new certificate supersedes every earlier one (enrolled or renewed): a copy of an old key
             # must not keep speaking for the node once it has enrolled again.
             superseded = conn.execute(
-                "UPDATE certificates SET revoked_at = ?, revoked_reason = ? WHERE node_id = ? AND revoked_at IS NULL",
-                (stamp, SUPERSEDED_BY_ENROLLMENT, node_id),
-            )
+                q.certificates_revoke, {"b_node_id": node_id, "b_now": now, "b_reason": SUPERSEDED_BY_ENROLLMENT}
+            ).rowcount
             conn.execute(
-                "INSERT INTO certificates (serial, node_id, issued_at, not_after) VALUES (?, ?, ?, ?)",
-                (serial, node_id, stamp, format_rfc3339(not_after)),
+                q.certificate_insert, {"serial": serial, "node_id": node_id, "issued_at": now, "not_after": not_after}
             )
-            return Enrollment(lease=self._lease(conn, node_id), superseded=int(superseded.rowcount))
+            self._bump(conn)
+            return Enrollment(lease=_lease(node_id, lease), superseded=int(superseded))
 
     def add_renewed_certificate(
         self, *, node_id: str, presented_serial: str, serial: str, not_after: datetime, now: datetime
@@ -318,128 +409,125 @@ class Database:
         The presented certificate is left as it is: it stays valid until it expires, so a renewal whose
         answer is lost in transit does not lock the node out.
         """
+        q = self._q
         with self._write() as conn:
-            row = conn.execute(
-                "SELECT node_id, revoked_at FROM certificates WHERE serial = ?", (presented_serial,)
-            ).fetchone()
-            if row is None or row[0] != node_id:
+            # The node's row first (as revoke and enroll lock it), then what it decides on.
+            lease = conn.execute(q.node_lock_lease, {"b_node_id": node_id}).first()
+            presented = conn.execute(q.certificate_owner, {"b_serial": presented_serial}).first()
+            if lease is None or presented is None or presented.node_id != node_id:
                 raise StoreConflict(
                     "certificate-unknown", f"certificate serial {presented_serial} was never issued to node {node_id!r}"
                 )
-            if row[1] is not None:
+            if presented.revoked_at is not None:
                 raise StoreConflict(
                     "certificate-revoked",
-                    f"the certificate of node {node_id!r} was revoked at {row[1]} (a renewal and a revocation or "
-                    "re-enrollment crossed); enroll again with a new token",
+                    f"the certificate of node {node_id!r} was revoked at {format_rfc3339(presented.revoked_at)} (a "
+                    "renewal and a revocation or re-enrollment crossed); enroll again with a new token",
                 )
             conn.execute(
-                "INSERT INTO certificates (serial, node_id, issued_at, not_after) VALUES (?, ?, ?, ?)",
-                (serial, node_id, format_rfc3339(now), format_rfc3339(not_after)),
+                q.certificate_insert, {"serial": serial, "node_id": node_id, "issued_at": now, "not_after": not_after}
             )
-            return self._lease(conn, node_id)
+            return _lease(node_id, lease)
 
     def certificate(self, serial: str) -> CertificateRecord | None:
-        rows = self._read(
-            "SELECT serial, node_id, not_after, revoked_at, revoked_reason FROM certificates WHERE serial = ?",
-            (serial,),
-        )
-        if not rows:
+        with self._read() as conn:
+            row = conn.execute(self._q.certificate, {"b_serial": serial}).first()
+        if row is None:
             return None
-        row = rows[0]
         return CertificateRecord(
-            serial=row["serial"],
-            node_id=row["node_id"],
-            not_after=_parse(row["not_after"]),
-            revoked_at=_parse_optional(row["revoked_at"]),
-            revoked_reason=row["revoked_reason"],
+            serial=row.serial,
+            node_id=row.node_id,
+            not_after=row.not_after,
+            revoked_at=row.revoked_at,
+            revoked_reason=row.revoked_reason,
         )
 
     def renew_lease(self, node_id: str, lease_for: timedelta, now: datetime) -> LeaseRecord:
         """Extend the lease; the epoch is untouched (only ``fence`` moves it, and only up)."""
-        stamp = format_rfc3339(now)
         with self._write() as conn:
-            updated = conn.execute(
-                "UPDATE nodes SET lease_expires_at = ?, renewed_at = ? WHERE node_id = ?",
-                (format_rfc3339(now + lease_for), stamp, node_id),
-            )
-            if updated.rowcount == 0:
+            lease = conn.execute(
+                self._q.node_renew_lease, {"b_node_id": node_id, "b_expires_at": now + lease_for, "b_renewed_at": now}
+            ).first()
+            if lease is None:
                 raise UnknownNode(node_id)
-            return self._lease(conn, node_id)
+            return _lease(node_id, lease)
+
+    def renew_leases(self, renewals: Mapping[str, tuple[datetime, datetime]]) -> None:
+        """Record many lease renewals at once: node id -> (renewed_at, lease_expires_at). Unknown ids are ignored.
+
+        One transaction, one ``executemany`` (an UPDATE per node, in node id order, so two flushes lock rows in
+        the same order). The epoch is untouched.
+        """
+        if not renewals:
+            return
+        rows = [
+            {"b_node_id": node_id, "b_renewed_at": renewed_at, "b_expires_at": expires_at}
+            for node_id, (renewed_at, expires_at) in sorted(renewals.items())
+        ]
+        with self._write() as conn:
+            conn.execute(self._q.node_renew_leases, rows)
 
     def lease(self, node_id: str) -> LeaseRecord:
-        with self._lock:
-            return self._lease(self._conn, node_id)
-
-    def _lease(self, conn: sqlite3.Connection, node_id: str) -> LeaseRecord:
-        row = conn.execute(
-            "SELECT epoch, lease_expires_at, renewed_at FROM nodes WHERE node_id = ?", (node_id,)
-        ).fetchone()
-        if row is None:
+        with self._read() as conn:
+            lease = conn.execute(self._q.node_lease, {"b_node_id": node_id}).first()
+        if lease is None:
             raise UnknownNode(node_id)
-        renewed = _parse_optional(row[2])
-        expires = _parse_optional(row[1])
-        # A node known only from a publish has no lease yet: report one that lapsed long ago.
-        return LeaseRecord(
-            node_id=node_id, epoch=int(row[0]), expires_at=expires or _EPOCH_ZERO, renewed_at=renewed or _EPOCH_ZERO
-        )
+        return _lease(node_id, lease)
 
     def fence(self, node_id: str) -> int:
         """Bump the node's epoch by one and return it."""
         with self._write() as conn:
-            updated = conn.execute("UPDATE nodes SET epoch = epoch + 1 WHERE node_id = ?", (node_id,))
-            if updated.rowcount == 0:
+            epoch = conn.execute(self._q.node_fence, {"b_node_id": node_id}).scalar_one_or_none()
+            if epoch is None:
                 raise UnknownNode(node_id)
-            return int(conn.execute("SELECT epoch FROM nodes WHERE node_id = ?", (node_id,)).fetchone()[0])
+            self._bump(conn)
+            return int(epoch)
 
     def revoke(self, node_id: str, now: datetime) -> int:
         """Revoke every certificate issued to the node; returns how many were still valid."""
-        stamp = format_rfc3339(now)
+        q = self._q
         with self._write() as conn:
-            if conn.execute("SELECT 1 FROM nodes WHERE node_id = ?", (node_id,)).fetchone() is None:
+            if conn.execute(q.node_revoke, {"b_node_id": node_id, "b_now": now}).first() is None:
                 raise UnknownNode(node_id)
-            conn.execute("UPDATE nodes SET revoked_at = ? WHERE node_id = ?", (stamp, node_id))
             revoked = conn.execute(
-                "UPDATE certificates SET revoked_at = ?, revoked_reason = ? WHERE node_id = ? AND revoked_at IS NULL",
-                (stamp, REVOKED_BY_OPERATOR, node_id),
-            )
-            return int(revoked.rowcount)
+                q.certificates_revoke, {"b_node_id": node_id, "b_now": now, "b_reason": REVOKED_BY_OPERATOR}
+            ).rowcount
+            self._bump(conn)
+            return int(revoked)
 
     # Desired state
 
     def publish(self, node_id: str, build: Callable[[int, int], tuple[bytes, str]], now: datetime) -> PublishedState:
-        """Database the node's next desired state. ``build(generation, epoch)`` returns (envelope, etag).
+        """Store the node's next desired state. ``build(generation, epoch)`` returns (envelope, etag).
 
         ``build`` runs inside the write transaction, so the generation it is given is the one stored.
         """
+        q = self._q
         with self._write() as conn:
-            conn.execute(
-                "INSERT INTO nodes (node_id, epoch) VALUES (?, 1) ON CONFLICT (node_id) DO NOTHING", (node_id,)
-            )
-            epoch = int(conn.execute("SELECT epoch FROM nodes WHERE node_id = ?", (node_id,)).fetchone()[0])
-            last = conn.execute(
-                "SELECT COALESCE(MAX(generation), 0) FROM desired_states WHERE node_id = ?", (node_id,)
-            ).fetchone()
-            generation = int(last[0]) + 1
+            conn.execute(q.node_insert_if_missing, {"b_node_id": node_id})
+            epoch = int(conn.execute(q.node_epoch_locked, {"b_node_id": node_id}).scalar_one())
+            generation = int(conn.execute(q.last_generation, {"b_node_id": node_id}).scalar_one()) + 1
             envelope, etag = build(generation, epoch)
             conn.execute(
-                "INSERT INTO desired_states (node_id, generation, lease_epoch, envelope, etag, published_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (node_id, generation, epoch, envelope, etag, format_rfc3339(now)),
+                q.desired_insert,
+                {
+                    "node_id": node_id,
+                    "generation": generation,
+                    "lease_epoch": epoch,
+                    "envelope": envelope,
+                    "etag": etag,
+                    "published_at": now,
+                },
             )
+            self._bump(conn)
             return PublishedState(node_id, generation, epoch, envelope, etag)
 
     def latest_desired(self, node_id: str) -> PublishedState | None:
-        rows = self._read(
-            "SELECT generation, lease_epoch, envelope, etag FROM desired_states WHERE node_id = ? "
-            "ORDER BY generation DESC LIMIT 1",
-            (node_id,),
-        )
-        if not rows:
+        with self._read() as conn:
+            row = conn.execute(self._q.latest_desired, {"b_node_id": node_id}).first()
+        if row is None:
             return None
-        row = rows[0]
-        return PublishedState(
-            node_id, int(row["generation"]), int(row["lease_epoch"]), bytes(row["envelope"]), row["etag"]
-        )
+        return PublishedState(node_id, int(row.generation), int(row.lease_epoch), bytes(row.envelope), row.etag)
 
     # Observations
 
@@ -448,67 +536,171 @@ class Database:
     ) -> None:
         """Keep the node's latest observation; one carrying an epoch other than the current one is refused."""
         with self._write() as conn:
-            row = conn.execute("SELECT epoch FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
-            if row is None:
+            written = conn.execute(
+                self._q.observation_upsert,
+                {
+                    "b_node_id": node_id,
+                    "b_epoch": lease_epoch,
+                    "b_observed_at": observed_at,
+                    "b_received_at": now,
+                    "b_remote_host": remote_host,
+                    "b_body": body,
+                },
+            ).rowcount
+            if written:
+                return
+            epoch = conn.execute(self._q.node_epoch, {"b_node_id": node_id}).scalar_one_or_none()
+            if epoch is None:
                 raise UnknownNode(node_id)
-            epoch = int(row[0])
             if lease_epoch < epoch:
                 raise StoreConflict(
                     "stale-epoch",
                     f"the observation carries lease epoch {lease_epoch}, but node {node_id!r} is at epoch {epoch}: "
                     "it comes from a writer that has been fenced; heartbeat to learn the current epoch",
                 )
-            if lease_epoch > epoch:
-                raise StoreConflict(
-                    "future-epoch",
-                    f"the observation carries lease epoch {lease_epoch}, but node {node_id!r} is only at epoch "
-                    f"{epoch}: this control plane never issued it",
-                )
-            conn.execute(
-                "INSERT INTO observations (node_id, lease_epoch, observed_at, received_at, remote_host, body) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET lease_epoch = excluded.lease_epoch, "
-                "observed_at = excluded.observed_at, received_at = excluded.received_at, "
-                "remote_host = excluded.remote_host, body = excluded.body",
-                (node_id, lease_epoch, format_rfc3339(observed_at), format_rfc3339(now), remote_host, body),
+            raise StoreConflict(
+                "future-epoch",
+                f"the observation carries lease epoch {lease_epoch}, but node {node_id!r} is only at epoch "
+                f"{epoch}: this control plane never issued it",
             )
+
+    def record_observations(self, batch: Sequence[tuple[str, int, bytes, datetime] | ObservationWrite]) -> list[str]:
+        """Write many observations at once; returns the node ids of the rows not written, in batch order, once each.
+
+        A row is written only if its epoch is its node's current one: an older epoch (a fenced writer), a newer
+        one (never issued) or an unknown node id is refused, and the other rows are written all the same. Per
+        node the last written row of the batch wins (a node may be refused for one row and written for a later
+        one). One transaction: the nodes' epochs read share-locked (one ``SELECT`` per 5,000 ids), then one
+        ``executemany`` of the fenced upsert, in node id order.
+        """
+        rows = [ObservationWrite(*row) for row in batch]
+        if not rows:
+            return []
+        with self._write() as conn:
+            epochs: dict[str, int] = {}
+            ids = sorted({row.node_id for row in rows})
+            for start in range(0, len(ids), _IN_CHUNK):
+                locked = conn.execute(self._q.node_epochs_locked, {"b_node_ids": ids[start : start + _IN_CHUNK]})
+                epochs.update((node_id, int(epoch)) for node_id, epoch in locked)
+            latest: dict[str, ObservationWrite] = {}
+            refused: dict[str, None] = {}
+            for row in rows:
+                if epochs.get(row.node_id) == row.lease_epoch:
+                    latest[row.node_id] = row
+                else:
+                    refused.setdefault(row.node_id)
+            if latest:
+                conn.execute(self._q.observation_upsert, [_observation_params(latest[key]) for key in sorted(latest)])
+        return list(refused)
 
     def serving_observations(self) -> list[ObservationRecord]:
         """The latest observation of every node that is not revoked, in node order."""
-        rows = self._read(
-            "SELECT o.node_id, o.lease_epoch, o.remote_host, o.body FROM observations o "
-            "JOIN nodes n ON n.node_id = o.node_id WHERE n.revoked_at IS NULL ORDER BY o.node_id"
+        with self._read() as conn:
+            rows = conn.execute(self._q.serving_observations).all()
+        # Sorted here: PostgreSQL's collation may order '-' and '.' unlike SQLite's bytes.
+        return sorted(
+            (ObservationRecord(r.node_id, int(r.lease_epoch), r.remote_host, r.body) for r in rows),
+            key=lambda record: record.node_id,
         )
-        return [ObservationRecord(r["node_id"], int(r["lease_epoch"]), r["remote_host"], r["body"]) for r in rows]
+
+    # Air-gapped nodes' outbox records (``outbox_import``): rare, so built per call rather than in ``StoreQueries``.
+
+    def outbox_record_digest(self, node_id: str, sequence: int) -> str | None:
+        """The sha256 of the record imported as ``(node_id, sequence)``, or None when there is none."""
+        table = outbox_records
+        query = select(table.c.sha256).where(table.c.node_id == node_id, table.c.sequence == sequence)
+        with self._read() as conn:
+            return conn.execute(query).scalar_one_or_none()
+
+    def newest_imported_observation(self, node_id: str) -> int | None:
+        """The highest sequence of an observation imported (not superseded) for the node, or None."""
+        table = outbox_records
+        query = select(func.max(table.c.sequence)).where(
+            table.c.node_id == node_id, table.c.kind == "observation", table.c.result == "imported"
+        )
+        with self._read() as conn:
+            newest = conn.execute(query).scalar_one_or_none()
+        return None if newest is None else int(newest)
+
+    def add_outbox_record(
+        self, node_id: str, sequence: int, *, kind: str, sha256: str, result: str, imported_at: datetime, body: str
+    ) -> None:
+        """Record one imported outbox file; ``StoreConflict`` when another import took its sequence meanwhile."""
+        row = {
+            "node_id": node_id,
+            "sequence": sequence,
+            "kind": kind,
+            "sha256": sha256,
+            "result": result,
+            "imported_at": format_rfc3339(imported_at),
+            "body": body,
+        }
+        try:
+            with self._write() as conn:
+                conn.execute(insert(outbox_records), row)
+        except IntegrityError as exc:
+            raise StoreConflict(
+                "sequence-reused",
+                f"node {node_id!r} record {sequence} was imported by another run at the same time; import again",
+            ) from exc
 
     def nodes(self) -> list[NodeRow]:
-        rows = self._read(
-            "SELECT n.node_id, n.epoch, n.lease_expires_at, n.enrolled_at, n.revoked_at, "
-            "(SELECT COUNT(*) FROM certificates c WHERE c.node_id = n.node_id AND c.revoked_at IS NULL) AS certs, "
-            "(SELECT MAX(generation) FROM desired_states d WHERE d.node_id = n.node_id) AS generation, "
-            "(SELECT observed_at FROM observations o WHERE o.node_id = n.node_id) AS observed_at "
-            "FROM nodes n ORDER BY n.node_id"
+        with self._read() as conn:
+            rows = conn.execute(self._q.nodes_listing).all()
+        return sorted(
+            (
+                NodeRow(
+                    node_id=r.node_id,
+                    epoch=int(r.epoch),
+                    lease_expires_at=r.lease_expires_at,
+                    enrolled_at=r.enrolled_at,
+                    revoked_at=r.revoked_at,
+                    certificates=int(r.certs),
+                    generation=None if r.generation is None else int(r.generation),
+                    last_observed_at=r.observed_at,
+                )
+                for r in rows
+            ),
+            key=lambda row: row.node_id,
         )
-        return [
-            NodeRow(
-                node_id=r["node_id"],
-                epoch=int(r["epoch"]),
-                lease_expires_at=_parse_optional(r["lease_expires_at"]),
-                enrolled_at=_parse_optional(r["enrolled_at"]),
-                revoked_at=_parse_optional(r["revoked_at"]),
-                certificates=int(r["certs"]),
-                generation=None if r["generation"] is None else int(r["generation"]),
-                last_observed_at=_parse_optional(r["observed_at"]),
-            )
-            for r in rows
-        ]
+
+
+def _not_installed(missing: ModuleNotFoundError | str, database: str) -> str:
+    name = missing if isinstance(missing, str) else missing.name
+    return (
+        f"the database {database} needs the Python package {name!r}, which is not installed; install "
+        "meridian-node[devserver] (pip install 'meridian-node[devserver]')"
+    )
 
 
 _EPOCH_ZERO = datetime.fromisoformat("1970-01-01T00:00:00+00:00")
 
 
-def _parse(text: str) -> datetime:
-    return datetime.fromisoformat(text)
+def _lease(node_id: str, row: Sequence[Any]) -> LeaseRecord:
+    """A lease from a row of (epoch, lease_expires_at, renewed_at). A node known only from a publish has no lease
+    yet: reported as one that lapsed long ago."""
+    epoch, expires, renewed = row[0], row[1], row[2]
+    return LeaseRecord(
+        node_id=node_id, epoch=int(epoch), expires_at=expires or _EPOCH_ZERO, renewed_at=renewed or _EPOCH_ZERO
+    )
 
 
-def _parse_optional(text: str | None) -> datetime | None:
-    return None if text is None else datetime.fromisoformat(text)
+def _observation_params(row: ObservationWrite) -> dict[str, Any]:
+    body = row.body.decode("utf-8")
+    return {
+        "b_node_id": row.node_id,
+        "b_epoch": row.lease_epoch,
+        "b_observed_at": row.observed_at or _observed_at_in(body) or row.received_at,
+        "b_received_at": row.received_at,
+        "b_remote_host": row.remote_host,
+        "b_body": body,
+    }
+
+
+def _observed_at_in(body: str) -> datetime | None:
+    """The ``observed_at`` an observation's JSON carries, or None if it has none that reads as a time."""
+    try:
+        value = json.loads(body).get("observed_at")
+        return datetime.fromisoformat(value) if isinstance(value, str) else None
+    except (ValueError, AttributeError):
+        return None

@@ -1,0 +1,194 @@
+"""Each node's epoch, certificate records and latest desired state, held in memory so that a steady request costs
+no database statement.
+
+What a node's steady traffic needs from the database is small and changes rarely: its epoch (a heartbeat's answer,
+the observation fence), its certificate's record (every request: is it ours, is it revoked) and its latest desired
+state (a long-poll's answer, a 304's ETag). Read once on first use, each is kept until a change to that node is
+announced (``change_feed.py``) or found by a full refresh, then re-read: a heartbeat or a 304 of a known node reads
+nothing (``tests/devserver/test_hot_path_statements.py`` counts it).
+
+Correctness rests on each value only ever moving one way, so that a slow read racing a refresh cannot put an older
+value back:
+
+* an epoch only grows (``fence``): the cache keeps the larger of what it has and what it read;
+* a desired state's generation only grows (``publish``): the cache keeps the higher one;
+* a certificate only goes from valid to revoked; a record is dropped on a revocation or re-enrollment of its node,
+  and a read that started before a drop is used for its request but not kept (``_forgets`` counts drops).
+
+A cached epoch is therefore never above the node's real one: an observation under a lower epoch is certainly stale
+(refused at once), one under a higher epoch is re-checked against the database before it is called from the future
+(``current_epoch``), since another replica may have fenced the node before this one heard of it.
+
+Costs, measured on this machine's 2 cores with 5,000 nodes: a hit is a dict lookup under a lock (under a
+microsecond); a full refresh (``refresh_all``: one ``nodes()`` statement and a comparison per node) took 55 ms on
+SQLite and 60-90 ms on PostgreSQL, which is why it is the backstop, run at most every 2 s, and a targeted refresh
+(``apply``: one statement for the node) is the normal path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from meridian_node_agent.devserver.change_feed import ChangeKind, StateChange
+from meridian_node_agent.devserver.store import CertificateRecord, Database, PublishedState, UnknownNode
+
+__all__ = ["NodeStateCache"]
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """What the last full refresh saw of a node: a difference is a change to re-read."""
+
+    epoch: int
+    enrolled_at: datetime | None
+    revoked_at: datetime | None
+    generation: int | None
+
+
+class NodeStateCache:
+    """Epochs, certificate records and desired states per node (see the module doc). Safe from any thread.
+
+    ``on_desired(node_id)`` is called when a node's latest desired state changed (long-polls wake on it);
+    ``on_certificates()`` when some node's certificates were dropped (the serving projection is rebuilt).
+    """
+
+    def __init__(
+        self,
+        store: Database,
+        *,
+        on_desired: Callable[[str], None] = lambda _node_id: None,
+        on_certificates: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._store = store
+        self._on_desired = on_desired
+        self._on_certificates = on_certificates
+        self._lock = threading.Lock()
+        self._epochs: dict[str, int] = {}
+        self._certificates: dict[str, CertificateRecord] = {}
+        self._serials: dict[str, set[str]] = {}
+        self._forgets = 0
+        self._desired: dict[str, PublishedState | None] = {}
+        self._seen: dict[str, _Seen] = {}
+
+    # Reads: from memory, else from the store once
+
+    def epoch(self, node_id: str) -> int:
+        """The node's epoch as last known; ``UnknownNode`` if the store has no such node."""
+        with self._lock:
+            epoch = self._epochs.get(node_id)
+        return epoch if epoch is not None else self.current_epoch(node_id)
+
+    def current_epoch(self, node_id: str) -> int:
+        """The node's epoch read from the store now (kept, if it is above what was known)."""
+        return self._keep_epoch(node_id, self._store.lease(node_id).epoch)
+
+    def certificate(self, serial: str) -> CertificateRecord | None:
+        """The record of certificate ``serial``, or None if it was never issued (not kept: a refusal)."""
+        with self._lock:
+            record = self._certificates.get(serial)
+            forgets = self._forgets
+        if record is not None:
+            return record
+        record = self._store.certificate(serial)
+        if record is not None:
+            with self._lock:
+                if self._forgets == forgets:
+                    self._certificates[serial] = record
+                    self._serials.setdefault(record.node_id, set()).add(serial)
+        return record
+
+    def desired(self, node_id: str) -> PublishedState | None:
+        """The node's latest desired state (None: nothing published)."""
+        with self._lock:
+            if node_id in self._desired:
+                return self._desired[node_id]
+        return self._keep_desired(node_id, self._store.latest_desired(node_id), wake=False)
+
+    # Changes this process made: known without reading
+
+    def note_published(self, state: PublishedState) -> None:
+        self._keep_desired(state.node_id, state, wake=True)
+
+    def note_epoch(self, node_id: str, epoch: int) -> None:
+        self._keep_epoch(node_id, epoch)
+
+    def forget_certificates(self, node_id: str) -> None:
+        """Drop the node's certificate records: the next request reads them again (a revocation, a re-enrollment)."""
+        with self._lock:
+            self._forgets += 1
+            for serial in self._serials.pop(node_id, set()):
+                self._certificates.pop(serial, None)
+        self._on_certificates()
+
+    # Changes another process announced, or that a full refresh found
+
+    def apply(self, change: StateChange) -> None:
+        """Re-read what ``change`` moved, if this process holds it (what it does not hold is read when first needed)."""
+        node_id = change.node_id
+        if change.kind is ChangeKind.PUBLISHED:
+            with self._lock:
+                held = node_id in self._desired
+            if held:
+                self._keep_desired(node_id, self._store.latest_desired(node_id), wake=True)
+        elif change.kind is ChangeKind.FENCED:
+            with self._lock:
+                held = node_id in self._epochs
+            if held:
+                with contextlib.suppress(UnknownNode):
+                    self.current_epoch(node_id)
+        else:  # REVOKED, ENROLLED
+            self.forget_certificates(node_id)
+
+    def refresh_all(self) -> int:
+        """Compare every node with what the last full refresh saw, and re-read what differs; returns how many did.
+
+        The backstop for announcements that never came (see ``change_feed.py``): one ``nodes()`` statement, plus
+        one statement per node whose held desired state or epoch moved.
+        """
+        changed = 0
+        for row in self._store.nodes():
+            seen = _Seen(row.epoch, row.enrolled_at, row.revoked_at, row.generation)
+            with self._lock:
+                before = self._seen.get(row.node_id)
+                self._seen[row.node_id] = seen
+                held_desired = row.node_id in self._desired
+                held_desired_generation = (self._desired.get(row.node_id) or _NOTHING).generation
+            if before == seen:
+                continue
+            changed += 1
+            self._keep_epoch(row.node_id, row.epoch)
+            if before is None or (before.enrolled_at, before.revoked_at) != (seen.enrolled_at, seen.revoked_at):
+                with self._lock:
+                    holds_certificates = row.node_id in self._serials
+                if holds_certificates:
+                    self.forget_certificates(row.node_id)
+            if held_desired and (seen.generation or 0) > held_desired_generation:
+                self._keep_desired(row.node_id, self._store.latest_desired(row.node_id), wake=True)
+        return changed
+
+    # Merging: every value only moves one way (module doc)
+
+    def _keep_epoch(self, node_id: str, epoch: int) -> int:
+        with self._lock:
+            kept = max(epoch, self._epochs.get(node_id, epoch))
+            self._epochs[node_id] = kept
+        return kept
+
+    def _keep_desired(self, node_id: str, state: PublishedState | None, *, wake: bool) -> PublishedState | None:
+        with self._lock:
+            held = self._desired.get(node_id)
+            newer = state is not None and (held is None or state.generation > held.generation)
+            if newer or node_id not in self._desired:
+                self._desired[node_id] = state
+            kept = self._desired[node_id]
+        if newer and wake:
+            self._on_desired(node_id)
+        return kept
+
+
+# A generation below every real one (they start at 1): what "nothing published" compares as.
+_NOTHING = PublishedState(node_id="", generation=0, lease_epoch=0, envelope=b"", etag="")

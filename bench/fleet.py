@@ -442,10 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         if not rest:
             raise SystemExit(f"fleet: --server-cpus {sorted(args.server_cpus)} leaves no CPU for the generator")
         os.sched_setaffinity(0, rest)
-    # Every node is a descriptor here and one in the server (which inherits this limit).
+    # Every node is a descriptor here and one in the server (which inherits this limit); the limit is per process.
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    if hard < 2 * max(args.nodes) + 100:
+    if hard < max(args.nodes) + 256:
         raise SystemExit(f"fleet: {max(args.nodes)} nodes need more descriptors than RLIMIT_NOFILE allows ({hard})")
     timers = AgentTimers.of_agent()
     bodies = ObservationBodies.build(args.seed)

@@ -122,6 +122,13 @@ class _Section(BaseModel):
 
 class ControlPlaneConfig(_Section):
     url: AnyHttpUrl = Field(description="the control plane's base URL; https:// only (mutual TLS)")
+    # Replicas of one control plane (devserver processes sharing one database and data dir) answer every node the
+    # same: the agent needs no load balancer in front of them, only somewhere to go when its replica is down.
+    replica_urls: list[AnyHttpUrl] = Field(
+        default_factory=list,
+        description="more base URLs of the same control plane (replicas on one database, one CA), https:// only, "
+        "each once; when a call cannot reach one, the retry goes to the next (url, then these, round again)",
+    )
     timeout_seconds: Annotated[
         float, Field(gt=0, le=300, description="bounds connecting and each read (a long-poll adds its wait)")
     ] = 10.0
@@ -148,7 +155,26 @@ class ControlPlaneConfig(_Section):
     def _tls_only(self) -> "ControlPlaneConfig":
         if self.url.scheme != "https":
             raise ValueError(f"url must be https:// (mutual TLS is how the node proves who it is), got {self.url}")
+        seen = {_same_url(self.url): "url"}
+        for index, replica in enumerate(self.replica_urls):
+            where = f"replica_urls[{index}]"
+            if replica.scheme != "https":
+                raise ValueError(
+                    f"{where} must be https:// like url (mutual TLS is how the node proves who it is), got {replica}"
+                )
+            first = seen.setdefault(_same_url(replica), where)
+            if first != where:
+                # A URL twice would only make the agent knock twice on a dead replica before moving on.
+                raise ValueError(
+                    f"{where} ({replica}) is the same URL as {first}: list each replica once, and not url again"
+                )
         return self
+
+
+def _same_url(url: AnyHttpUrl) -> str:
+    """What makes two URLs the same replica: pydantic has lowercased the host and dropped a default port, and the
+    client ignores a trailing slash."""
+    return str(url).rstrip("/")
 
 
 class BackoffConfig(_Section):

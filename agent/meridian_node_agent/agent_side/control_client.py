@@ -49,21 +49,37 @@ When the server closes a kept-alive connection as a request reaches it (its idle
 request) and not a byte of answer came back, the request is sent once more on a new connection; a second
 failure is reported. The context is rebuilt when the CA bundle, certificate or key change on disk (a
 re-enrolled node), so a running agent never keeps using files that were replaced.
+
+Replicas. A control plane may run as several servers on one database and one data dir (``meridian-node-devserver
+serve`` replicas: one CA, every node served by each). The client is given their base URLs, the primary first, and
+calls one of them at a time, ``base_url``. When a call fails with ``ControlPlaneUnavailable``, the client closes its
+connection and the *next* call goes to the next URL, round and round: the agent already backs off and retries after
+such a failure, so the retry lands on another replica without a load balancer and without a second retry loop
+here. The failed call itself is not sent again elsewhere: the caller decides whether to retry (enrollment's token
+and a renewal's certificate are not to be spent twice), and the backoff keeps a fleet whose replica died from
+stampeding the others. A refusal (``ControlPlaneRejected``, ``CertificateExpired`` among them) does not move it:
+every replica shares the database and the CA, so the next would refuse the same. Nor does a stop
+(``ControlCallStopped``). Every ``ControlPlaneUnavailable`` moves it, even the few that are not the replica's
+doing (the node's own TLS files unreadable): those fail alike on every replica, so moving costs nothing, and one
+rule is easier to reason about than a list. The client stays on a replica that answers; it does not drift back to
+the primary. The exception it raises carries ``url`` (the one that failed) and ``next_url`` (where the next call
+goes) when it moved, so the agent's log can say both.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import select
 import socket
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
 from cryptography import x509
@@ -112,6 +128,8 @@ CERTIFICATE_EXPIRED = "certificate-expired"
 _EXPIRED_ALERT = "ALERT_CERTIFICATE_EXPIRED"
 
 Model = TypeVar("Model", bound=BaseModel)
+_Args = ParamSpec("_Args")
+_Result = TypeVar("_Result")
 
 
 class ControlPlaneError(MeridianError):
@@ -119,7 +137,14 @@ class ControlPlaneError(MeridianError):
 
 
 class ControlPlaneUnavailable(ControlPlaneError):
-    """The request did not complete: back off and retry."""
+    """The request did not complete: back off and retry.
+
+    ``url`` and ``next_url`` are set when the client has several replicas and moved on: the base URL that failed
+    and the one the next call goes to.
+    """
+
+    url: str | None = None
+    next_url: str | None = None
 
 
 class ControlCallStopped(ControlPlaneError):
@@ -173,8 +198,53 @@ class _ControlAnswer:
     body: bytes
 
 
+@dataclass(frozen=True)
+class _Replica:
+    """One base URL of the control plane, taken apart for the connection and the request line."""
+
+    base_url: str  # without a trailing slash
+    host: str
+    port: int
+    host_header: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, base_url: str) -> _Replica:
+        if not base_url.startswith("https://"):
+            raise ValueError(f"control plane URL {base_url!r} must start with https:// (mutual TLS is required)")
+        url = urlsplit(base_url.rstrip("/"))
+        if not url.hostname:
+            raise ValueError(f"control plane URL {base_url!r} names no host")
+        return cls(
+            base_url=base_url.rstrip("/"),
+            host=url.hostname,
+            port=url.port or 443,
+            host_header=url.netloc.rpartition("@")[2],
+            prefix=url.path.rstrip("/"),
+        )
+
+
+def _moves_on_when_unavailable(
+    call: Callable[Concatenate[ControlClient, _Args], _Result],
+) -> Callable[Concatenate[ControlClient, _Args], _Result]:
+    """A protocol call after which, if it failed with ``ControlPlaneUnavailable``, the next call goes to the next
+    replica (module docstring, "Replicas"). Around each whole call, so that an answer that is not what the protocol
+    promises (a malformed lease, another node's) moves it as an unreachable replica does."""
+
+    @functools.wraps(call)
+    def moving(client: ControlClient, /, *args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
+        try:
+            return call(client, *args, **kwargs)
+        except ControlPlaneUnavailable as exc:
+            client._move_on(exc)
+            raise
+
+    return moving
+
+
 class ControlClient:
-    """A client for one control plane.
+    """A client for one control plane, reached at ``base_url`` or, after a failure there, at one of
+    ``replica_urls`` (module docstring, "Replicas").
 
     ``cert``/``key`` are the node's client certificate and key; without them only ``enroll`` works.
     ``timeout_s`` bounds connecting and each read; a long-poll adds its ``wait_s`` to the read bound.
@@ -194,23 +264,24 @@ class ControlClient:
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         clock: Callable[[], datetime] | None = None,
         interrupt: int | None = None,
+        replica_urls: Sequence[str] = (),
     ) -> None:
-        if not base_url.startswith("https://"):
-            raise ValueError(f"control plane URL {base_url!r} must start with https:// (mutual TLS is required)")
+        if isinstance(replica_urls, str):
+            raise TypeError("replica_urls is a list of URLs, not one URL")
+        replicas = [_Replica.parse(url) for url in (base_url, *replica_urls)]
+        seen: set[str] = set()
+        for replica in replicas:
+            if replica.base_url in seen:
+                raise ValueError(f"control plane URL {replica.base_url!r} is given twice: list each replica once")
+            seen.add(replica.base_url)
         if (cert is None) != (key is None):
             raise ValueError("give both the client certificate and its key, or neither (enrollment only)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_response_bytes = max_response_bytes
-        url = urlsplit(self.base_url)
-        if not url.hostname:
-            raise ValueError(f"control plane URL {base_url!r} names no host")
-        self._host = url.hostname
-        self._port = url.port or 443
-        self._host_header = url.netloc.rpartition("@")[2]
-        self._prefix = url.path.rstrip("/")
+        self._replicas = tuple(replicas)
+        self._current = 0  # index into _replicas: where the next call goes
         # Only these files are trusted: nothing from the environment (REQUESTS_CA_BUNDLE and the like).
         self._files = tuple(Path(f) for f in (ca_bundle, cert, key) if f is not None)
         self._has_cert = cert is not None
@@ -221,6 +292,16 @@ class ControlClient:
         self._certificate: tuple[int, datetime] | None = None
         self._link: Link | None = None
         self._interrupt = interrupt
+
+    @property
+    def base_url(self) -> str:
+        """The base URL the next call goes to (without a trailing slash)."""
+        return self._replicas[self._current].base_url
+
+    @property
+    def base_urls(self) -> tuple[str, ...]:
+        """Every base URL this client may call, the primary first: the order it moves through them."""
+        return tuple(replica.base_url for replica in self._replicas)
 
     def close(self) -> None:
         if self._link is not None:
@@ -237,12 +318,14 @@ class ControlClient:
 
     # Protocol calls
 
+    @_moves_on_when_unavailable
     def enroll(self, node_id: str, token: str, csr_pem: str) -> EnrollmentResponse:
         request = EnrollmentRequest(node_id=node_id, token=token, csr_pem=csr_pem)
         # Not sent twice: the token is single-use, so a repeat after a lost answer could only be refused.
         answer = self._call("POST", "/v1/enroll", body=request, repeatable=False)
         return self._parse(answer, EnrollmentResponse, "enrollment response")
 
+    @_moves_on_when_unavailable
     def renew_certificate(self, node_id: str, csr_pem: str) -> EnrollmentResponse:
         """A new certificate for the CSR's key, authenticated with the current one (which stays valid)."""
         request = CertificateRenewalRequest(node_id=node_id, csr_pem=csr_pem)
@@ -263,6 +346,7 @@ class ControlClient:
         self._context = None
         self._signature = None
 
+    @_moves_on_when_unavailable
     def heartbeat(self, node_id: str) -> Lease:
         answer = self._call("POST", f"/v1/nodes/{_segment(node_id)}/heartbeat")
         lease = self._parse(answer, Lease, "lease")
@@ -270,6 +354,7 @@ class ControlClient:
             raise ControlPlaneUnavailable(f"the control plane answered with the lease of node {lease.node_id!r}")
         return lease
 
+    @_moves_on_when_unavailable
     def fetch_desired_state(self, node_id: str, etag: str | None = None, wait_s: float = 0) -> DesiredStateFetch:
         """The node's desired state unless it is still ``etag``; with ``wait_s`` > 0, a long-poll of that length."""
         if wait_s < 0:
@@ -294,11 +379,13 @@ class ControlClient:
             raise ControlPlaneUnavailable("the control plane sent an empty desired state")
         return DesiredStateFetch(FetchStatus.NEW, envelope=answer.body, etag=new_etag, generation=generation)
 
+    @_moves_on_when_unavailable
     def post_observation(self, observation: Observation) -> None:
         self._call(
             "POST", f"/v1/nodes/{_segment(observation.node_id)}/observations", body=observation, expect=(204, 200)
         )
 
+    @_moves_on_when_unavailable
     def serving(self) -> ServingProjection:
         return self._parse(self._call("GET", "/v1/serving"), ServingProjection, "serving projection")
 
@@ -317,7 +404,7 @@ class ControlClient:
         repeatable: bool = True,
     ) -> _ControlAnswer:
         url = self.base_url + path
-        target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
+        target = self._replicas[self._current].prefix + path + (f"?{urlencode(params)}" if params else "")
         send_headers = {"Accept": "application/json", "User-Agent": "meridian-node-agent", **(headers or {})}
         data: bytes | None = None
         if body is not None:
@@ -381,10 +468,11 @@ class ControlClient:
         """One request and its answer on the kept-alive connection, sent once more on a new connection if
         the server closed the old one before answering (its idle timeout raced the request) and the request
         is ``repeatable``."""
+        host = self._replicas[self._current].host_header
         link = self._open(read_timeout_s)
         try:
             reply = link.exchange(
-                method, target, host=self._host_header, headers=headers, body=body, max_body=self.max_response_bytes
+                method, target, host=host, headers=headers, body=body, max_body=self.max_response_bytes
             )
         except (ClosedBeforeAnswer, ConnectionResetError, BrokenPipeError):
             if not repeatable or not link.exchanges or link.answer_started:
@@ -396,7 +484,7 @@ class ControlClient:
             self.close()
             link = self._open(read_timeout_s)
             reply = link.exchange(
-                method, target, host=self._host_header, headers=headers, body=body, max_body=self.max_response_bytes
+                method, target, host=host, headers=headers, body=body, max_body=self.max_response_bytes
             )
         if not link.reusable:
             # A server that said "close", an answer delimited by closing, or bytes no request asked for.
@@ -418,14 +506,24 @@ class ControlClient:
             # than send into a socket that is already gone.
             self.close()
         if self._link is None:
-            raw = socket.create_connection((self._host, self._port), timeout=self.timeout_s)
+            replica = self._replicas[self._current]
+            raw = socket.create_connection((replica.host, replica.port), timeout=self.timeout_s)
             try:
-                self._link = Link(context.wrap_socket(raw, server_hostname=self._host), interrupt=self._interrupt)
+                self._link = Link(context.wrap_socket(raw, server_hostname=replica.host), interrupt=self._interrupt)
             except BaseException:
                 raw.close()
                 raise
         self._link.sock.settimeout(read_timeout_s)
         return self._link
+
+    def _move_on(self, failure: ControlPlaneUnavailable) -> None:
+        """After ``failure``: drop the connection and, with several replicas, send the next call to the next one."""
+        self.close()
+        if len(self._replicas) == 1:
+            return
+        failure.url = self.base_url
+        self._current = (self._current + 1) % len(self._replicas)
+        failure.next_url = self.base_url
 
     def _ssl_context(self) -> ssl.SSLContext:
         """The TLS context for the files as they are on disk now; rebuilt (new connection) when any changed."""

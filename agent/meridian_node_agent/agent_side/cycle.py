@@ -88,6 +88,7 @@ from meridian_node_agent.agent_side.control_client import (
     ControlCallStopped,
     ControlPlaneError,
     ControlPlaneRejected,
+    ControlPlaneUnavailable,
     DesiredStateFetch,
     FetchStatus,
 )
@@ -432,7 +433,13 @@ class Agent:
                 failed_call = True
             except ControlPlaneError as exc:
                 self.counters.unavailable += 1
-                self.log.warning("control-plane-unavailable", error=str(exc), attempt=failures + 1)
+                # A client with several replicas says which URL failed and where the retry goes.
+                moved = (
+                    {"url": exc.url, "next_url": exc.next_url}
+                    if isinstance(exc, ControlPlaneUnavailable) and exc.next_url
+                    else {}
+                )
+                self.log.warning("control-plane-unavailable", error=str(exc), attempt=failures + 1, **moved)
                 ok = False
                 failed_call = True
             self.write_status()

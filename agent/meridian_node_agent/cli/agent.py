@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
+from ansible_collections.meridian.node.plugins.module_utils.contracts import EnrollmentResponse, format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
-from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneError
+from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneError, ControlPlaneUnavailable
 from meridian_node_agent.agent_side.identity import CertificateInfo, IdentityError, NodeIdentity
 from meridian_node_agent.agent_side.stop import StopSignal
 from meridian_node_agent.agent_side.transfer_watch import transfers_path
@@ -109,8 +109,13 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     try:
         csr = identity.csr_pem(config.node_id)
         control = config.control_plane
-        with ControlClient(str(control.url), args.ca_bundle, timeout_s=control.timeout_seconds) as client:
-            response = client.enroll(config.node_id, token, csr)
+        with ControlClient(
+            str(control.url),
+            args.ca_bundle,
+            timeout_s=control.timeout_seconds,
+            replica_urls=[str(url) for url in control.replica_urls],
+        ) as client:
+            response = _enroll_at_any_replica(client, config.node_id, token, csr)
         info = identity.store(response)
     except IdentityError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -121,6 +126,21 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     print(f"enrolled node {config.node_id}; certificate serial {info.serial:x} in {identity.cert_path}")
     print(identity.describe_expiry(datetime.now(UTC)))
     return 0
+
+
+def _enroll_at_any_replica(client: ControlClient, node_id: str, token: str, csr_pem: str) -> EnrollmentResponse:
+    """Enroll at the client's URLs in turn until one answers; each that cannot be reached is said on stderr.
+
+    Each URL is tried once: the client moves to the next after a transfer failure. A refusal ends it, as every
+    replica would refuse the same. The token is single-use: if a replica took it and its answer was lost, the next
+    refuses it as used, and the operator makes a new one, as with a single URL.
+    """
+    for _ in client.base_urls[1:]:
+        try:
+            return client.enroll(node_id, token, csr_pem)
+        except ControlPlaneUnavailable as exc:
+            print(f"warning: {exc}; trying the next control plane URL, {client.base_url}", file=sys.stderr)
+    return client.enroll(node_id, token, csr_pem)
 
 
 def build_agent(config: AgentConfig, *, log: EventLogger | None = None, stop: StopSignal | None = None) -> Any:
@@ -143,6 +163,7 @@ def build_agent(config: AgentConfig, *, log: EventLogger | None = None, stop: St
         identity.key_path,
         timeout_s=config.control_plane.timeout_seconds,
         interrupt=None if stop is None else stop.fileno(),
+        replica_urls=[str(url) for url in config.control_plane.replica_urls],
     )
     # Held verdicts are in the directory placement reads them from: root's under the split (root's observe timer
     # writes them there, and root adds the XIDs this watch relays in each apply request), the agent's own

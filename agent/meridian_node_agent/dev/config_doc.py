@@ -104,7 +104,11 @@ def _type(field: FieldInfo) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return " or ".join(f"`{value}`" for value in typing.get_args(annotation))
     names = {int: "integer", float: "number", str: "string", bool: "boolean", AnyHttpUrl: "URL"}
-    kind = names.get(annotation, str(annotation)) if isinstance(annotation, type) else str(annotation)
+    if typing.get_origin(annotation) is list:
+        [item] = typing.get_args(annotation)
+        kind = f"list of {names.get(item, str(item))}s"
+    else:
+        kind = names.get(annotation, str(annotation)) if isinstance(annotation, type) else str(annotation)
     limits = []
     for item in field.metadata:
         if isinstance(item, annotated_types.Gt):

@@ -1,7 +1,8 @@
 """A fleet of simulated nodes against a real devserver: where the control plane breaks, and why.
 
     .venv/bin/python bench/fleet.py [--nodes 100,500,1000,2000,5000,10000] [--step-seconds 180]
-        [--server-cpus 0] [--database-url URL] [--changing 0] [--publish-rate 1.0] [--json] [--profile DIR]
+        [--server-cpus 0] [--database-url URL] [--replicas 1] [--ramp-seconds S] [--changing 0]
+        [--publish-rate 1.0] [--json] [--profile DIR]
 
 Why: issue 27 asks where ``meridian-node-devserver`` stops keeping up with a fleet of agents, and what the
 bottleneck is then; nothing had measured it. Each simulated node is what the control plane sees of an agent:
@@ -26,6 +27,10 @@ its first cycle. Then it measures for ``--step-seconds``:
 - per endpoint: answers per second, and p50/p99/max latency; for the long-poll's 304 the latency is the time
   past its ``wait`` (how late the server answers a deadline it was given); errors and timeouts over the
   whole step, ramp included (a timeout is the agent's: 10 s per call, plus a long-poll's wait);
+- the ramp: p50/p99/max of every answer before the window, the fleet's first cycles (each node's first fetch
+  answered in full and its first observation posted within one heartbeat interval: what a server meets when it
+  restarts under a connected fleet; ``--ramp-seconds`` spreads them wider, to tell a restart storm from the
+  steady state it leads to);
 - offered load: what the agent's timers ask for (``AgentTimers.calls_per_node_s``, plus two calls per
   publish), and the ratio of what was answered to it, which falls below 1 where the server stops keeping up;
 - read staleness: ``--publish-rate`` times a second a new desired state is published to a random node from
@@ -76,7 +81,13 @@ from ansible_collections.meridian.node.bench.fleet_enroll import (
 from ansible_collections.meridian.node.bench.fleet_node import AgentTimers, SimNode
 from ansible_collections.meridian.node.bench.fleet_observation import GPUS, ObservationBodies
 from ansible_collections.meridian.node.bench.fleet_profile import record, summarise
-from ansible_collections.meridian.node.bench.fleet_server import ServerProcess, open_control, serving
+from ansible_collections.meridian.node.bench.fleet_server import (
+    Replicas,
+    ServerProcess,
+    open_control,
+    serving,
+    serving_replicas,
+)
 from ansible_collections.meridian.node.bench.fleet_stats import ENDPOINTS, Distribution, Recorder
 from meridian_node_agent.devserver.control import ControlPlane
 
@@ -131,6 +142,7 @@ class StepOptions:
     publish_per_s: float = 1.0
     seed: int = 0
     profile: Path | None = None  # py-spy's collapsed stacks of the server during the window go here
+    ramp_s: float | None = None  # nodes start at random moments over this long (None: one heartbeat interval)
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,7 @@ class StepResult:
     db_bytes: int | None
     db_growth_bytes: int | None
     staleness: Distribution
+    ramp: Distribution  # every answer before the window: the fleet's first cycles, as after a server's restart
     published: int
     undelivered: int
     cycles: int
@@ -192,7 +205,7 @@ async def prepare_fleet(server: ServerProcess, control: ControlPlane, count: int
 
 
 async def run_step(
-    server: ServerProcess,
+    server: Replicas,
     control: ControlPlane,
     fleet: Fleet,
     options: StepOptions,
@@ -206,7 +219,10 @@ async def run_step(
     recorder = Recorder()
     members = fleet.nodes[: options.nodes]
     baseline = server.sample()
-    links = [Link(server.host, server.port, client_context(server.ca_pem, member.credentials)) for member in members]
+    links = [
+        Link(*server.address(index), client_context(server.ca_pem, member.credentials))
+        for index, member in enumerate(members)
+    ]
     connect_started = time.perf_counter()
     await _connect_all(links, timers.timeout_s)
     connect_s = time.perf_counter() - connect_started
@@ -217,9 +233,10 @@ async def run_step(
         for member, link in zip(members, links, strict=True)
     ]
     started_at = datetime.now(UTC)
-    tasks = [asyncio.create_task(node.run(rng.uniform(0, timers.heartbeat_s))) for node in nodes]
+    ramp_s = timers.heartbeat_s if options.ramp_s is None else options.ramp_s
+    tasks = [asyncio.create_task(node.run(rng.uniform(0, ramp_s))) for node in nodes]
     try:
-        await asyncio.sleep(timers.heartbeat_s + SETTLE_S)
+        await asyncio.sleep(max(ramp_s, timers.heartbeat_s) + SETTLE_S)
         window_started_at = datetime.now(UTC)
         first = server.sample()
         cpu_first = time.process_time()
@@ -264,7 +281,7 @@ async def run_step(
         for name in (*ENDPOINTS, *sorted(set(recorder.errors) - set(ENDPOINTS)))
     }
     return StepResult(
-        backend=_backend(server.database_url),
+        backend=_backend(server.database_url) + (f" x{len(server.members)}" if len(server.members) > 1 else ""),
         nodes=options.nodes,
         window_s=options.window_s,
         connect_s=connect_s,
@@ -288,6 +305,7 @@ async def run_step(
         db_bytes=db_last,
         db_growth_bytes=None if db_first is None or db_last is None else db_last - db_first,
         staleness=Distribution.of(recorder.staleness),
+        ramp=Distribution.of(recorder.ramp_latencies),
         published=recorder.published,
         undelivered=len(recorder.pending),
         cycles=sum(node.cycles for node in nodes),
@@ -351,8 +369,8 @@ def step_table(results: list[StepResult]) -> str:
     rows = [
         "| backend | nodes | offered req/s | answered req/s | answered/offered | errors | timeouts | reconnects "
         "| server CPU | generator CPU | generator lag p99 ms | server RSS MiB | RSS/node KiB | fds | DB txn/s "
-        "| DB growth KiB | staleness p50/p99/max ms (n) | undelivered |",
-        "|" + "---|" * 18,
+        "| DB growth KiB | staleness p50/p99/max ms (n) | undelivered | ramp p50/p99/max ms |",
+        "|" + "---|" * 19,
     ]
     for r in results:
         tx = "n/a" if r.db_transactions_per_s is None else f"{r.db_transactions_per_s:.0f}"
@@ -363,7 +381,8 @@ def step_table(results: list[StepResult]) -> str:
             f"| {r.answered_per_s / r.offered_per_s:.2f} | {r.errors} | {r.timeouts} | {r.reconnects} "
             f"| {r.server_cpu_percent:.0f} % | {r.client_cpu_percent:.0f} % | {_ms(r.loop_lag.p99_ms)} "
             f"| {r.server_rss_mib:.0f} | {r.rss_per_node_kib:.1f} | {r.descriptors} | {tx} | {growth} "
-            f"| {_ms(stale.p50_ms)} / {_ms(stale.p99_ms)} / {_ms(stale.max_ms)} ({stale.count}) | {r.undelivered} |"
+            f"| {_ms(stale.p50_ms)} / {_ms(stale.p99_ms)} / {_ms(stale.max_ms)} ({stale.count}) | {r.undelivered} "
+            f"| {_ms(r.ramp.p50_ms)} / {_ms(r.ramp.p99_ms)} / {_ms(r.ramp.max_ms)} |"
         )
     return "\n".join(rows)
 
@@ -409,6 +428,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--database-url", help="the server's database (default: its embedded SQLite)")
     parser.add_argument(
+        "--ramp-seconds",
+        type=float,
+        help="start the nodes at random moments over this long (default: one heartbeat interval, as agents that "
+        "reconnect to a restarted server do)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="servers on the one database, node i talking to server i modulo their number (more than one: PostgreSQL)",
+    )
+    parser.add_argument(
         "--changing",
         type=float,
         default=0.0,
@@ -435,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
+    if args.replicas < 1 or (args.replicas > 1 and not (args.database_url or "").startswith("postgresql")):
+        raise SystemExit("fleet: --replicas is 1, or more with a PostgreSQL --database-url (SQLite: one server)")
     if not 0 <= args.changing <= 1:
         raise SystemExit("fleet: --changing is a probability, from 0 to 1")
     if args.server_cpus:
@@ -461,10 +494,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             for count in args.nodes:
-                with serving(data_dir, cpus=args.server_cpus, database_url=args.database_url) as server:
+                with serving_replicas(
+                    data_dir, args.replicas, cpus=args.server_cpus, database_url=args.database_url
+                ) as server:
                     profile = None if args.profile is None else args.profile / f"fleet-{count}.collapsed"
                     options = StepOptions(
-                        count, args.step_seconds, args.changing, args.publish_rate, args.seed, profile
+                        count,
+                        args.step_seconds,
+                        args.changing,
+                        args.publish_rate,
+                        args.seed,
+                        profile,
+                        ramp_s=args.ramp_seconds,
                     )
                     result = asyncio.run(run_step(server, control, fleet, options, timers, bodies))
                 if profile is not None:

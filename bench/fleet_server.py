@@ -34,7 +34,7 @@ from typing import Any
 from ansible_collections.meridian.node.tests.devserver.devserver_process import devserver_command
 from meridian_node_agent.devserver.control import ControlPlane, DataDir, open_control_plane
 
-__all__ = ["ProcSample", "ServerProcess", "open_control", "serving"]
+__all__ = ["ProcSample", "Replicas", "ServerProcess", "open_control", "serving", "serving_replicas"]
 
 _STARTUP_S = 60.0
 _NO_DATABASE_URL = "this devserver has no --database-url: only its embedded SQLite can be measured"
@@ -121,6 +121,58 @@ def serving(
         yield server
     finally:
         _stop(process)
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """One or more ``serve`` processes on one database and data dir, as one server to the bench: node ``i`` talks
+    to member ``i`` modulo their number; CPU, RSS and descriptors are the members' sums."""
+
+    members: list[ServerProcess]
+
+    def address(self, index: int) -> tuple[str, int]:
+        member = self.members[index % len(self.members)]
+        return member.host, member.port
+
+    @property
+    def pid(self) -> int:
+        return self.members[0].pid
+
+    @property
+    def ca_pem(self) -> str:
+        return self.members[0].ca_pem
+
+    @property
+    def database_url(self) -> str | None:
+        return self.members[0].database_url
+
+    def sample(self) -> ProcSample:
+        samples = [member.sample() for member in self.members]
+        return ProcSample(
+            at=samples[-1].at,
+            cpu_s=sum(sample.cpu_s for sample in samples),
+            rss_bytes=sum(sample.rss_bytes for sample in samples),
+            descriptors=sum(sample.descriptors for sample in samples),
+        )
+
+    def database_bytes(self) -> int | None:
+        return self.members[0].database_bytes()
+
+    def transactions(self) -> int | None:
+        return self.members[0].transactions()
+
+
+@contextlib.contextmanager
+def serving_replicas(
+    data_dir: Path, count: int, *, cpus: set[int] | None = None, database_url: str | None = None
+) -> Iterator[Replicas]:
+    """``count`` servers on ``data_dir`` and ``database_url`` (more than one needs PostgreSQL: docs/SCALE.md)."""
+    if count > 1 and (database_url is None or not database_url.startswith("postgresql")):
+        raise ServerError(f"{count} replicas need a PostgreSQL --database-url: a SQLite file has one server")
+    with contextlib.ExitStack() as stack:
+        yield Replicas(
+            [stack.enter_context(serving(data_dir, cpus=cpus, database_url=database_url)) for _ in range(count)]
+        )
 
 
 def open_control(data_dir: Path, database_url: str | None = None) -> ControlPlane:

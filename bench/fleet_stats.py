@@ -51,6 +51,8 @@ class Recorder:
     window: tuple[float, float] | None = None  # perf_counter() bounds of the measured window
     answered: Counter[str] = field(default_factory=Counter)  # in the window, per endpoint
     latencies: dict[str, list[float]] = field(default_factory=lambda: {name: [] for name in ENDPOINTS})
+    # Before the window: the fleet's first cycles (a server's restart as its agents see it), every endpoint.
+    ramp_latencies: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)  # over the step, per endpoint
     timeouts: Counter[str] = field(default_factory=Counter)
     messages: list[str] = field(default_factory=list)  # the first few failures, for whoever reads the output
@@ -67,6 +69,8 @@ class Recorder:
             self.answered[endpoint] += 1
             if latency_s is not None:
                 self.latencies[endpoint].append(latency_s)
+        elif self.window is None and latency_s is not None:
+            self.ramp_latencies.append(latency_s)
 
     def failed(self, endpoint: str, node_id: str, error: TransferFailed) -> None:
         (self.timeouts if isinstance(error, TimedOut) else self.errors)[endpoint] += 1

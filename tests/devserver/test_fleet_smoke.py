@@ -27,7 +27,7 @@ import pytest
 from ansible_collections.meridian.node.bench.fleet import Fleet, StepOptions, StepResult, prepare_fleet, run_step
 from ansible_collections.meridian.node.bench.fleet_node import AgentTimers
 from ansible_collections.meridian.node.bench.fleet_observation import ObservationBodies
-from ansible_collections.meridian.node.bench.fleet_server import ServerProcess, open_control, serving
+from ansible_collections.meridian.node.bench.fleet_server import Replicas, ServerProcess, open_control, serving
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.agent_side.control_client import ControlClient
 from meridian_node_agent.devserver.control import Settings
@@ -45,7 +45,7 @@ def _run_fleet(server: ServerProcess, data_dir: Path, nodes_dir: Path) -> tuple[
         fleet = asyncio.run(prepare_fleet(server, control, NODES, nodes_dir))
         options = StepOptions(nodes=NODES, window_s=WINDOW_S)
         result = asyncio.run(
-            run_step(server, control, fleet, options, AgentTimers.of_agent(), ObservationBodies.build())
+            run_step(Replicas([server]), control, fleet, options, AgentTimers.of_agent(), ObservationBodies.build())
         )
         rows = {row.node_id: row for row in control.nodes()}
     finally:

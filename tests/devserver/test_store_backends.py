@@ -347,6 +347,21 @@ def test_renew_leases_writes_every_known_node_and_ignores_unknown_ones(database:
     assert [row.node_id for row in database.nodes()] == ["gpu-a", "gpu-b"]
 
 
+def test_a_flush_never_moves_a_lease_back_where_replicas_share_the_database(store_backend: StoreBackend) -> None:
+    """A node that moved from one replica to the other was renewed by both; the slower flush carries the older
+    renewal, and must not undo the newer one. (SQLite has one server, whose flushes only carry newer renewals.)"""
+    if store_backend.name == "sqlite":
+        pytest.skip("one server per SQLite file: no second writer of leases")
+    one, other = store_backend.open(), store_backend.open()
+    _enroll(one, "moved-node", "s-moved")
+    newer, older = NOW + timedelta(seconds=20), NOW + timedelta(seconds=5)
+
+    one.renew_leases({"moved-node": (newer, newer + LEASE)})
+    other.renew_leases({"moved-node": (older, older + LEASE)})
+
+    assert other.lease("moved-node") == LeaseRecord("moved-node", 1, newer + LEASE, newer)
+
+
 def test_renew_leases_of_a_hundred_nodes_is_one_statement_in_one_transaction(database: Database) -> None:
     node_ids = [f"gpu-{index:03d}" for index in range(100)]
     for node_id in node_ids:

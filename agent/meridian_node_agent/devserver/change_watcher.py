@@ -5,14 +5,16 @@ a SQLite file) and re-reads each changed node into ``NodeStateCache``, which wak
 node. Waiting requests do no database work of their own; a change costs one statement per node it touched,
 whatever the number of waiting requests.
 
-The backstop: every ``backstop_s`` (2 s) the watcher reads the store's change marker (one statement) and, if it
-moved since the last full refresh, compares every node (``NodeStateCache.refresh_all``). It is what bounds how
-stale a server's memory can be when an announcement is lost (a writer that died between its commit and its
-announcement, a dropped LISTEN connection: ``take`` then says so and the full refresh runs at once). On
-PostgreSQL the marker moves only with publishes, fences, enrollments and revocations, so the full refresh runs at
-most every 2 s while those happen and never otherwise; on SQLite it moves with every commit (the lease and
-observation flushes included), so a busy SQLite server runs it every 2 s: 55 ms for 5,000 nodes, 11 ms for 1,000,
-measured here.
+The backstop: every ``backstop_s`` (2 s) the watcher asks the store for the nodes changed since the highest change
+it has seen (``Database.nodes_changed_since``: one statement, an index range on ``nodes.change_seq``, usually
+empty) and compares those (``NodeStateCache.refresh``). It is what bounds how stale a server's memory can be when
+an announcement is lost (a writer that died between its commit and its announcement, a NOTIFY that never came).
+When the feed itself says announcements may be lost (a dropped LISTEN connection, a truncated change log: ``take``
+returns None), every node is compared at once (``refresh_all``), as at start.
+
+Why not compare every node every 2 s, as this did before: with 5,000 nodes that is 55 ms of Python on an idle
+server, and under a fleet's load it held the GIL against the event loop for 80-700 ms every 2 s, the largest
+stalls the fleet saw (measured with bench/fleet.py; docs/SCALE.md).
 
 ``catch_up`` is the per-request half, for SQLite: a request whose ``behind()`` check (one ``stat(2)``) sees an
 announcement not yet read applies it before answering, so the CLI's ``revoke``, ``fence`` and ``publish`` apply to
@@ -63,7 +65,7 @@ class ChangeWatcher:
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._marker: tuple[int, int] | None = None
+        self._seq = 0  # the highest nodes.change_seq applied
         self._next_backstop = 0.0
         self.applied = 0  # changes applied so far (tests wait on it)
         self.full_refreshes = 0
@@ -113,19 +115,23 @@ class ChangeWatcher:
             self.applied += len(changes)
 
     def backstop(self) -> None:
-        """Compare every node with the database if its change marker moved since the last full refresh."""
+        """Compare the nodes changed since the highest change seen (one statement; usually none)."""
         self._next_backstop = self._clock() + self.backstop_s
-        if self._store.change_marker() != self._marker:
-            self.refresh_all()
+        changed = self._store.nodes_changed_since(self._seq)
+        if changed:
+            with self._apply_lock:
+                self._cache.refresh(changed)
+                self._seq = max(self._seq, *(node.change_seq for node in changed))
 
     def refresh_all(self) -> None:
         with self._apply_lock:
             self._refresh_all_locked()
 
     def _refresh_all_locked(self) -> None:
-        # The marker first: a change committed after it moves it again, and the next backstop sees that.
-        self._marker = self._store.change_marker()
+        # The sequence first: a change committed after it is stamped above it, and the next backstop sees that.
+        seq = self._store.last_change_seq()
         self._cache.refresh_all()
+        self._seq = max(self._seq, seq)
         self.full_refreshes += 1
 
     def close(self) -> None:

@@ -75,11 +75,13 @@ class HotPath:
         self._serving_stale = False
 
     def start(self, *, threads: bool = True) -> None:
-        """Read every node once and start the threads. Without ``threads`` (tests that step each part themselves)
+        """Read every node, its certificates and its desired state once (``NodeStateCache.warm``), and start the
+        threads. Without ``threads`` (tests that step each part themselves)
         nothing runs in the background: leases and observations are written by ``leases.flush()`` and
         ``writer.flush()``, announcements applied by ``watcher.step()``."""
         self.control.local = self.cache
         self.watcher.start(thread=threads)
+        self.cache.warm()
         if threads:
             self.leases.start()
             self.writer.start()

@@ -87,6 +87,7 @@ __all__ = [
     "DatabaseUnavailable",
     "Enrollment",
     "LeaseRecord",
+    "NodeChange",
     "NodeRow",
     "ObservationRecord",
     "ObservationWrite",
@@ -158,6 +159,18 @@ class NodeRow:
     certificates: int
     generation: int | None
     last_observed_at: datetime | None
+
+
+@dataclass(frozen=True)
+class NodeChange:
+    """What a server's cache compares of a node that changed (``Database.nodes_changed_since``)."""
+
+    node_id: str
+    epoch: int
+    enrolled_at: datetime | None
+    revoked_at: datetime | None
+    generation: int | None
+    change_seq: int
 
 
 class ObservationWrite(NamedTuple):
@@ -300,10 +313,37 @@ class Database:
         with self._serialized(), self._reader.connect() as conn:
             yield conn
 
-    def _bump(self, conn: Connection) -> None:
-        """Move PostgreSQL's change marker: the last statement of a transaction long-polls wait on."""
-        if self._postgresql:
-            conn.execute(self._q.marker_bump)
+    def _bump(self, conn: Connection, node_id: str) -> None:
+        """Move the change marker and stamp ``node_id`` with its new value: the last statements of a transaction
+        that publishes, fences, enrolls or revokes. The marker row's lock (SQLite: the write lock) holds every other
+        such transaction until this one commits, so they commit in the order of their values: a reader that sees a
+        value has seen every lower one (``nodes_changed_since``). PostgreSQL's long-polls read the marker itself;
+        SQLite's ``change_marker`` is ``PRAGMA data_version``."""
+        conn.execute(self._q.marker_bump)
+        seq = int(conn.execute(self._q.marker_row_value).scalar_one())
+        conn.execute(self._q.node_change_seq, {"b_node_id": node_id, "b_seq": seq})
+
+    def nodes_changed_since(self, seq: int) -> list[NodeChange]:
+        """The nodes published to, fenced, enrolled or revoked in transactions after the one that stamped ``seq``:
+        one statement, an index range (``_bump``)."""
+        with self._read() as conn:
+            rows = conn.execute(self._q.nodes_changed_since, {"b_seq": seq}).all()
+        return [
+            NodeChange(
+                node_id=r.node_id,
+                epoch=int(r.epoch),
+                enrolled_at=r.enrolled_at,
+                revoked_at=r.revoked_at,
+                generation=None if r.generation is None else int(r.generation),
+                change_seq=int(r.change_seq),
+            )
+            for r in rows
+        ]
+
+    def last_change_seq(self) -> int:
+        """The highest ``change_seq`` of any node (0: none changed since the column was added)."""
+        with self._read() as conn:
+            return int(conn.execute(self._q.last_change_seq).scalar_one())
 
     def change_marker(self) -> tuple[int, int]:
         """A value that changes when a desired state is published or a node fenced, enrolled or revoked (by any
@@ -398,7 +438,7 @@ class Database:
             conn.execute(
                 q.certificate_insert, {"serial": serial, "node_id": node_id, "issued_at": now, "not_after": not_after}
             )
-            self._bump(conn)
+            self._bump(conn, node_id)
             return Enrollment(lease=_lease(node_id, lease), superseded=int(superseded))
 
     def add_renewed_certificate(
@@ -442,6 +482,21 @@ class Database:
             revoked_reason=row.revoked_reason,
         )
 
+    def valid_certificates(self) -> list[CertificateRecord]:
+        """Every certificate not revoked (expired ones included: the caller checks the date), in one statement."""
+        with self._read() as conn:
+            rows = conn.execute(self._q.valid_certificates).all()
+        return [
+            CertificateRecord(
+                serial=row.serial,
+                node_id=row.node_id,
+                not_after=row.not_after,
+                revoked_at=row.revoked_at,
+                revoked_reason=row.revoked_reason,
+            )
+            for row in rows
+        ]
+
     def renew_lease(self, node_id: str, lease_for: timedelta, now: datetime) -> LeaseRecord:
         """Extend the lease; the epoch is untouched (only ``fence`` moves it, and only up)."""
         with self._write() as conn:
@@ -480,7 +535,7 @@ class Database:
             epoch = conn.execute(self._q.node_fence, {"b_node_id": node_id}).scalar_one_or_none()
             if epoch is None:
                 raise UnknownNode(node_id)
-            self._bump(conn)
+            self._bump(conn, node_id)
             return int(epoch)
 
     def revoke(self, node_id: str, now: datetime) -> int:
@@ -492,7 +547,7 @@ class Database:
             revoked = conn.execute(
                 q.certificates_revoke, {"b_node_id": node_id, "b_now": now, "b_reason": REVOKED_BY_OPERATOR}
             ).rowcount
-            self._bump(conn)
+            self._bump(conn, node_id)
             return int(revoked)
 
     # Desired state
@@ -519,7 +574,7 @@ class Database:
                     "published_at": now,
                 },
             )
-            self._bump(conn)
+            self._bump(conn, node_id)
             return PublishedState(node_id, generation, epoch, envelope, etag)
 
     def latest_desired(self, node_id: str) -> PublishedState | None:
@@ -528,6 +583,17 @@ class Database:
         if row is None:
             return None
         return PublishedState(node_id, int(row.generation), int(row.lease_epoch), bytes(row.envelope), row.etag)
+
+    def latest_desired_states(self) -> dict[str, PublishedState]:
+        """Every node's latest desired state (nodes with none are absent), in one statement."""
+        with self._read() as conn:
+            rows = conn.execute(self._q.latest_desired_all).all()
+        return {
+            row.node_id: PublishedState(
+                row.node_id, int(row.generation), int(row.lease_epoch), bytes(row.envelope), row.etag
+            )
+            for row in rows
+        }
 
     # Observations
 

@@ -24,6 +24,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    or_,
     select,
     text,
     update,
@@ -77,10 +78,16 @@ class StoreQueries:
     last_generation: Select[Any]
     desired_insert: Insert
     latest_desired: Select[Any]
+    latest_desired_all: Select[Any]
+    valid_certificates: Select[Any]
     observation_upsert: Any  # the backend's fenced INSERT ... SELECT ... ON CONFLICT DO UPDATE
     serving_observations: Select[Any]
     nodes_listing: Select[Any]
     marker_bump: Update
+    marker_row_value: Select[Any]
+    node_change_seq: Update
+    nodes_changed_since: Select[Any]
+    last_change_seq: Select[Any]
     marker_value: Select[Any] | TextClause
 
     @classmethod
@@ -124,7 +131,7 @@ class StoreQueries:
             )
             .returning(*_LEASE_COLUMNS),
             node_renew_leases=update(nodes)
-            .where(_node(nodes.c.node_id))
+            .where(_node(nodes.c.node_id), *_later_renewal(postgresql_backend))
             .values(
                 lease_expires_at=bindparam("b_expires_at", type_=Stamp()),
                 renewed_at=bindparam("b_renewed_at", type_=Stamp()),
@@ -164,6 +171,14 @@ class StoreQueries:
             .where(_node(desired_states.c.node_id))
             .order_by(desired_states.c.generation.desc())
             .limit(1),
+            latest_desired_all=_latest_desired_all(),
+            valid_certificates=select(
+                certificates.c.serial,
+                certificates.c.node_id,
+                certificates.c.not_after,
+                certificates.c.revoked_at,
+                certificates.c.revoked_reason,
+            ).where(certificates.c.revoked_at.is_(None)),
             observation_upsert=_observation_upsert(dialect_insert),
             serving_observations=select(
                 observations.c.node_id, observations.c.lease_epoch, observations.c.remote_host, observations.c.body
@@ -174,6 +189,10 @@ class StoreQueries:
             marker_bump=update(change_marker)
             .where(change_marker.c.id == CHANGE_MARKER_ROW)
             .values(value=change_marker.c.value + 1),
+            marker_row_value=select(change_marker.c.value).where(change_marker.c.id == CHANGE_MARKER_ROW),
+            node_change_seq=update(nodes).where(_node(nodes.c.node_id)).values(change_seq=bindparam("b_seq")),
+            nodes_changed_since=_nodes_changed_since(),
+            last_change_seq=select(func.coalesce(func.max(nodes.c.change_seq), 0)),
             marker_value=(
                 select(change_marker.c.value).where(change_marker.c.id == CHANGE_MARKER_ROW)
                 if postgresql_backend
@@ -212,6 +231,51 @@ def _observation_upsert(dialect_insert: Any) -> Any:
         index_elements=[observations.c.node_id],
         set_={name: statement.excluded[name] for name in columns[1:]},
     ).execution_options(preserve_rowcount=True)
+
+
+def _later_renewal(postgresql_backend: bool) -> list[Any]:
+    """PostgreSQL, where replicas share the database: a flush never moves a lease back (a node that moved from one
+    replica to another is renewed by both, and the slower flush may carry the older renewal). SQLite has one server,
+    whose flushes only carry newer renewals, and its stamps are text that sorts right only at equal precision."""
+    if not postgresql_backend:
+        return []
+    renewed_at = bindparam("b_renewed_at", type_=Stamp())
+    return [or_(nodes.c.renewed_at.is_(None), nodes.c.renewed_at < renewed_at)]
+
+
+def _nodes_changed_since() -> Select[Any]:
+    """What a server's cache compares, for the nodes stamped above ``b_seq`` (an index range: usually none)."""
+    generation = (
+        select(func.max(desired_states.c.generation))
+        .where(desired_states.c.node_id == nodes.c.node_id)
+        .scalar_subquery()
+    )
+    return select(
+        nodes.c.node_id,
+        nodes.c.epoch,
+        nodes.c.enrolled_at,
+        nodes.c.revoked_at,
+        generation.label("generation"),
+        nodes.c.change_seq,
+    ).where(nodes.c.change_seq > bindparam("b_seq"))
+
+
+def _latest_desired_all() -> Select[Any]:
+    latest = (
+        select(desired_states.c.node_id, func.max(desired_states.c.generation).label("generation"))
+        .group_by(desired_states.c.node_id)
+        .subquery()
+    )
+    return select(
+        desired_states.c.node_id,
+        desired_states.c.generation,
+        desired_states.c.lease_epoch,
+        desired_states.c.envelope,
+        desired_states.c.etag,
+    ).join(
+        latest,
+        (latest.c.node_id == desired_states.c.node_id) & (latest.c.generation == desired_states.c.generation),
+    )
 
 
 def _nodes_listing() -> Select[Any]:

@@ -112,7 +112,10 @@ nodes = Table(
     Column("renewed_at", Stamp),
     Column("enrolled_at", Stamp),
     Column("revoked_at", Stamp),
+    # The change_marker value of the node's last publish, fence, enrollment or revocation (migration r0003).
+    Column("change_seq", COUNTER, nullable=False, server_default="0"),
     CheckConstraint("epoch >= 1", name="ck_nodes_epoch"),
+    Index("ix_nodes_change_seq", "change_seq"),
 )
 
 certificates = Table(

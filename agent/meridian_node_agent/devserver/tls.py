@@ -1,11 +1,11 @@
 """Mutual TLS under uvicorn: the server's SSL context and the client certificate in the ASGI scope.
 
-uvicorn (0.54, h11 and httptools alike) builds the HTTP scope without the ASGI TLS extension, so an
+uvicorn (0.55, h11 and httptools alike) builds the HTTP scope without the ASGI TLS extension, so an
 application cannot see the client certificate (asked for in encode/uvicorn#745, still absent). The
-handshake has finished by the time asyncio calls the protocol's ``connection_made``, and the transport
-exposes the ``ssl.SSLObject`` there (``get_extra_info("ssl_object")``). ``MutualTlsH11Protocol``
-reads the peer certificate at that point, once per connection, and wraps the application for that
-connection so that every request scope carries ``scope["extensions"]["tls"]`` as the ASGI TLS
+handshake has finished by the time the event loop calls the protocol's ``connection_made``, and the transport
+exposes the ``ssl.SSLObject`` there (``get_extra_info("ssl_object")``, asyncio's and uvloop's alike).
+``MutualTlsHttpToolsProtocol`` reads the peer certificate at that point, once per connection, and wraps the
+application for that connection so that every request scope carries ``scope["extensions"]["tls"]`` as the ASGI TLS
 extension specifies (https://asgi.readthedocs.io/en/latest/specs/tls.html). The application depends
 only on that standard extension, not on uvicorn internals, and works unchanged under a server that
 provides it.
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from cryptography import x509
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["MutualTlsH11Protocol", "peer_certificate_der", "server_ssl_context", "tls_extension"]
+__all__ = ["MutualTlsHttpToolsProtocol", "peer_certificate_der", "server_ssl_context", "tls_extension"]
 
 Scope = MutableMapping[str, Any]
 AsgiApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -89,8 +89,10 @@ class _WithTls:
         await self.app(scope, receive, send)
 
 
-class MutualTlsH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, plus the client certificate in every request's scope (see the module doc)."""
+class MutualTlsHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp, in C), plus the client certificate in every request's scope (see the
+    module doc). Not h11: with 5,000 nodes on one core the pure-Python parser's share of each request mattered
+    (docs/SCALE.md, "What one core holds")."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

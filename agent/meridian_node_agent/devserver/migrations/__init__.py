@@ -30,7 +30,7 @@ from meridian_node_agent.devserver.store_errors import DatabaseUnavailable
 
 __all__ = ["HEAD", "upgrade"]
 
-HEAD = "0002"
+HEAD = "0003"
 _HERE = Path(__file__).resolve().parent
 
 

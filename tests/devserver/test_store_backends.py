@@ -298,35 +298,39 @@ def test_stamps_keep_their_microseconds(database: Database) -> None:
     assert database.lease("gpu-a") == LeaseRecord("gpu-a", 1, precise + LEASE, precise)
 
 
-# Change marker
+# Changed nodes: what a server's backstop reads
 
 
-def test_change_marker_moves_when_another_process_publishes(store_backend: StoreBackend) -> None:
+def test_changed_nodes_include_another_process_publish_and_fence(store_backend: StoreBackend) -> None:
     server, operator = store_backend.open(), store_backend.open()
-    before = server.change_marker()
+    seen = server.last_change_seq()
     operator.nodes()
-    assert server.change_marker() == before  # a read is no change
+    assert server.nodes_changed_since(seen) == []  # a read is no change
 
     operator.publish("gpu-a", _build, NOW)
-    after_publish = server.change_marker()
+    after_publish = server.nodes_changed_since(seen)
     operator.fence("gpu-a")
-    after_fence = server.change_marker()
+    after_fence = server.nodes_changed_since(after_publish[0].change_seq)
 
-    assert before != after_publish != after_fence
+    assert [(n.node_id, n.generation, n.epoch) for n in after_publish] == [("gpu-a", 1, 1)]
+    assert [(n.node_id, n.generation, n.epoch) for n in after_fence] == [("gpu-a", 1, 2)]
 
 
-def test_change_marker_moves_when_this_process_publishes(database: Database) -> None:
-    before = database.change_marker()
+def test_lease_and_observation_writes_change_no_node(database: Database) -> None:
+    _enroll(database, "gpu-a", "s-gpu-a")
+    seen = database.last_change_seq()
+    database.renew_leases({"gpu-a": (NOW, NOW + LEASE)})
+    database.record_observations([("gpu-a", 1, _observation("gpu-a", 1, "steady").encode(), NOW)])
+    assert database.nodes_changed_since(seen) == []
+
+
+def test_asking_for_changed_nodes_costs_one_statement(database: Database) -> None:
     database.publish("gpu-a", _build, NOW)
-    assert database.change_marker() != before
-
-
-def test_change_marker_costs_one_statement(database: Database) -> None:
-    database.change_marker()
+    seen = database.last_change_seq() - 1
     before = database.statement_count
-    for _ in range(10):
-        database.change_marker()
+    answers = [database.nodes_changed_since(seen) for _ in range(10)]
     assert database.statement_count - before == 10
+    assert [[node.node_id for node in answer] for answer in answers] == [["gpu-a"]] * 10
 
 
 # The batch writes the hot path flushes

@@ -26,14 +26,13 @@ node whose key leaked is made safe by enrolling it again. ``certificates.revoked
 certificate was revoked (``revoked``: the operator's ``revoke``; ``superseded``: a later enrollment),
 so the refusal can tell the two apart; it is NULL for revocations recorded before the column existed.
 
-``change_marker()`` is what a long-poll asks before it queries again; it moves when a desired state is published
-and when a node is fenced, enrolled or revoked. SQLite answers with ``PRAGMA data_version`` on a connection of
-its own (it moves on any other connection's commit, this process's included: every commit, so leases and
-observations move it too); ``:memory:`` has only this process's writes, counted. PostgreSQL has no such
-counter: the store bumps a row (``change_marker``) as the last statement of the transactions above, so the
-marker moves exactly when their change becomes visible, and a reader pays one primary-key read. Lease renewals
-and observations do not bump it: they are the fleet's steady traffic and no long-poll waits on them. (A sequence
-would move before its transaction commits, and a waiter could re-read the old state and miss the change.)
+``nodes_changed_since(seq)`` is what a server's backstop asks (``change_watcher.py``): the nodes published to,
+fenced, enrolled or revoked since the change it last saw. Each of those transactions ends by bumping the one row of
+``change_marker`` and stamping its node's ``change_seq`` with the new value (``_bump``); the row's lock (on SQLite
+the write lock) holds every other such transaction until this one commits, so they commit in the order of their
+stamps, and a reader that sees one stamp has seen every lower one. Lease renewals and observations do not bump it:
+they are the fleet's steady traffic and nothing waits on them. (A database sequence would hand out its value before
+the transaction commits, out of commit order, and a reader could skip a change that commits later.)
 
 ``renew_leases`` and ``record_observations`` are the batched writes a server that holds leases and
 observations in memory flushes: one transaction, one ``executemany`` each. ``statement_count`` and
@@ -227,9 +226,6 @@ class Database:
         )
         # :memory: is one connection for every thread: one caller at a time.
         self._lock = threading.RLock() if self._memory else None
-        self._local_changes = 0
-        self._marker_lock = threading.Lock()
-        self._marker: Connection | None = None
         self._q = StoreQueries.for_backend(postgresql_backend=self._postgresql)
         try:
             self._migrate()
@@ -256,10 +252,6 @@ class Database:
         )
 
     def close(self) -> None:
-        with self._marker_lock:
-            if self._marker is not None:
-                self._marker.close()
-                self._marker = None
         self._engine.dispose()
 
     @property
@@ -303,10 +295,8 @@ class Database:
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self._serialized():
-            with self._writer.begin() as conn:
-                yield conn
-            self._local_changes += 1
+        with self._serialized(), self._writer.begin() as conn:
+            yield conn
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
@@ -317,8 +307,7 @@ class Database:
         """Move the change marker and stamp ``node_id`` with its new value: the last statements of a transaction
         that publishes, fences, enrolls or revokes. The marker row's lock (SQLite: the write lock) holds every other
         such transaction until this one commits, so they commit in the order of their values: a reader that sees a
-        value has seen every lower one (``nodes_changed_since``). PostgreSQL's long-polls read the marker itself;
-        SQLite's ``change_marker`` is ``PRAGMA data_version``."""
+        value has seen every lower one (``nodes_changed_since``)."""
         conn.execute(self._q.marker_bump)
         seq = int(conn.execute(self._q.marker_row_value).scalar_one())
         conn.execute(self._q.node_change_seq, {"b_node_id": node_id, "b_seq": seq})
@@ -344,32 +333,6 @@ class Database:
         """The highest ``change_seq`` of any node (0: none changed since the column was added)."""
         with self._read() as conn:
             return int(conn.execute(self._q.last_change_seq).scalar_one())
-
-    def change_marker(self) -> tuple[int, int]:
-        """A value that changes when a desired state is published or a node fenced, enrolled or revoked (by any
-        process), and may change on other writes: compare it, and query again only when it moved (module doc).
-        """
-        if self._memory:
-            return 0, self._local_changes
-        with self._marker_lock:
-            try:
-                return self._marker_read(), 0
-            except DBAPIError as exc:
-                if not exc.connection_invalidated:
-                    raise
-                return self._marker_read(), 0  # the server dropped the connection (a restart): once more, anew
-
-    def _marker_read(self) -> int:
-        if self._marker is None:
-            self._marker = self._reader.connect()
-        try:
-            value = self._marker.execute(self._q.marker_value).scalar_one()
-            self._marker.rollback()  # ends SQLAlchemy's bookkeeping; nothing is sent (autocommit, no BEGIN)
-        except DBAPIError:
-            self._marker.close()
-            self._marker = None
-            raise
-        return int(value)
 
     # Tokens
 

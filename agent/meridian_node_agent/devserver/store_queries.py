@@ -18,7 +18,6 @@ from sqlalchemy import (
     Delete,
     Insert,
     Select,
-    TextClause,
     Update,
     bindparam,
     delete,
@@ -26,7 +25,6 @@ from sqlalchemy import (
     insert,
     or_,
     select,
-    text,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -88,7 +86,6 @@ class StoreQueries:
     node_change_seq: Update
     nodes_changed_since: Select[Any]
     last_change_seq: Select[Any]
-    marker_value: Select[Any] | TextClause
 
     @classmethod
     def for_backend(cls, *, postgresql_backend: bool) -> StoreQueries:
@@ -193,11 +190,6 @@ class StoreQueries:
             node_change_seq=update(nodes).where(_node(nodes.c.node_id)).values(change_seq=bindparam("b_seq")),
             nodes_changed_since=_nodes_changed_since(),
             last_change_seq=select(func.coalesce(func.max(nodes.c.change_seq), 0)),
-            marker_value=(
-                select(change_marker.c.value).where(change_marker.c.id == CHANGE_MARKER_ROW)
-                if postgresql_backend
-                else text("PRAGMA data_version")
-            ),
         )
 
 

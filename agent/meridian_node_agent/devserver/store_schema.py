@@ -14,9 +14,9 @@ One schema for both backends, with two types that differ underneath:
 * ``COUNTER``, a generation or an epoch: ``bigint`` on PostgreSQL (``integer`` there is 32 bits), SQLite's
   ``INTEGER`` (64 bits) on SQLite.
 
-``change_marker`` holds one row whose ``value`` the store bumps in the transactions that long-polls wait on;
-PostgreSQL has no ``PRAGMA data_version``, and a row written in the same transaction moves exactly when the
-change becomes visible (``store.Database.change_marker``).
+``change_marker`` holds one row whose ``value`` the store bumps at the end of each publish, fence, enrollment and
+revocation, stamping the node's ``nodes.change_seq`` with the new value: the row's lock orders those transactions,
+so the stamps commit in order (``store.Database.nodes_changed_since``).
 """
 
 from __future__ import annotations

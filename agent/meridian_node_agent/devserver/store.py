@@ -435,30 +435,13 @@ class Database:
     def certificate(self, serial: str) -> CertificateRecord | None:
         with self._read() as conn:
             row = conn.execute(self._q.certificate, {"b_serial": serial}).first()
-        if row is None:
-            return None
-        return CertificateRecord(
-            serial=row.serial,
-            node_id=row.node_id,
-            not_after=row.not_after,
-            revoked_at=row.revoked_at,
-            revoked_reason=row.revoked_reason,
-        )
+        return None if row is None else _certificate_record(row)
 
     def valid_certificates(self) -> list[CertificateRecord]:
         """Every certificate not revoked (expired ones included: the caller checks the date), in one statement."""
         with self._read() as conn:
             rows = conn.execute(self._q.valid_certificates).all()
-        return [
-            CertificateRecord(
-                serial=row.serial,
-                node_id=row.node_id,
-                not_after=row.not_after,
-                revoked_at=row.revoked_at,
-                revoked_reason=row.revoked_reason,
-            )
-            for row in rows
-        ]
+        return [_certificate_record(row) for row in rows]
 
     def renew_lease(self, node_id: str, lease_for: timedelta, now: datetime) -> LeaseRecord:
         """Extend the lease; the epoch is untouched (only ``fence`` moves it, and only up)."""
@@ -703,6 +686,17 @@ def _not_installed(missing: ModuleNotFoundError | str, database: str) -> str:
 
 
 _EPOCH_ZERO = datetime.fromisoformat("1970-01-01T00:00:00+00:00")
+
+
+def _certificate_record(row: Any) -> CertificateRecord:
+    """A row of ``StoreQueries.certificate`` or ``valid_certificates`` (the same columns)."""
+    return CertificateRecord(
+        serial=row.serial,
+        node_id=row.node_id,
+        not_after=row.not_after,
+        revoked_at=row.revoked_at,
+        revoked_reason=row.revoked_reason,
+    )
 
 
 def _lease(node_id: str, row: Sequence[Any]) -> LeaseRecord:

@@ -6,11 +6,12 @@ step its background work.
 work is off: the lease flush and the watcher's backstop are due only after an hour, so every database statement
 during a test comes from what the test did (a request, ``hot.leases.flush()``, ``hot.watcher.backstop()``) or from
 an announcement the watcher applied. ``feed`` replaces the database's change feed (``InProcessFeed()``: a server
-that never hears other processes, as if every announcement were lost).
+that never hears other processes, as if every announcement were lost); ``lane=False`` serves FastAPI's app alone,
+without ``SteadyCallLane`` in front, so that its heartbeat and desired-state routes answer.
 
 Also here, what the hot-path, fencing and replica tests share: an observation to post (``observation``, its
 ``applied_generation`` marking which one it was), how a CLI verb names a test's database (``database_url_args``),
-and ``wait_for``, a liveness guard.
+``wait_for``, a liveness guard, and ``LongPoll``, a desired-state long-poll parked on a thread of its own.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pathlib import Path
 import uvicorn
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation, format_rfc3339
-from meridian_node_agent.agent_side.control_client import ControlClient
+from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected, DesiredStateFetch
 from meridian_node_agent.agent_side.identity import NodeIdentity
+from meridian_node_agent.devserver.app import create_app
 from meridian_node_agent.devserver.change_feed import ChangeFeed
 from meridian_node_agent.devserver.control import ControlPlane, open_control_plane
 from meridian_node_agent.devserver.hot_path import HotPath
@@ -35,6 +37,7 @@ from meridian_node_agent.devserver.server import bind, prepare_tls, uvicorn_conf
 
 __all__ = [
     "InProcessServer",
+    "LongPoll",
     "database_url_args",
     "generation_of",
     "observation",
@@ -57,9 +60,10 @@ class InProcessServer:
         """Statements this server's store has sent so far."""
         return self.control.store.statement_count
 
-    def enroll(self, directory: Path, node_id: str) -> ControlClient:
-        """Enroll ``node_id`` over HTTP with a token made for it; a client speaking as it."""
-        token = self.control.create_token(f"t-{node_id}", node_id=node_id)
+    def enroll(self, directory: Path, node_id: str, *, token_name: str | None = None) -> ControlClient:
+        """Enroll ``node_id`` over HTTP with a token made for it (named ``token_name``, by default after the node: a
+        second enrollment of one node names another); a client speaking as it, its identity in ``directory``."""
+        token = self.control.create_token(token_name or f"t-{node_id}", node_id=node_id)
         identity = NodeIdentity(directory / node_id)
         with ControlClient(self.base_url, self.ca_bundle) as anonymous:
             identity.store(anonymous.enroll(node_id, token, identity.csr_pem(node_id)))
@@ -74,6 +78,7 @@ def serving_in_process(
     feed: ChangeFeed | None = None,
     lease_flush_s: float = _HOUR_S,
     backstop_s: float = _HOUR_S,
+    lane: bool = True,
 ) -> Iterator[InProcessServer]:
     control = open_control_plane(data_dir, database=database)
     if feed is not None:
@@ -82,7 +87,10 @@ def serving_in_process(
     hot = HotPath(control, lease_flush_s=lease_flush_s, backstop_s=backstop_s)
     sock = bind("127.0.0.1", 0)
     tls = prepare_tls(control, "127.0.0.1")
-    server = uvicorn.Server(uvicorn_config(control, hot, tls))
+    config = uvicorn_config(control, hot, tls)
+    if not lane:
+        config.app = create_app(control, hot)
+    server = uvicorn.Server(config)
     hot.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="in-process-devserver", daemon=True)
     thread.start()
@@ -99,6 +107,34 @@ def serving_in_process(
         sock.close()
         hot.close()
         control.close()
+
+
+class LongPoll:
+    """``client.fetch_desired_state(node_id, etag, wait_s)`` on a thread of its own, started at once: its ``outcome``
+    is the answer, or the refusal the call raised."""
+
+    def __init__(self, client: ControlClient, node_id: str, etag: str | None, wait_s: float) -> None:
+        self._answers: list[DesiredStateFetch | ControlPlaneRejected] = []
+        self._thread = threading.Thread(
+            target=self._poll, args=(client, node_id, etag, wait_s), name="long-poll", daemon=True
+        )
+        self._thread.start()
+
+    def _poll(self, client: ControlClient, node_id: str, etag: str | None, wait_s: float) -> None:
+        try:
+            self._answers.append(client.fetch_desired_state(node_id, etag=etag, wait_s=wait_s))
+        except ControlPlaneRejected as exc:
+            self._answers.append(exc)
+
+    @property
+    def answered(self) -> bool:
+        return not self._thread.is_alive()
+
+    def outcome(self, what: str, timeout_s: float = 30) -> DesiredStateFetch | ControlPlaneRejected:
+        """The answer, once it came within ``timeout_s`` (a liveness guard, see ``wait_for``)."""
+        wait_for(lambda: self.answered, what, timeout_s)
+        assert self._answers, "the long-poll ended without an answer or a refusal (see the thread's traceback)"
+        return self._answers[0]
 
 
 def observation(node_id: str, epoch: int, generation: int = 0) -> Observation:

@@ -1,5 +1,6 @@
 """Several ``meridian-node-devserver serve`` processes on one PostgreSQL database and one data dir: any node served
-by any replica, one CA, one control key, one-time tokens, and the epoch fence and revocations on every replica.
+by any replica, one CA, one control key, one-time tokens, and the epoch fence and revocations on every replica
+(a revocation ends the long-polls parked on each).
 
 Real processes on 127.0.0.1, each on its own port, started together on an empty data dir (so that they race to
 make the CA and the control key); the CLI's verbs run as processes of their own on the same database
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -31,6 +33,7 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
     running,
 )
 from ansible_collections.meridian.node.tests.devserver.in_process_server import (
+    LongPoll,
     database_url_args,
     generation_of,
     observation,
@@ -226,6 +229,37 @@ def test_a_cli_revocation_reaches_both_replicas(tmp_path: Path, database_url: st
             # NOTIFY reaches a replica about a round trip after the commit; the backstop bounds it at 2 s.
             wait_for(functools.partial(_refused, client, node_id), "the replica refuses the revoked certificate")
             client.close()
+
+
+def test_a_revocation_ends_a_long_poll_parked_on_another_replica(tmp_path: Path, database_url: str) -> None:
+    # The thief's long-poll is parked on one replica; the operator revokes the node through the CLI (its own process,
+    # its own ControlPlane), which the other replicas hear of through the change feed. The parked request must end
+    # with the refusal within the feed's bound (NOTIFY, else the 2 s backstop), not wait out its 60 s, and must not
+    # be answered with the state published right after the revocation.
+    data = tmp_path / "data"
+    node_id = "parked-replica-node"
+    with _replicas(data, 2) as (first, second):
+        identity = _enroll(second, tmp_path, node_id, _token(data, node_id))
+        _publish(data, node_id, tmp_path)
+        with node_client(first.base_url, identity) as on_first:
+            current = on_first.fetch_desired_state(node_id)
+            poll = LongPoll(on_first, node_id, current.etag, wait_s=60)
+            # The server is another process: give the request time to park, then check it has not been answered.
+            parked = not _answered_within(poll, 1.0)
+            cli(data, "revoke", node_id)
+            _publish(data, node_id, tmp_path)
+            ended = poll.outcome("the revocation ended the long-poll parked on the other replica")
+
+    assert parked
+    assert isinstance(ended, ControlPlaneRejected), f"the revoked certificate was answered: {ended}"
+    assert (ended.status, ended.reason) == (403, "certificate-revoked")
+
+
+def _answered_within(poll: LongPoll, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not poll.answered:
+        time.sleep(0.01)
+    return poll.answered
 
 
 def _refused(client: ControlClient, node_id: str) -> bool:

@@ -6,7 +6,9 @@ is how a ``serve`` process answers the fleet's frequent calls without a database
 * a **heartbeat** renews the lease in ``LeaseTable`` (flushed in one transaction every 0.5 s) and answers with the
   epoch from ``NodeStateCache``: no statement;
 * a **desired-state fetch** answers from the cache (a 304 costs no statement) and a **long-poll** parks on
-  ``DesiredStateWaiters`` until ``ChangeWatcher`` or an in-process publish wakes its node;
+  ``DesiredStateWaiters`` until ``ChangeWatcher`` or an in-process verb wakes its node (a publish; a revocation
+  or a re-enrollment, which the certificate's check then refuses) or ends its wait (a fence); its certificate is
+  checked again before every answer;
 * an **observation** is checked against the cached epoch (a stale one is refused at once), then stored through
   ``ObservationWriter``'s batches, whose upsert checks the epoch again;
 * every authenticated call looks its certificate's record up in the cache: a revocation drops it;
@@ -65,7 +67,12 @@ class HotPath:
     ) -> None:
         self.control = control
         self.waiters = DesiredStateWaiters()
-        self.cache = NodeStateCache(control.store, on_desired=self.waiters.wake, on_certificates=self._serving_changed)
+        self.cache = NodeStateCache(
+            control.store,
+            on_desired=self.waiters.wake,
+            on_certificates=self._certificates_changed,
+            on_fenced=self.waiters.end,
+        )
         self.leases = LeaseTable(control.store, flush_interval_s=lease_flush_s)
         self.writer = ObservationWriter(control.store, on_flushed=self._serving_changed)
         self.watcher = ChangeWatcher(control.store, control.feed, self.cache, backstop_s=backstop_s)
@@ -121,25 +128,37 @@ class HotPath:
     async def desired_state(
         self,
         node_id: str,
+        certificate_der: bytes | None,
         known: Collection[str],
         wait_s: float,
         disconnected: Callable[[], Awaitable[object]],
     ) -> PublishedState | None:
         """The node's latest state, waiting up to ``wait_s`` for one whose ETag is not in ``known`` (``*`` matches
-        any), or until ``disconnected()`` completes (the client left)."""
+        any), until ``disconnected()`` completes (the client left), or until the node's epoch moves up
+        (``DesiredStateWaiters.end``), whichever comes first. A revocation or re-enrollment of the node wakes it, and
+        the certificate's check refuses it.
+
+        Whatever ends the wait, the answer is decided by one more look, after the last wait: ``certificate_der`` is
+        authenticated for ``node_id`` again (``ProtocolError`` 403, as for a new request, if it was revoked or
+        superseded meanwhile), then the state is read. Each look is a dict lookup in the cache (for a node it holds: no
+        statement).
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        while True:
-            waiting = self.waiters.register(node_id)
-            try:
+        stayed = True
+        parked = self.waiters.park(node_id)
+        try:
+            while True:
+                parked.rearm()
+                self.authenticate(certificate_der, node_id)
                 current = self.cache.desired(node_id)
-                if current is not None and current.etag not in known and "*" not in known:
-                    return current
                 left_s = deadline - loop.time()
-                if left_s <= 0 or not await self.waiters.sleep(waiting, left_s, disconnected()):
+                if not stayed or parked.ended or left_s <= 0 or _new_to(known, current):
                     return current
-            finally:
-                self.waiters.discard(node_id, waiting)
+                stayed = await parked.sleep(left_s, disconnected())
+                await self.fresh()
+        finally:
+            self.waiters.unpark(parked)
 
     async def observe(self, node_id: str, observation: Observation, remote_host: str) -> None:
         check_observation_node(node_id, observation)
@@ -188,5 +207,17 @@ class HotPath:
             self._serving = (built_at, projection)
             return projection
 
+    def _certificates_changed(self, node_id: str) -> None:
+        # Woken, not ended: each parked request checks its certificate again, and a revoked or superseded one is
+        # refused at once; one still valid (the records are also dropped when a refresh first sees a node, as a
+        # precaution) parks again rather than answer early.
+        self.waiters.wake(node_id)
+        self._serving_changed()
+
     def _serving_changed(self) -> None:
         self._serving_stale = True
+
+
+def _new_to(known: Collection[str], state: PublishedState | None) -> bool:
+    """Whether ``state`` is one the client does not hold (``known``: its ETags, ``*`` for any)."""
+    return state is not None and state.etag not in known and "*" not in known

@@ -61,8 +61,11 @@ class _Seen:
 class NodeStateCache:
     """Epochs, certificate records and desired states per node (see the module doc). Safe from any thread.
 
-    ``on_desired(node_id)`` is called when a node's latest desired state changed (long-polls wake on it);
-    ``on_certificates()`` when some node's certificates were dropped (the serving projection is rebuilt).
+    Called after the change is held, on the thread that made or learnt it: ``on_desired(node_id)`` when a node's
+    latest desired state changed (its long-polls wake); ``on_certificates(node_id)`` when a node's certificate
+    records were dropped (a revocation, a re-enrollment: its long-polls check their certificates again, the
+    serving projection is rebuilt);
+    ``on_fenced(node_id)`` when a node's epoch moved up (its long-polls end), not when an epoch is first read.
     """
 
     def __init__(
@@ -70,11 +73,13 @@ class NodeStateCache:
         store: Database,
         *,
         on_desired: Callable[[str], None] = lambda _node_id: None,
-        on_certificates: Callable[[], None] = lambda: None,
+        on_certificates: Callable[[str], None] = lambda _node_id: None,
+        on_fenced: Callable[[str], None] = lambda _node_id: None,
     ) -> None:
         self._store = store
         self._on_desired = on_desired
         self._on_certificates = on_certificates
+        self._on_fenced = on_fenced
         self._lock = threading.Lock()
         self._epochs: dict[str, int] = {}
         self._certificates: dict[str, CertificateRecord] = {}
@@ -148,7 +153,7 @@ class NodeStateCache:
         self._keep_desired(state.node_id, state, wake=True)
 
     def note_epoch(self, node_id: str, epoch: int) -> None:
-        self._keep_epoch(node_id, epoch)
+        self._keep_epoch(node_id, epoch, moved=True)
 
     def forget_certificates(self, node_id: str) -> None:
         """Drop the node's certificate records: the next request reads them again (a revocation, a re-enrollment)."""
@@ -156,7 +161,7 @@ class NodeStateCache:
             self._forgets += 1
             for serial in self._serials.pop(node_id, set()):
                 self._certificates.pop(serial, None)
-        self._on_certificates()
+        self._on_certificates(node_id)
 
     # Changes another process announced, or that a full refresh found
 
@@ -174,6 +179,9 @@ class NodeStateCache:
             if held:
                 with contextlib.suppress(UnknownNode):
                     self.current_epoch(node_id)
+            else:
+                # Nothing to re-read, but the announcement says the epoch moved: a parked request must hear of it.
+                self._on_fenced(node_id)
         else:  # REVOKED, ENROLLED
             self.forget_certificates(node_id)
 
@@ -201,22 +209,31 @@ class NodeStateCache:
             if before == seen:
                 continue
             changed += 1
-            self._keep_epoch(row.node_id, row.epoch)
-            if before is None or (before.enrolled_at, before.revoked_at) != (seen.enrolled_at, seen.revoked_at):
+            self._keep_epoch(row.node_id, row.epoch, moved=before is not None and seen.epoch > before.epoch)
+            if before is None:
+                # First seen: records read before this refresh may be older than the row.
                 with self._lock:
                     holds_certificates = row.node_id in self._serials
                 if holds_certificates:
                     self.forget_certificates(row.node_id)
+            elif (before.enrolled_at, before.revoked_at) != (seen.enrolled_at, seen.revoked_at):
+                # Dropped even when none is held: the node's parked requests check again (``on_certificates``).
+                self.forget_certificates(row.node_id)
             if held_desired and (seen.generation or 0) > held_desired_generation:
                 self._keep_desired(row.node_id, self._store.latest_desired(row.node_id), wake=True)
         return changed
 
     # Merging: every value only moves one way (module doc)
 
-    def _keep_epoch(self, node_id: str, epoch: int) -> int:
+    def _keep_epoch(self, node_id: str, epoch: int, *, moved: bool = False) -> int:
+        """Keep ``epoch`` if it is above the one held; ``on_fenced`` if it is, or (``moved``: the caller knows the
+        epoch moved up) if none was held. The first read of an epoch is no fence."""
         with self._lock:
-            kept = max(epoch, self._epochs.get(node_id, epoch))
+            held = self._epochs.get(node_id)
+            kept = epoch if held is None else max(epoch, held)
             self._epochs[node_id] = kept
+        if (held is None and moved) or (held is not None and epoch > held):
+            self._on_fenced(node_id)
         return kept
 
     def _keep_desired(self, node_id: str, state: PublishedState | None, *, wake: bool) -> PublishedState | None:

@@ -86,11 +86,17 @@ async def heartbeat_response(hot: HotPath, scope: Scope, node_id: str) -> Respon
 
 
 async def desired_state_response(hot: HotPath, scope: Scope, receive: Receive, node_id: str) -> Response:
-    """The node's state (200), unchanged (304) or none (204), after a long-poll of the ``wait`` asked for."""
-    await authenticate(hot, scope, node_id)
+    """The node's state (200), unchanged (304) or none (204), after a long-poll of the ``wait`` asked for.
+
+    Authenticated before it parks and again after its last wait (``HotPath.desired_state``): a revocation while it
+    waited is answered with the refusal a new request gets, never with a state.
+    """
+    certificate_der = peer_certificate_der(scope)
+    await hot.fresh()
+    hot.authenticate(certificate_der, node_id)
     wait_s = _wait_seconds(scope, hot.control.settings.max_wait_s)
     known = _etags(_header(scope, b"if-none-match"))
-    current = await hot.desired_state(node_id, known, wait_s, lambda: _disconnected(receive))
+    current = await hot.desired_state(node_id, certificate_der, known, wait_s, lambda: _disconnected(receive))
     if current is None:
         return Response(status_code=204)
     headers = {"ETag": current.etag, GENERATION_HEADER: str(current.generation), "Cache-Control": "no-cache"}

@@ -1000,15 +1000,49 @@ class PodAllocation(StrictModel):
     engine_driver: Optional[Driver] = Field(default=None, description="a known engine, reported as unmanaged")
 
 
+class KubernetesLeftOut(StrictModel):
+    """What the kubelet listed that the observation does not carry, for one reason (docs/KUBERNETES.md)."""
+
+    reason: Literal["not-a-gpu", "over-bound", "name-too-long", "too-large"] = Field(
+        description="not-a-gpu: a container holding no GPU device, or a device that is not a GPU (counted by design); "
+        "over-bound: beyond the agent's bounds on containers and devices listed; name-too-long: a name or device id "
+        "over 253 characters; too-large: dropped so that the observation fits the control plane's limit on a request"
+    )
+    containers: Annotated[int, Field(ge=0, le=INT64_MAX)] = Field(
+        default=0, description="containers not in allocations for this reason"
+    )
+    devices: Annotated[int, Field(ge=0, le=INT64_MAX)] = Field(
+        default=0,
+        description="device ids not listed for this reason (in allocations or allocatable), those of the "
+        "containers left out included",
+    )
+
+
 class KubernetesObservation(StrictModel):
-    """What the kubelet's PodResources API says runs on this node (mode kubernetes-integrated, read-only)."""
+    """What the kubelet's PodResources API says runs on this node (mode kubernetes-integrated, read-only).
+
+    Bounded by what the control plane acts on: the containers holding one of the node's GPUs, with their GPU
+    devices, and the GPU devices allocatable; the rest is counted in ``left_out``."""
 
     socket: str
     available: bool
     reason: Optional[str] = None
-    allocations: list[PodAllocation] = Field(default_factory=list)
+    allocations: list[PodAllocation] = Field(
+        default_factory=list, description="the containers holding a GPU device (whole, MIG or replica), by name"
+    )
     allocatable: Optional[list[PodDevice]] = Field(
         default=None, description="None where the kubelet does not implement GetAllocatableResources"
+    )
+    pods: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(
+        default=None, description="the pods the kubelet listed; None when it was not read"
+    )
+    containers: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(
+        default=None, description="the containers the kubelet listed, those in allocations and those left out"
+    )
+    left_out: list[KubernetesLeftOut] = Field(
+        default_factory=list,
+        max_length=4,
+        description="what the kubelet listed that is not here, counted by reason (one entry per reason)",
     )
 
 

@@ -20,7 +20,7 @@ from meridian_node_agent.cli.agent import build_agent
 from meridian_node_agent.config import AgentConfig, load_config
 from meridian_node_agent.logs import EventLogger
 
-__all__ = ["Node", "make_node", "publish"]
+__all__ = ["Node", "make_kubernetes_node", "make_node", "publish"]
 
 _documents = itertools.count(1)
 
@@ -102,6 +102,17 @@ def make_node(
     if enroll:
         enroll_node(server, loaded.identity_dir, node_id).close()
     return Node(node_id=node_id, root=root, config_path=config_path, config=loaded)
+
+
+def make_kubernetes_node(server: DevServer, root: Path, node_id: str, pod_resources_socket: Path) -> Node:
+    """A node in mode kubernetes-integrated (the policy allows it) reading the kubelet at ``pod_resources_socket``
+    on every observation."""
+    node = make_node(server, root, node_id, mode="kubernetes-integrated")
+    policy = yaml.safe_load((root / "policy.yaml").read_text())
+    policy["agent"]["allowed_modes"].append("kubernetes-integrated")
+    (root / "policy.yaml").write_text(yaml.safe_dump(policy, sort_keys=False))
+    node.configure(kubernetes={"pod_resources_socket": str(pod_resources_socket), "refresh_seconds": 0})
+    return node
 
 
 def publish(server: DevServer, node_id: str, *, ttl: int | None = None, document: dict[str, Any] | None = None) -> int:

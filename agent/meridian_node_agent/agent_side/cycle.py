@@ -95,6 +95,7 @@ from meridian_node_agent.agent_side.control_client import (
 from meridian_node_agent.agent_side.counters import restore_counters
 from meridian_node_agent.agent_side.gpu_health import verdict_summary
 from meridian_node_agent.agent_side.identity import CertificateIssuer, CertificateRenewal, IdentityError, NodeIdentity
+from meridian_node_agent.agent_side.observe import ObservationSizeGuard
 from meridian_node_agent.agent_side.stop import StopSignal
 from meridian_node_agent.agent_side.supervise import Supervisor, engines_on_unhealthy_gpus
 from meridian_node_agent.agent_side.supervision_record import (
@@ -357,6 +358,8 @@ class Agent:
         # Mode kubernetes-integrated: the state last refused (for status), and the kubelet's view last observed.
         self.refused: dict[str, Any] | None = None
         self._kubernetes: dict[str, Any] | None = None
+        # Every observation is made to fit the control plane's limit before it is posted (kubernetes detail first).
+        self.size_guard = ObservationSizeGuard()
         # The GPU facts of the last observation (the object, as a dict, and as JSON without its gauges for the digest:
         # dumped once per GPU refresh), each GPU's verdict for status, the cordons in force, and the engines last
         # reported on an unhealthy GPU.
@@ -1075,7 +1078,7 @@ class Agent:
         if self._reported is not None and self._reported[0] == content and now < self._reported[1]:
             return
         try:
-            self.client.post_observation(observation)
+            self.client.post_observation(self.size_guard(observation, self.log))
         except ControlPlaneRejected as exc:
             self.log.warning("observation-refused", status=exc.status, reason=exc.reason, detail=exc.detail)
         self._reported = (content, now + jittered(REPORT_REFRESH_S, self.rng))

@@ -4,16 +4,22 @@ Runs on: the agent side (``meridian-node run``, unprivileged); it only reads, th
 
 Each device the kubelet lists is joined to the GPU facts by uuid: a ``GPU-...`` id is a whole GPU, a
 ``MIG-...`` id a MIG instance, and a ``::N`` suffix (a time-slicing or MPS replica, as NVIDIA's device plugin
-names them) is stripped first. A joined device carries its GPU's index and health verdict (a MIG instance
-its parent GPU's). Anything else (another vendor's resource, or an NVIDIA id NVML does not know) is listed as
-the kubelet gave it, with ``uuid`` None, except that an id under an ``nvidia.com/`` resource that looks like an
-NVIDIA uuid keeps it.
+names them) is stripped first. A joined device carries its GPU's index and health verdict (a MIG instance its
+parent GPU's). An id under an ``nvidia.com/`` resource that NVML does not know is listed as the kubelet gave it,
+keeping its uuid when it looks like one.
 
-Which containers are reported: those holding at least one device, and those that look like an inference
-engine (``engine_driver``: ``ENGINE_WORDS`` in the container's name, or in the pod's for a container holding
-devices). The rest of the node's pods are not this agent's business
-and would only make every observation longer. Known engines are also reported in the observation's
-``engines`` as unmanaged (never ready, no port: nothing is routed to what Kubernetes runs).
+What is reported is bounded by what the control plane acts on (docs/KUBERNETES.md, "What is listed, what is
+counted"): the containers holding a GPU device (``reading.is_gpu_device``: under an ``nvidia.com/`` resource, or
+named by an NVIDIA uuid), with their GPU devices, at most ``MAX_GPU_CONTAINERS`` of them, and the GPU devices
+allocatable. The rest of the node's pods is counted by reason in ``left_out``, never listed: a tenant's
+container named like an engine but holding no GPU is ``not-a-gpu``, however many there are. A GPU holder that
+looks like an inference engine (``engine_driver``: ``ENGINE_WORDS`` in the container's name, or in its pod's) is
+also reported in the observation's ``engines`` as unmanaged (never ready, no port: nothing is routed to what
+Kubernetes runs).
+
+Should the observation still be over the control plane's limit, ``lighter`` gives ever lighter copies of it
+(allocatable first, then the allocations halved with their engines), each saying what went (``too-large``):
+the agent's size guard (``observe.ObservationSizeGuard``) sends the first that fits.
 
 Everything is sorted: the kubelet lists pods from a map, in an order that changes between calls, and an
 observation that reads the same must compare equal (the agent re-sends only what changed).
@@ -23,22 +29,29 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     GpuFacts,
     HealthVerdict,
+    KubernetesLeftOut,
     KubernetesObservation,
+    Observation,
     PodAllocation,
     PodDevice,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engine_rules import DRIVERS
 from meridian_node_agent.agent_side.podresources.reading import (
+    MAX_GPU_CONTAINERS,
+    MAX_GPU_DEVICES,
     KubeletContainer,
     KubeletDevices,
     KubeletReading,
+    LeftOut,
+    LeftOutReason,
     PodResourcesError,
 )
 from meridian_node_agent.logs import EventLogger
@@ -46,11 +59,14 @@ from meridian_node_agent.logs import EventLogger
 __all__ = [
     "ENGINE_STATE",
     "ENGINE_WORDS",
+    "MAX_GPU_CONTAINERS",
+    "MAX_GPU_DEVICES",
     "KubernetesObserver",
     "KubernetesView",
     "PodResourcesPort",
     "engine_driver",
     "join_device",
+    "lighter",
 ]
 
 # How an engine shows in a pod's or container's name, as words (the name split at anything but letters and
@@ -69,6 +85,8 @@ _WORD = re.compile(r"[a-z0-9]+")
 _REPLICA = re.compile(r"::[0-9]+$")
 # The contract's bound on each name and id (PodDevice, PodAllocation); the kubelet's own names fit it.
 _MAX_TEXT = 253
+# Left out by a bound, not by design: said in the log as well as in the observation.
+_WARNED: tuple[LeftOutReason, ...] = ("over-bound", "name-too-long")
 
 
 class PodResourcesPort(Protocol):
@@ -155,7 +173,7 @@ class KubernetesObserver:
         self._log = log or EventLogger()
         self._cache: tuple[float, KubeletReading] | None = None
         self._failure: str | None = None  # the reason last logged, until a read works again
-        self._skipped = 0
+        self._warned: dict[LeftOutReason, LeftOut] = {}  # what a bound left out, as last logged
 
     def __call__(self, gpu: GpuFacts) -> KubernetesView:
         socket = self.client.socket_path
@@ -167,7 +185,7 @@ class KubernetesObserver:
             self._failure = exc.reason
             return KubernetesView(KubernetesObservation(socket=socket, available=False, reason=str(exc)))
         if self._failure is not None:
-            self._log.info("kubernetes-pod-resources-available", socket=socket, containers=len(reading.containers))
+            self._log.info("kubernetes-pod-resources-available", socket=socket, containers=reading.listed)
             self._failure = None
         return self._join(socket, reading, _known_devices(gpu))
 
@@ -185,18 +203,20 @@ class KubernetesObserver:
         return reading
 
     def _join(self, socket: str, reading: KubeletReading, known: Mapping[str, _Known]) -> KubernetesView:
-        skipped = 0
+        too_long: Counter[str] = Counter()
         allocations: list[PodAllocation] = []
         engines: list[dict[str, Any]] = []
         for container in sorted(reading.containers, key=lambda c: (c.namespace, c.pod, c.container)):
+            held = sum(len(group.device_ids) for group in container.devices)
             if not _fits(container.namespace, container.pod, container.container):
-                skipped += 1
+                too_long.update(containers=1, devices=held)
                 continue
-            devices, left_out = self._devices(container.devices, known)
-            skipped += left_out
-            driver = engine_driver(container.pod, container.container, holds_devices=bool(devices))
-            if not devices and driver is None:
+            devices, left = self._devices(container.devices, known)
+            too_long.update(devices=left)
+            if not devices:
+                too_long.update(containers=1)
                 continue
+            driver = engine_driver(container.pod, container.container, holds_devices=True)
             allocations.append(
                 PodAllocation.model_validate(
                     {
@@ -212,19 +232,35 @@ class KubernetesObserver:
                 engines.append(_unmanaged_engine(container, driver))
         allocatable = None
         if reading.allocatable is not None:
-            allocatable, left_out = self._devices(reading.allocatable, known)
-            skipped += left_out
-        if skipped != self._skipped and skipped:
-            self._log.warning(
-                "kubernetes-entries-left-out",
-                count=skipped,
-                reason=f"a name or device id longer than {_MAX_TEXT} characters, which the observation cannot carry",
-            )
-        self._skipped = skipped
+            allocatable, left = self._devices(reading.allocatable, known)
+            too_long.update(devices=left)
+        left_out = [*reading.left_out, LeftOut("name-too-long", too_long["containers"], too_long["devices"])]
+        counted = [entry for entry in left_out if entry.containers or entry.devices]
+        self._say_left_out(counted)
         observation = KubernetesObservation(
-            socket=socket, available=True, allocations=allocations, allocatable=allocatable
+            socket=socket,
+            available=True,
+            allocations=allocations,
+            allocatable=allocatable,
+            pods=reading.pods,
+            containers=reading.listed,
+            left_out=[KubernetesLeftOut(reason=e.reason, containers=e.containers, devices=e.devices) for e in counted],
         )
         return KubernetesView(observation, engines)
+
+    def _say_left_out(self, left_out: Iterable[LeftOut]) -> None:
+        """Log what a bound left out (not what is left out by design: ``not-a-gpu``), once per change."""
+        warned = {entry.reason: entry for entry in left_out if entry.reason in _WARNED}
+        for reason, entry in warned.items():
+            if self._warned.get(reason) != entry:
+                self._log.warning(
+                    "kubernetes-entries-left-out",
+                    reason=reason,
+                    containers=entry.containers,
+                    devices=entry.devices,
+                    detail=_LEFT_OUT_DETAIL[reason],
+                )
+        self._warned = warned
 
     @staticmethod
     def _devices(groups: Iterable[KubeletDevices], known: Mapping[str, _Known]) -> tuple[list[PodDevice], int]:
@@ -239,13 +275,73 @@ class KubernetesObserver:
         return devices, skipped
 
 
+_LEFT_OUT_DETAIL = {
+    "over-bound": f"the agent lists at most {MAX_GPU_CONTAINERS} containers holding a GPU and {MAX_GPU_DEVICES} "
+    "GPU device ids (the first by namespace, pod and container name); the rest is counted",
+    "name-too-long": f"a name or device id longer than {_MAX_TEXT} characters, which the observation cannot carry",
+}
+
+
+def lighter(observation: Observation) -> Iterator[tuple[Observation, str]]:
+    """Ever lighter copies of ``observation``, each with less of its ``kubernetes`` detail, and what went, in words:
+    what is allocatable first, then the allocations halved down to none, each with its engine. What went is counted
+    in ``left_out`` as ``too-large``. Nothing when there is no detail to drop."""
+    k8s = observation.kubernetes
+    if k8s is None or not k8s.available:
+        return
+    listed, engines = k8s.allocations, observation.engines
+    allocatable_dropped = 0
+    if k8s.allocatable:
+        allocatable_dropped = len(k8s.allocatable)
+        k8s = _too_large(k8s, allocations=listed, allocatable=[], containers=0, devices=allocatable_dropped)
+        yield (
+            observation.model_copy(update={"kubernetes": k8s}),
+            f"kubernetes.allocatable ({allocatable_dropped} devices)",
+        )
+    keep = len(listed)
+    while keep:
+        keep //= 2
+        dropped = listed[keep:]
+        devices = sum(len(allocation.devices) for allocation in dropped)
+        gone = {_engine_name(a.namespace, a.pod, a.container) for a in dropped if a.engine_driver is not None}
+        lighter_k8s = _too_large(
+            k8s, allocations=listed[:keep], containers=len(dropped), devices=devices + allocatable_dropped
+        )
+        update = {"kubernetes": lighter_k8s, "engines": [e for e in engines if e.managed or e.name not in gone]}
+        yield (
+            observation.model_copy(update=update),
+            f"kubernetes.allocations after the first {keep} ({len(dropped)} containers, {devices} devices) "
+            f"and {len(gone)} engines of theirs",
+        )
+
+
+def _too_large(
+    k8s: KubernetesObservation,
+    *,
+    allocations: list[PodAllocation],
+    allocatable: list[PodDevice] | None = None,
+    containers: int,
+    devices: int,
+) -> KubernetesObservation:
+    entry = KubernetesLeftOut(reason="too-large", containers=containers, devices=devices)
+    left_out = [other for other in k8s.left_out if other.reason != "too-large"] + [entry]
+    update: dict[str, Any] = {"allocations": allocations, "left_out": left_out}
+    if allocatable is not None:
+        update["allocatable"] = allocatable
+    return k8s.model_copy(update=update)
+
+
 def _fits(*texts: str) -> bool:
     return all(len(text) <= _MAX_TEXT for text in texts)
 
 
+def _engine_name(namespace: str, pod: str, container: str) -> str:
+    return f"k8s/{namespace}/{pod}/{container}"
+
+
 def _unmanaged_engine(container: KubeletContainer, driver: str) -> dict[str, Any]:
     return {
-        "name": f"k8s/{container.namespace}/{container.pod}/{container.container}",
+        "name": _engine_name(container.namespace, container.pod, container.container),
         "managed": False,
         "driver": driver,
         "image": None,

@@ -13,12 +13,16 @@ The cordons (``engines.cordon_file``) are read each observation: the host's cord
 placement reads (``cordon_dir``), the policy's ``cordon`` and the applied state's, each reported as a
 ``NodeCordon``, and every GPU they cover is marked ``cordoned``. A damaged cordon file is logged once and
 left out: the observation goes on with the others (placement refuses on its own when it cannot read it).
+
+``ObservationSizeGuard`` is the last step before an observation is posted: one over the control plane's limit on a
+request (``OBSERVATION_MAX_BYTES``) would be refused whole, and the control plane would keep a stale view of a node
+that still heartbeats. It drops detail until it fits, the kubernetes part's first.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -58,7 +62,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.placement im
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import probe_readiness
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import CordonPolicy
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
-from meridian_node_agent.agent_side.kubernetes_observer import KubernetesView
+from meridian_node_agent.agent_side.kubernetes_observer import KubernetesView, lighter
 from meridian_node_agent.boundary.engine_log_keeper import keep_engine_logs
 from meridian_node_agent.boundary.engine_logs_file import LOGS_DIR, EngineLogError, EngineLogTail, read_log_tail
 from meridian_node_agent.boundary.engines_file import (
@@ -72,9 +76,22 @@ from meridian_node_agent.boundary.engines_file import (
 from meridian_node_agent.boundary.spool import PUBLIC_DIR
 from meridian_node_agent.logs import EventLogger
 
-__all__ = ["DockerEngines", "EngineSource", "InventoryEngines", "KubernetesSource", "Observer", "no_engines"]
+__all__ = [
+    "OBSERVATION_MAX_BYTES",
+    "DockerEngines",
+    "EngineSource",
+    "InventoryEngines",
+    "KubernetesSource",
+    "ObservationSizeGuard",
+    "Observer",
+    "no_engines",
+]
 
 _PROBE_TIMEOUT_S = 1.0  # the same bound engine discovery gives one readiness probe
+
+# The control plane's limit on a request body (docs/PROTOCOL.md: 413 too-large over 1 MiB; the devserver's
+# MAX_REQUEST_BYTES, which a test holds equal to this).
+OBSERVATION_MAX_BYTES = 1024 * 1024
 
 EngineSource = Callable[[], list[dict[str, Any]]]
 KubernetesSource = Callable[[GpuFacts], KubernetesView]
@@ -518,3 +535,53 @@ class Observer:
                 "refused_state": refused_state,
             }
         )
+
+
+class ObservationSizeGuard:
+    """An observation made to fit ``max_bytes`` as it is sent (its JSON, in UTF-8), before it is posted.
+
+    Over the limit, detail goes in this order until it fits: the kubernetes part's (``kubernetes_observer.lighter``:
+    what is allocatable, then the allocations halved with their engines, each counted in ``kubernetes.left_out`` as
+    ``too-large``), then the engines' last log lines. What went is logged once per change
+    (``observation-degraded``, ``observation-whole-again`` when it fits again). One that still does not fit is sent
+    as it is, logged (``observation-too-large``): nothing else in it can go, and the control plane's answer decides.
+    """
+
+    def __init__(self, *, max_bytes: int = OBSERVATION_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._said: tuple[str, ...] | None = None  # what went last time, as logged; None: it fitted whole
+
+    def __call__(self, observation: Observation, log: EventLogger) -> Observation:
+        """``observation``, or the first lighter copy of it that fits; what went said in ``log``."""
+        size = _json_bytes(observation)
+        if size <= self.max_bytes:
+            if self._said is not None:
+                log.info("observation-whole-again", bytes=size, limit=self.max_bytes)
+                self._said = None
+            return observation
+        sent, sent_size, dropped = observation, size, []
+        for sent, what in _lighter(observation):
+            dropped.append(what)
+            sent_size = _json_bytes(sent)
+            if sent_size <= self.max_bytes:
+                break
+        fits = sent_size <= self.max_bytes
+        said = (*dropped, "" if fits else "still too large")
+        if said != self._said:
+            event, say = ("observation-degraded", log.warning) if fits else ("observation-too-large", log.error)
+            say(event, bytes=size, limit=self.max_bytes, sent_bytes=sent_size, dropped=dropped)
+            self._said = said
+        return sent
+
+
+def _json_bytes(observation: Observation) -> int:
+    return len(observation.model_dump_json().encode())
+
+
+def _lighter(observation: Observation) -> Iterator[tuple[Observation, str]]:
+    lightest = observation
+    for lightest, what in lighter(observation):
+        yield lightest, what
+    if any(engine.last_lines for engine in lightest.engines):
+        engines = [engine.model_copy(update={"last_lines": None}) for engine in lightest.engines]
+        yield lightest.model_copy(update={"engines": engines}), "engines' last_lines"

@@ -100,16 +100,20 @@ def describe_kubernetes(config: AgentConfig) -> list[str]:
             reading = client.read()
         except PodResourcesError as exc:
             return [*lines, f"warning: kubernetes.pod_resources_socket: {exc} ({exc.reason})"]
-    holding = sum(1 for container in reading.containers if container.devices)
     allocatable = (
         "GetAllocatableResources not served (a kubelet before 1.23 without its KubeletPodResourcesGetAllocatable gate)"
         if reading.allocatable is None
-        else f"{sum(len(group.device_ids) for group in reading.allocatable)} allocatable device(s)"
+        else f"{sum(len(group.device_ids) for group in reading.allocatable)} allocatable GPU device(s)"
+    )
+    # What the kubelet listed, then what a read keeps of it (docs/KUBERNETES.md, "What is listed, what is counted").
+    left_out = "".join(
+        f"; {entry.containers} container(s) and {entry.devices} device(s) counted, not listed ({entry.reason})"
+        for entry in reading.left_out
     )
     return [
         *lines,
-        f"kubernetes: the kubelet answers: {len(reading.containers)} container(s), {holding} holding devices; "
-        f"{allocatable}",
+        f"kubernetes: the kubelet answers: {reading.pods} pod(s), {reading.listed} container(s); "
+        f"{len(reading.containers)} holding a GPU{left_out}; {allocatable}",
     ]
 
 

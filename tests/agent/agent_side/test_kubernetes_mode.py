@@ -37,7 +37,7 @@ from ansible_collections.meridian.node.tests.support.counting_seams import (
 )
 from ansible_collections.meridian.node.tests.support.e2e_env import last_observation
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
-from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
+from ansible_collections.meridian.node.tests.support.node_env import Node, make_kubernetes_node, publish
 from ansible_collections.meridian.node.tests.support.path_unit import apply_spooled
 from ansible_collections.meridian.node.tests.support.podresources_server import (
     KubeletStandIn,
@@ -134,15 +134,6 @@ def kubelet(counted: _Counted) -> Iterator[tuple[Path, KubeletStandIn]]:
             yield sock, stand_in
 
 
-def _kubernetes_node(server: DevServer, root: Path, node_id: str, sock: Path) -> Node:
-    node = make_node(server, root, node_id, mode=MODE)
-    policy = yaml.safe_load((root / "policy.yaml").read_text())
-    policy["agent"]["allowed_modes"].append(MODE)
-    (root / "policy.yaml").write_text(yaml.safe_dump(policy, sort_keys=False))
-    node.configure(kubernetes={"pod_resources_socket": str(sock), "refresh_seconds": 0})
-    return node
-
-
 class _Recording:
     """The real control client, keeping what the agent posted."""
 
@@ -179,7 +170,7 @@ def test_observe_cycles_and_a_published_state_change_nothing_and_report_the_kube
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     sock, stand_in = kubelet
-    node = _kubernetes_node(server, tmp_path / "node", node_id, sock)
+    node = make_kubernetes_node(server, tmp_path / "node", node_id, sock)
     log, events = recording_logger(node_id)
     agent = node.agent(log=log)
     agent.client = recording = _Recording(agent.client)
@@ -217,11 +208,13 @@ def test_observe_cycles_and_a_published_state_change_nothing_and_report_the_kube
     assert kept["refused_state"]["payload_sha256"] == reported.refused_state.payload_sha256
     assert reported.kubernetes is not None and reported.kubernetes.available
     holders = {a.pod: a for a in reported.kubernetes.allocations}
-    assert sorted(holders) == ["embed-2", "fpga-job", "vllm-llama-0"]
+    assert sorted(holders) == ["embed-2", "vllm-llama-0"]
     gpu = reported.gpu.gpus[0]
     assert [(d.uuid, d.gpu_index) for d in holders["vllm-llama-0"].devices] == [(gpu.mig_instances[0].uuid, gpu.index)]
     assert [(d.uuid, d.gpu_index) for d in holders["embed-2"].devices] == [(gpu.mig_instances[1].uuid, gpu.index)]
-    assert [(d.resource, d.uuid) for d in holders["fpga-job"].devices] == [("example.com/fpga", None)]
+    # The FPGA job holds no GPU: counted, with its FPGA and the allocatable one.
+    assert [(e.reason, e.containers, e.devices) for e in reported.kubernetes.left_out] == [("not-a-gpu", 1, 2)]
+    assert kept["kubernetes"]["left_out"] == [{"reason": "not-a-gpu", "containers": 1, "devices": 2}]
     assert [(e.name, e.managed, e.driver, e.ready) for e in reported.engines] == [
         ("k8s/llm/vllm-llama-0/vllm", False, "vllm", False)
     ]
@@ -235,13 +228,13 @@ def test_observe_cycles_and_a_published_state_change_nothing_and_report_the_kube
     assert f"generation {generation} at " in shown["refused state"] and "read-only" in shown["refused state"]
     assert "llm/vllm-llama-0/vllm [vllm engine, unmanaged]" in shown["kubernetes"]
     joined = f"(GPU {gpu.index}" + (f", {gpu.health.verdict})" if gpu.health else ")")
-    assert joined in shown["kubernetes"] and "5 allocatable device(s)" in shown["kubernetes"]
+    assert joined in shown["kubernetes"] and "4 allocatable device(s)" in shown["kubernetes"]
 
 
 def test_a_restarted_agent_resumes_no_apply_an_earlier_mode_left_unfinished(
     server: DevServer, tmp_path: Path, node_id: str, counted: _Counted, kubelet: tuple[Path, KubeletStandIn]
 ) -> None:
-    node = _kubernetes_node(server, tmp_path / "node", node_id, kubelet[0])
+    node = make_kubernetes_node(server, tmp_path / "node", node_id, kubelet[0])
     generation = publish(server, node.node_id)
     envelope = _envelope(server, node)
     verified = _verified(node, envelope)
@@ -272,7 +265,7 @@ def test_a_restarted_agent_resumes_no_apply_an_earlier_mode_left_unfinished(
 def test_every_door_to_an_apply_stays_shut(
     server: DevServer, tmp_path: Path, node_id: str, counted: _Counted, kubelet: tuple[Path, KubeletStandIn]
 ) -> None:
-    node = _kubernetes_node(server, tmp_path / "node", node_id, kubelet[0])
+    node = make_kubernetes_node(server, tmp_path / "node", node_id, kubelet[0])
     generation = publish(server, node.node_id)
     log, events = recording_logger(node_id)
     agent = node.agent(log=log)
@@ -310,7 +303,7 @@ def test_check_config_accepts_the_mode_and_asks_the_kubelet_once(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     sock, stand_in = kubelet
-    node = _kubernetes_node(server, tmp_path / "node", node_id, sock)
+    node = make_kubernetes_node(server, tmp_path / "node", node_id, sock)
 
     answered = cli_main(["--config", str(node.config_path), "check-config"])
     out = capsys.readouterr().out
@@ -320,7 +313,11 @@ def test_check_config_accepts_the_mode_and_asks_the_kubelet_once(
 
     assert answered == 0 and out.endswith("ok\n")
     assert f"mode {MODE}" in out and "apply: never" in out
-    assert "the kubelet answers: 3 container(s), 3 holding devices; 5 allocatable device(s)" in out
+    # What the read kept: the GPU holders and the GPUs allocatable (the FPGA job and the FPGA are counted).
+    assert (
+        "the kubelet answers: 3 pod(s), 3 container(s); 2 holding a GPU; 1 container(s) and 2 device(s) counted, "
+        "not listed (not-a-gpu); 4 allocatable GPU device(s)"
+    ) in out
     assert stand_in.calls == {"List": 1, "GetAllocatableResources": 1}
     # The kubelet may come up after the agent is installed: a warning, not an error.
     assert missing == 0 and missing_out.endswith("ok\n")
@@ -363,7 +360,7 @@ def test_check_config_without_the_kubernetes_extra_names_it(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    node = _kubernetes_node(server, tmp_path / "node", node_id, tmp_path / "kubelet.sock")
+    node = make_kubernetes_node(server, tmp_path / "node", node_id, tmp_path / "kubelet.sock")
     for name in [name for name in sys.modules if name == "grpc" or name.startswith("grpc.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [_NoGrpc(), *sys.meta_path])

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuFacts, PodDevice
+from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuFacts, KubernetesLeftOut, PodDevice
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
 from ansible_collections.meridian.node.tests.support.podresources_server import (
@@ -56,7 +56,7 @@ def observe(sock: Path, kubelet: KubeletStandIn, gpu: GpuFacts) -> Any:
         return KubernetesObserver(client)(gpu)
 
 
-def test_whole_gpus_and_time_sliced_replicas_join_by_uuid_and_other_resources_have_none(
+def test_whole_gpus_and_time_sliced_replicas_join_by_uuid_and_other_devices_are_counted_not_listed(
     fake: ModuleType, sock: Path
 ) -> None:
     gpu = facts(fake, "eight-gpus", health={2: "degraded"})
@@ -68,7 +68,7 @@ def test_whole_gpus_and_time_sliced_replicas_join_by_uuid_and_other_resources_ha
             StandInContainer("llm", "vllm-llama-0", "metrics-sidecar"),  # no device, no engine: not listed
             StandInContainer("shared", "chat-5d4b", "server", {"nvidia.com/gpu.shared": [f"{uuids[2]}::0"]}),
             StandInContainer("shared", "chat-9e1f", "server", {"nvidia.com/gpu.shared": [f"{uuids[2]}::7"]}),
-            StandInContainer("edge", "fpga-job", "worker", FPGA),
+            StandInContainer("edge", "fpga-job", "worker", FPGA),  # not a GPU: counted
             StandInContainer("lost", "old-job", "main", {"nvidia.com/gpu": [UNKNOWN_GPU]}),
         ],
         {"nvidia.com/gpu": [uuids[3]], "nvidia.com/gpu.shared": [f"{uuids[2]}::{n}" for n in range(2)], **FPGA},
@@ -90,7 +90,6 @@ def test_whole_gpus_and_time_sliced_replicas_join_by_uuid_and_other_resources_ha
     assert (k8s.socket, k8s.available, k8s.reason) == (str(sock), True, None)
     listed = {(a.namespace, a.pod, a.container): (a.devices, a.engine_driver) for a in k8s.allocations}
     assert list(listed) == [  # sorted, whatever order the kubelet lists in
-        ("edge", "fpga-job", "worker"),
         ("llm", "vllm-llama-0", "vllm"),
         ("lost", "old-job", "main"),
         ("shared", "chat-5d4b", "server"),
@@ -105,19 +104,17 @@ def test_whole_gpus_and_time_sliced_replicas_join_by_uuid_and_other_resources_ha
     replica = listed[("shared", "chat-9e1f", "server")][0]
     assert replica == [joined("nvidia.com/gpu.shared", f"{uuids[2]}::7", 2)]
     assert replica[0].health == "degraded"
-    assert listed[("edge", "fpga-job", "worker")] == (
-        [PodDevice(resource="example.com/fpga", device_id="fpga-0")],
-        None,
-    )
     assert listed[("lost", "old-job", "main")][0] == [
         PodDevice(resource="nvidia.com/gpu", device_id=UNKNOWN_GPU, uuid=UNKNOWN_GPU)
     ]
     assert k8s.allocatable == [
-        PodDevice(resource="example.com/fpga", device_id="fpga-0"),
         joined("nvidia.com/gpu", uuids[3], 3),
         joined("nvidia.com/gpu.shared", f"{uuids[2]}::0", 2),
         joined("nvidia.com/gpu.shared", f"{uuids[2]}::1", 2),
     ]
+    # The sidecar and the FPGA job hold no GPU; the FPGA, held and allocatable, is not one.
+    assert (k8s.pods, k8s.containers) == (5, 6)
+    assert k8s.left_out == [KubernetesLeftOut(reason="not-a-gpu", containers=2, devices=2)]
 
 
 def test_mig_devices_join_to_their_parent_gpu_and_its_verdict(fake: ModuleType, sock: Path) -> None:
@@ -158,9 +155,11 @@ def test_a_host_without_nvml_still_lists_nvidia_uuids_without_an_index(fake: Mod
 
 
 def test_a_kubelet_without_allocatable_gives_none(fake: ModuleType, sock: Path) -> None:
-    kubelet = KubeletStandIn([StandInContainer("edge", "fpga-job", "worker", FPGA)], allocatable_answer="unimplemented")
+    gpu = facts(fake, "eight-gpus")
+    holder = StandInContainer("llm", "p", "c", {"nvidia.com/gpu": [str(gpu.gpus[0].uuid)]})
+    kubelet = KubeletStandIn([holder], allocatable_answer="unimplemented")
 
-    view = observe(sock, kubelet, facts(fake, "eight-gpus"))
+    view = observe(sock, kubelet, gpu)
 
     assert view.observation.available and view.observation.allocatable is None
     assert len(view.observation.allocations) == 1
@@ -196,12 +195,13 @@ def test_engine_pods_are_known_by_the_words_of_their_names(
     assert engine_driver(pod, container, holds_devices=holds_devices) == driver
 
 
-def test_known_engines_are_reported_unmanaged_and_never_ready_in_the_observation(fake: ModuleType, sock: Path) -> None:
+def test_known_engines_holding_a_gpu_are_reported_unmanaged_and_never_ready(fake: ModuleType, sock: Path) -> None:
     gpu = facts(fake, "eight-gpus")
     kubelet = KubeletStandIn(
         [
             StandInContainer("llm", "vllm-llama-0", "vllm", {"nvidia.com/gpu": [str(gpu.gpus[0].uuid)]}),
-            StandInContainer("llm", "ollama-cpu-0", "ollama"),  # an engine without a device is still reported
+            StandInContainer("llm", "mistral-tgi-0", "server", {"nvidia.com/gpu": [str(gpu.gpus[1].uuid)]}),
+            StandInContainer("llm", "ollama-cpu-0", "ollama"),  # named like an engine, holding no GPU: counted
             StandInContainer("edge", "fpga-job", "worker", FPGA),
         ]
     )
@@ -219,8 +219,8 @@ def test_known_engines_are_reported_unmanaged_and_never_ready_in_the_observation
         )
 
     engines = {engine.name: engine for engine in observation.engines}
-    assert sorted(engines) == ["k8s/llm/ollama-cpu-0/ollama", "k8s/llm/vllm-llama-0/vllm"]
-    for name, driver in (("k8s/llm/ollama-cpu-0/ollama", "ollama"), ("k8s/llm/vllm-llama-0/vllm", "vllm")):
+    assert sorted(engines) == ["k8s/llm/mistral-tgi-0/server", "k8s/llm/vllm-llama-0/vllm"]
+    for name, driver in (("k8s/llm/mistral-tgi-0/server", "tgi"), ("k8s/llm/vllm-llama-0/vllm", "vllm")):
         engine = engines[name]
         assert (engine.managed, engine.driver, engine.ready, engine.port, engine.state) == (
             False,
@@ -230,7 +230,8 @@ def test_known_engines_are_reported_unmanaged_and_never_ready_in_the_observation
             "active",
         )
     assert observation.kubernetes is not None
-    assert [a.engine_driver for a in observation.kubernetes.allocations] == [None, "ollama", "vllm"]
+    assert [a.engine_driver for a in observation.kubernetes.allocations] == ["tgi", "vllm"]
+    assert observation.kubernetes.left_out == [KubernetesLeftOut(reason="not-a-gpu", containers=2, devices=1)]
 
 
 def test_the_same_node_listed_in_another_order_reads_the_same(fake: ModuleType, sock: Path) -> None:
@@ -239,6 +240,7 @@ def test_the_same_node_listed_in_another_order_reads_the_same(fake: ModuleType, 
     containers = [
         StandInContainer("b", "pod", "c", {"nvidia.com/gpu": uuids[:3]}),
         StandInContainer("a", "vllm-0", "vllm", {"nvidia.com/gpu": uuids[3:5], **FPGA}),
+        *(StandInContainer("t", f"vllm-{n}", "vllm", FPGA if n % 2 else {}) for n in range(20)),
     ]
     backwards = [
         StandInContainer(c.namespace, c.pod, c.container, dict(reversed(list(c.devices.items())))) for c in containers
@@ -262,7 +264,8 @@ def test_a_missing_kubelet_is_reported_with_its_reason_once_and_its_return_at_on
     observer = KubernetesObserver(client, refresh_s=3600, log=log)
 
     first, second = observer(gpu), observer(gpu)
-    with serving(sock, KubeletStandIn([StandInContainer("edge", "fpga-job", "worker", FPGA)])):
+    holder = StandInContainer("llm", "vllm-0", "vllm", {"nvidia.com/gpu": [str(gpu.gpus[0].uuid)]})
+    with serving(sock, KubeletStandIn([holder, StandInContainer("edge", "fpga-job", "worker", FPGA)])):
         back = observer(gpu)  # not held back by refresh_s: a failed read is not cached
     client.close()
 
@@ -271,7 +274,7 @@ def test_a_missing_kubelet_is_reported_with_its_reason_once_and_its_return_at_on
         assert view.observation.reason is not None and str(sock) in view.observation.reason
     assert [fields["reason"] for fields in events.named("kubernetes-pod-resources-unavailable")] == ["no-socket"]
     assert back.observation.available and len(back.observation.allocations) == 1
-    assert [fields["containers"] for fields in events.named("kubernetes-pod-resources-available")] == [1]
+    assert [fields["containers"] for fields in events.named("kubernetes-pod-resources-available")] == [2]
 
 
 def test_the_kubelet_is_read_at_most_every_refresh_and_afresh_after_forget(fake: ModuleType, sock: Path) -> None:
@@ -295,20 +298,25 @@ def test_the_kubelet_is_read_at_most_every_refresh_and_afresh_after_forget(fake:
 
 def test_names_and_ids_the_observation_cannot_carry_are_left_out_and_said(fake: ModuleType, sock: Path) -> None:
     log, events = recording_logger("k8s-long")
+    gpu = facts(fake, "eight-gpus")
+    uuid = str(gpu.gpus[0].uuid)
     long_id = "x" * 254
     kubelet = KubeletStandIn(
         [
-            StandInContainer("edge", "fpga-job", "worker", {"example.com/fpga": ["fpga-0", long_id]}),
-            StandInContainer("edge", "p" * 254, "worker", FPGA),
+            StandInContainer("edge", "gpu-job", "worker", {"nvidia.com/gpu": [uuid], "nvidia.com/other": [long_id]}),
+            StandInContainer("edge", "p" * 254, "worker", {"nvidia.com/gpu": [str(gpu.gpus[1].uuid)]}),
         ]
     )
     with serving(sock, kubelet), PodResourcesClient(str(sock)) as client:
-        view = KubernetesObserver(client, log=log)(facts(fake, "eight-gpus"))
+        observer = KubernetesObserver(client, log=log, refresh_s=0)
+        view = observer(gpu)
+        observer(gpu)  # the same again: said once
 
-    assert [(a.pod, [d.device_id for d in a.devices]) for a in view.observation.allocations] == [
-        ("fpga-job", ["fpga-0"])
+    assert [(a.pod, [d.device_id for d in a.devices]) for a in view.observation.allocations] == [("gpu-job", [uuid])]
+    assert view.observation.left_out == [KubernetesLeftOut(reason="name-too-long", containers=1, devices=2)]
+    assert [(e["reason"], e["containers"], e["devices"]) for e in events.named("kubernetes-entries-left-out")] == [
+        ("name-too-long", 1, 2)
     ]
-    assert [fields["count"] for fields in events.named("kubernetes-entries-left-out")] == [2]
 
 
 def test_an_observer_without_kubernetes_reports_none(fake: ModuleType) -> None:

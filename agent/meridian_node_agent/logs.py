@@ -2,6 +2,10 @@
 
 Events are short kebab-case names (``desired-state-rejected``), fields carry the values. A log line is for
 machines first; a person reads it with ``jq``.
+
+Fields carry what others wrote (an engine's ``last_lines``, a server's error text), so no line may carry a raw
+control character to the terminal of whoever reads the journal: JSON escapes them itself (``\u001b``, and every
+non-ASCII character), and the text format writes each value through ``terminal_text.escape_text``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import logging
 import sys
 from datetime import UTC, datetime
 from typing import Any, TextIO
+
+from meridian_node_agent.terminal_text import escape_text
 
 __all__ = ["EventLogger", "JsonFormatter", "configure_logging"]
 
@@ -27,14 +33,22 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             document.update(fields)
-        return json.dumps(document, default=str, sort_keys=False)
+        # ensure_ascii (the default) is what keeps escape sequences out of the line: do not turn it off.
+        return json.dumps(document, default=str, sort_keys=False, ensure_ascii=True)
 
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields = getattr(record, "fields", None) or {}
-        extra = " ".join(f"{key}={value}" for key, value in fields.items())
+        extra = " ".join(f"{key}={_text(value)}" for key, value in fields.items())
         return f"{record.levelname.lower()} {record.getMessage()} {extra}".rstrip()
+
+
+def _text(value: Any) -> str:
+    """A field's value on one line, escaped: a list or a mapping (``last_lines``) as JSON, anything else as text."""
+    if isinstance(value, dict | list | tuple):
+        value = json.dumps(value, default=str, ensure_ascii=False)
+    return escape_text(str(value), one_line=True)
 
 
 class EventLogger:

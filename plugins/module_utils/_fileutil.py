@@ -127,6 +127,7 @@ def read_capped(
     nofollow: bool = True,
     dir_fd: int | None = None,
     check: Callable[[os.stat_result], None] | None = None,
+    tail: bool = False,
 ) -> bytes:
     """The bytes of the regular file ``path``, at most ``max_bytes`` of them; ``CappedReadError`` otherwise.
 
@@ -138,7 +139,9 @@ def read_capped(
     A file larger than ``max_bytes`` is refused by its size before any byte is read, and, should it grow
     while being read, after ``max_bytes + 1`` bytes at most. ``dir_fd`` opens ``path`` relative to that
     directory (``os.open``'s meaning). ``check`` is called with the regular file's status before anything
-    is read; what it raises propagates (root's checks of link count and owner).
+    is read; what it raises propagates (root's checks of link count and owner). With ``tail``, a larger file
+    is not refused: its last ``max_bytes`` bytes are returned (an append-only log read from its end; the first
+    line may be cut), and bytes appended while it is read are not.
     """
     name = os.fspath(path)
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
@@ -161,9 +164,11 @@ def read_capped(
         if check is not None:
             check(info)
         if info.st_size > max_bytes:
-            raise _too_large(name, max_bytes, what=what)
+            if not tail:
+                raise _too_large(name, max_bytes, what=what)
+            os.lseek(fd, info.st_size - max_bytes, os.SEEK_SET)
         chunks: list[bytes] = []
-        left = max_bytes + 1
+        left = max_bytes if tail else max_bytes + 1
         while left > 0:
             try:
                 chunk = os.read(fd, min(left, 1024 * 1024))

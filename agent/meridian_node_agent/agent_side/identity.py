@@ -49,7 +49,15 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import ato
 from ansible_collections.meridian.node.plugins.module_utils.contracts import EnrollmentResponse, format_rfc3339
 
 # The pinned public API (tests/devserver/test_devserver_units.py).
-__all__ = ["CertificateInfo", "CertificateIssuer", "CertificateRenewal", "IdentityError", "NodeIdentity", "PendingKey"]
+__all__ = [
+    "CertificateInfo",
+    "CertificateIssuer",
+    "CertificateRenewal",
+    "IdentityError",
+    "NodeIdentity",
+    "PendingKey",
+    "certificate_info",
+]
 
 _CURRENT = "current"
 _VERSIONS = "versions"
@@ -208,7 +216,7 @@ class NodeIdentity:
                 f"cannot read the node certificate {self.cert_path}: {exc.strerror}; enroll first"
             ) from exc
         try:
-            return _info(x509.load_pem_x509_certificate(data))
+            return certificate_info(x509.load_pem_x509_certificate(data))
         except ValueError as exc:
             raise IdentityError(f"{self.cert_path} is not a PEM certificate: {exc}") from exc
 
@@ -396,7 +404,7 @@ def _issued_certificate(
         x509.load_pem_x509_certificates(response.ca_bundle_pem.encode("ascii"))
     except ValueError as exc:
         raise IdentityError(f"the {exchange} response carries an unreadable certificate: {exc}") from exc
-    info = _info(certificate)
+    info = certificate_info(certificate)
     if response.node_id not in info.node_ids:
         raise IdentityError(
             f"the {exchange}'s certificate names {list(info.node_ids)}, not node {response.node_id!r}; {refused}"
@@ -443,7 +451,7 @@ def _write_new_file(path: Path, data: bytes, mode: int) -> None:
         os.fsync(handle.fileno())
 
 
-def _info(certificate: x509.Certificate) -> CertificateInfo:
+def certificate_info(certificate: x509.Certificate) -> CertificateInfo:
     try:
         san = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         names = tuple(san.get_values_for_type(x509.DNSName))

@@ -17,7 +17,7 @@ from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 
-__all__ = ["ABANDONED", "STARTED", "OpLog", "Operation"]
+__all__ = ["ABANDONED", "STARTED", "OpLog", "Operation", "decode_operation"]
 
 STARTED = "started"
 # An interrupted operation that start-up could not resume; its entry carries the reason.
@@ -88,7 +88,7 @@ class OpLog:
             return []
         entries = []
         for text in raw.split(b"\n"):
-            entry = _decode(text)
+            entry = decode_operation(text)
             if entry is not None:
                 entries.append(entry)
         return entries
@@ -108,7 +108,8 @@ class OpLog:
         return None
 
 
-def _decode(text: bytes) -> Operation | None:
+def decode_operation(text: bytes) -> Operation | None:
+    """One line of the log as an ``Operation``; None for a blank, torn or foreign line (they are skipped, not fatal)."""
     if not text.strip():
         return None
     try:

@@ -109,7 +109,8 @@ def _read_run(engine: DockerEngine, container: ContainerInfo, read_at: str, imag
     scrubber = EnvScrubber.from_env(_env(attrs), images[image_id])
     # Scrubbed whole, before any split or cut: a value with a newline in it is still found, and no cut leaves
     # the first half of a secret on one line.
-    text = scrubber.scrub(raw.decode("utf-8", errors="replace"))
+    # A byte that is not UTF-8 is kept as a lone surrogate, so `logs --raw` can give it back (engine_logs_file).
+    text = scrubber.scrub(raw.decode("utf-8", errors="surrogateescape"))
     lines = [cap_line(line) for line in text.splitlines()][-TAIL_LINES:]
     exited = ExitInfo.from_inspect(attrs)
     return KeptRun(

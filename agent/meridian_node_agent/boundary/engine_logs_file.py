@@ -19,6 +19,11 @@ new container that has printed nothing yet. Each line is at most ``MAX_LINE_CHAR
 and the line says how much), the file at most ``MAX_LOG_FILE_BYTES`` (the oldest lines go first). Every line was
 scrubbed of the container's environment before it was written (``docker.log_scrub``).
 
+A line is kept as printed, escape sequences included (``meridian-node logs`` escapes them where it shows them),
+and a byte that was not UTF-8 as the lone surrogate ``surrogateescape`` makes of it (JSON's ``\\udcff`` for 0xff),
+so that ``logs --raw`` gives back the bytes Docker gave (its default ``json-file`` driver has already made such a
+byte U+FFFD; its ``local`` driver keeps it). ``EngineLogTail.lines``, what observations carry, has U+FFFD there.
+
 Written atomically (a temporary file in ``logs/``, renamed over the name: a symlink planted at the name is
 replaced, never followed), mode 0640, group the agent's: the agent's group reads it, only the writer writes it.
 The ``logs/`` directory (0750, same group) is checked before each write: a real directory, the writer's, writable
@@ -79,6 +84,8 @@ MAX_LOG_FILE_BYTES = 128 * 1024  # 2 x 100 lines x 500 characters fits with room
 _CUT = " [... {} more characters]"
 _NAME = re.compile(NAME_PATTERN)
 _CONTAINER_ID = re.compile(r"[0-9a-f]{12}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NOT_A_BYTE = re.compile("[\ud800-\udc7f\udd00-\udfff]")  # surrogateescape makes only U+DC80..U+DCFF
 
 
 class EngineLogError(MeridianError, ValueError):
@@ -120,7 +127,13 @@ class EngineLogTail:
     previous: KeptRun | None = None
 
     def lines(self, count: int | None = None) -> list[str]:
-        """The previous container's lines, then the current one's: the last ``count`` (all with None)."""
+        """The previous container's lines, then the current one's: the last ``count`` (all with None), as text
+        for an observation or a log line: a byte the engine printed that was not UTF-8 is U+FFFD here."""
+        return [_text(line) for line in self.raw_lines(count)]
+
+    def raw_lines(self, count: int | None = None) -> list[str]:
+        """``lines`` as kept: a byte that was not UTF-8 is the lone surrogate ``surrogateescape`` makes of it, so
+        ``line.encode("utf-8", "surrogateescape")`` gives back what the engine printed (``meridian-node logs``)."""
         kept = [*(self.previous.lines if self.previous else ()), *self.current.lines]
         return kept if count is None else kept[max(0, len(kept) - count) :]
 
@@ -132,6 +145,16 @@ class EngineLogTail:
             "current": self.current.as_dict(),
             "previous": None if self.previous is None else self.previous.as_dict(),
         }
+
+
+def _text(line: str) -> str:
+    """``line`` with each lone surrogate (a byte that was not UTF-8, ``surrogateescape``) as U+FFFD: what the old
+    ``errors="replace"`` reading gave, and what JSON text and the contract's strings can carry."""
+    if line.isascii() or not _SURROGATE.search(line):
+        return line
+    # The bytes as Docker gave them, read as the keeper once read them; a surrogate no byte makes is U+FFFD at once.
+    line = _NOT_A_BYTE.sub("\ufffd", line)
+    return line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def cap_line(line: str) -> str:

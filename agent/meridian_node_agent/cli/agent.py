@@ -11,13 +11,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+
 from ansible_collections.meridian.node.plugins.module_utils.contracts import EnrollmentResponse, format_rfc3339
-from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore, StateStoreError
+from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import (
+    STATE_FILE,
+    StateStore,
+    StateStoreError,
+)
+from ansible_collections.meridian.node.plugins.module_utils.trust.verify import AppliedState
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneError, ControlPlaneUnavailable
-from meridian_node_agent.agent_side.identity import CertificateInfo, IdentityError, NodeIdentity
+from meridian_node_agent.agent_side.identity import CertificateInfo, IdentityError, NodeIdentity, certificate_info
 from meridian_node_agent.agent_side.stop import StopSignal
 from meridian_node_agent.agent_side.transfer_watch import transfers_path
-from meridian_node_agent.apply.oplog import OpLog
+from meridian_node_agent.apply.oplog import Operation, decode_operation
+from meridian_node_agent.boundary.agent_files import STATUS_MAX_BYTES, read_agent_document, read_agent_file
+from meridian_node_agent.boundary.directories import BoundaryError
 from meridian_node_agent.config import (
     AgentConfig,
     ConfigError,
@@ -27,6 +36,7 @@ from meridian_node_agent.config import (
 )
 from meridian_node_agent.errors import UsageError
 from meridian_node_agent.logs import EventLogger, configure_logging
+from meridian_node_agent.terminal_text import escape_text
 
 __all__ = [
     "TOKEN_ENV",
@@ -42,6 +52,10 @@ __all__ = [
 ]
 
 TOKEN_ENV = "MERIDIAN_NODE_TOKEN"  # noqa: S105 - the variable's name, not a token
+# What `status` reads of the agent's files (boundary.agent_files): far above what the agent writes, far below harm.
+MAX_APPLIED_BYTES = 64 * 1024
+MAX_CERTIFICATE_BYTES = 64 * 1024
+OPLOG_TAIL_BYTES = 256 * 1024  # the operation log only grows: its last entries are read from its end
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -83,7 +97,9 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "and result, the agent's counters, each GPU's health verdict and the cordons in force at the last report, "
         "and the client certificate's expiry and renewal, from the state dir (the agent need not be running; "
         "'meridian-node gpu-health show' reads the GPUs now). In mode kubernetes-integrated also what the kubelet "
-        "listed at the last report (which pod holds which GPU) and the desired state last refused.",
+        "listed at the last report (which pod holds which GPU) and the desired state last refused. What the agent "
+        "wrote is read as root reads the agent's files (no symlink followed, regular files only, capped: exit 1 "
+        "naming the file otherwise) and shown escaped (ESC as \\x1b).",
     )
     status.add_argument(
         "--json", action="store_true", help="print one JSON document (for scripts and monitoring) instead of a table"
@@ -308,48 +324,73 @@ def _run_air_gapped(config: AgentConfig, *, once: bool, stop: StopSignal) -> int
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from meridian_node_agent.agent_side.cycle import read_status
-
     config = _config(args)
-    state_dir = Path(config.state_dir)
     try:
-        applied = StateStore(state_dir).load()
-    except StateStoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        seen = _read_state_dir(config)
+    except (BoundaryError, StateStoreError) as exc:
+        print(f"error: {escape_text(str(exc), one_line=True)}", file=sys.stderr)
         return 1
-    oplog = OpLog(state_dir / "oplog.jsonl")
-    try:
-        certificate: CertificateInfo | None = NodeIdentity(config.identity_dir).certificate()
-    except IdentityError:
-        certificate = None
-    now = datetime.now(UTC)
+    applied, last, status, certificate = seen
     if args.json:
-        print(json.dumps(status_document(config, applied, read_status(state_dir), oplog, certificate), sort_keys=True))
+        # JSON escapes every control character itself (\u001b): the document is printed as json.dumps makes it.
+        print(json.dumps(status_document(config, applied, status, last, certificate), sort_keys=True))
         return 0
+    now = datetime.now(UTC)
     print(
         format_status(
-            config,
-            applied.generation,
-            applied.epoch,
-            read_status(state_dir),
-            oplog,
-            certificate,
-            now,
-            accepted=applied.accepted,
+            config, applied.generation, applied.epoch, status, last, certificate, now, accepted=applied.accepted
         )
     )
     return 0
+
+
+def _read_state_dir(
+    config: AgentConfig,
+) -> tuple[AppliedState, Operation | None, dict[str, Any] | None, CertificateInfo | None]:
+    """What ``status`` shows of the agent's directory, each file read as root reads the agent's files
+    (``boundary.agent_files``): ``BoundaryError`` for one planted there, ``StateStoreError`` for a damaged record."""
+    from meridian_node_agent.agent_side.cycle import STATUS_FILE
+
+    state_dir = Path(config.state_dir)
+    raw = read_agent_file(state_dir, STATE_FILE, max_bytes=MAX_APPLIED_BYTES, what="the applied-state file")
+    # The record's own decoding (its messages and its checks); reading it is done here, for the reasons above.
+    applied = AppliedState() if raw is None else StateStore(state_dir).decode(raw)
+    status = read_agent_document(state_dir, STATUS_FILE, max_bytes=STATUS_MAX_BYTES, what="the agent's status file")
+    return applied, _last_operation(state_dir), status, _certificate(config)
+
+
+def _last_operation(state_dir: Path) -> Operation | None:
+    raw = read_agent_file(state_dir, "oplog.jsonl", max_bytes=OPLOG_TAIL_BYTES, what="the operation log", tail=True)
+    entries = [entry for entry in map(decode_operation, (raw or b"").split(b"\n")) if entry is not None]
+    return entries[-1] if entries else None
+
+
+def _certificate(config: AgentConfig) -> CertificateInfo | None:
+    """The node certificate's serial and validity; None before enrollment. ``node.pem`` and ``current`` are
+    symlinks after a renewal (``agent_side.identity``): followed down, within the identity directory, only."""
+    raw = read_agent_file(
+        Path(config.state_dir),
+        str(Path(config.identity_dir).relative_to(config.state_dir) / "node.pem"),
+        max_bytes=MAX_CERTIFICATE_BYTES,
+        what="the node certificate",
+        links=True,
+    )
+    if raw is None:
+        return None
+    try:
+        return certificate_info(x509.load_pem_x509_certificate(raw))
+    except ValueError:
+        return None  # as before: shown as no certificate
 
 
 def status_document(
     config: AgentConfig,
     applied: Any,
     status: dict[str, Any] | None,
-    oplog: OpLog,
+    last: Operation | None,
     certificate: CertificateInfo | None,
 ) -> dict[str, Any]:
     """What ``status`` shows, as data: the agent's own status file as it wrote it, plus what is on disk."""
-    last = oplog.last()
     return {
         "node_id": config.node_id,
         "mode": config.mode,
@@ -379,12 +420,12 @@ def format_status(
     generation: int,
     epoch: int,
     status: dict[str, Any] | None,
-    oplog: OpLog,
+    last: Operation | None,
     certificate: CertificateInfo | None = None,
     now: datetime | None = None,
     accepted: Any = None,
 ) -> str:
-    last = oplog.last()
+    """The table ``status`` prints; each value escaped (``terminal_text``): the agent wrote most of them."""
     run = (status or {}).get("last_run") or {}
     counters = (status or {}).get("counters") or {}
     rejections = counters.get("rejections") or {}
@@ -427,7 +468,7 @@ def format_status(
         ("status updated", _text((status or {}).get("updated_at"))),
     ]
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+    return "\n".join(f"{name.ljust(width)}  {escape_text(value, one_line=True)}" for name, value in rows)
 
 
 def _transfers_text(transfers: list[dict[str, Any]]) -> str:

@@ -5,6 +5,9 @@ under the privilege split, the agent's ``state_dir`` in-process, the directory t
 reads them from either way. ``show`` reads the GPUs now, judged against those holds as placement judges them, and
 adds what the agent last reported where it differs; ``clear`` drops one hold, by uuid, index or PCI bus id, and
 must run as the owner of that directory (root under the split). docs/GPU_HEALTH.md says what a clear does.
+
+The agent's status.json is read as root reads the agent's files (``boundary.agent_files``), and every line is
+printed escaped (``terminal_text``): the agent wrote what it says.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold impo
     HealthHolds,
     HeldVerdict,
 )
+from meridian_node_agent.boundary.agent_files import STATUS_MAX_BYTES, read_agent_document
+from meridian_node_agent.boundary.directories import BoundaryError
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config
 from meridian_node_agent.errors import UsageError
+from meridian_node_agent.terminal_text import escape_text
 
 __all__ = ["add_parsers", "cmd_gpu_health_clear", "cmd_gpu_health_show"]
 
@@ -45,7 +51,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         description="Read this host's GPUs (NVML, read-only), judge each against the verdicts held in the hold "
         "file as placement does, and print one line per GPU: verdict, held since when, reasons. Holds of GPUs "
         "that are not on the host now, and what the agent last reported where it differs, follow. Exit 0, or 1 "
-        "when the hold file cannot be read.",
+        "when the hold file or the agent's status.json cannot be read (or is not a regular file: it is never "
+        "followed through a symlink).",
     )
     show.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
     show.set_defaults(handler=cmd_gpu_health_show)
@@ -71,23 +78,26 @@ def _config(args: argparse.Namespace) -> AgentConfig:
 def cmd_gpu_health_show(args: argparse.Namespace, *, nvml: Any = None) -> int:
     config = _config(args)
     holds = HealthHolds(config.record_dir)
-    problem = None
+    holds_problem = status_problem = None
     try:
         held = holds.all()
     except HealthHoldError as exc:
-        problem, held = str(exc), {}
+        holds_problem, held = str(exc), {}
     facts = collect_gpu_facts(
         nvml, processes=False, nvlink=False, previous={uuid: verdict.health for uuid, verdict in held.items()}
     )
     gpus = [gpu for gpu in facts.get("gpus") or [] if isinstance(gpu, Mapping)]
     here = {str(gpu.get("uuid")) for gpu in gpus}
     elsewhere = [verdict for uuid, verdict in sorted(held.items()) if uuid not in here]
-    reported = _agent_verdicts(config)
+    try:
+        reported = _agent_verdicts(config)
+    except BoundaryError as exc:
+        status_problem, reported = str(exc), {}
     if args.json:
         document = {
             "node_id": config.node_id,
             "holds_file": holds.path,
-            "holds_error": problem,
+            "holds_error": holds_problem,
             "nvml_available": facts["nvml_available"],
             "reason": facts.get("reason"),
             "gpus": [
@@ -104,14 +114,15 @@ def cmd_gpu_health_show(args: argparse.Namespace, *, nvml: Any = None) -> int:
             ],
             "held_not_present": [verdict.as_dict() for verdict in elsewhere],
         }
+        # JSON escapes every control character itself (\u001b): printed as json.dumps makes it.
         print(json.dumps(document, sort_keys=True))
     else:
         for line in _show_lines(config, holds.path, facts, gpus, held, elsewhere, reported):
-            print(line)
-    if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return 1
-    return 0
+            print(escape_text(line, one_line=True))
+    problems = [problem for problem in (holds_problem, status_problem) if problem is not None]
+    for problem in problems:
+        print(f"error: {escape_text(problem, one_line=True)}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _show_lines(
@@ -187,10 +198,16 @@ def _agent_only(config: AgentConfig, agent: Mapping[str, Any], held: Mapping[str
 
 
 def _agent_verdicts(config: AgentConfig) -> dict[str, dict[str, Any]]:
-    """The verdicts in the agent's status.json by uuid ({} when it has none, or it cannot be read)."""
-    from meridian_node_agent.agent_side.cycle import read_status
+    """The verdicts in the agent's status.json by uuid ({} when it has none); ``BoundaryError`` for a file that is
+    not what the agent writes there (a FIFO, a symlink, too large)."""
+    from meridian_node_agent.agent_side.cycle import STATUS_FILE
 
-    status = read_status(Path(config.state_dir)) or {}
+    status = (
+        read_agent_document(
+            Path(config.state_dir), STATUS_FILE, max_bytes=STATUS_MAX_BYTES, what="the agent's status file"
+        )
+        or {}
+    )
     return {str(gpu.get("uuid")): gpu for gpu in status.get("gpus") or [] if isinstance(gpu, dict)}
 
 
@@ -202,25 +219,33 @@ def cmd_gpu_health_clear(args: argparse.Namespace, *, nvml: Any = None) -> int:
     try:
         dropped = holds.clear(args.gpu, gpu_facts=facts)
     except HealthHoldError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {escape_text(str(exc), one_line=True)}", file=sys.stderr)
         return 1
     if not dropped:
-        print(f"GPU {args.gpu} is not held in {holds.path}: nothing to clear")
-        agent = _agent_verdicts(config).get(_uuid_of(args.gpu, facts) or args.gpu)
+        _say(f"GPU {args.gpu} is not held in {holds.path}: nothing to clear")
+        try:
+            agent = _agent_verdicts(config).get(_uuid_of(args.gpu, facts) or args.gpu)
+        except BoundaryError as exc:
+            print(f"error: {escape_text(str(exc), one_line=True)}", file=sys.stderr)
+            return 1
         if agent is not None and agent.get("verdict") == "unhealthy" and config.apply.via == "systemd":
-            print(
+            _say(
                 f"the agent last reported it {_reported_text(agent)}: an XID only the agent's own watch saw, which "
                 "root does not hold yet (the agent's next apply request relays it, and root holds it then); "
                 "restarting the agent (systemctl restart meridian-node) drops it"
             )
         return 0
     for verdict in dropped:
-        print(f"cleared {verdict.describe()} from {holds.path}")
+        _say(f"cleared {verdict.describe()} from {holds.path}")
     print(
         "placement may use it again; only what NVML shows from now on counts: a GPU still faulty by its counters is "
         "held again at its next read (root's observe timer under the split, the agent's next GPU refresh in-process)"
     )
     return 0
+
+
+def _say(line: str) -> None:
+    print(escape_text(line, one_line=True))
 
 
 def _uuid_of(which: str, facts: Mapping[str, Any]) -> str | None:

@@ -3,6 +3,11 @@
 Reads the file the side that can read Docker keeps (``boundary.engine_logs_file``): root's observe unit under the
 split (``<apply.state_dir>/public/logs/``, group-readable by the agent's group), the agent itself in-process
 (``<state_dir>/logs/``). Needs neither root nor Docker access; asks nothing of Docker itself. docs/LOGS.md.
+
+What an engine printed may hold escape sequences that would drive the terminal of whoever runs this (set its
+title, clear it, write its clipboard with OSC 52): every line is written escaped (``terminal_text.escape_text``:
+ESC as ``\\x1b``), to a terminal or not, as journalctl does; ``--raw`` writes the bytes as kept, and only where
+stdout is not a terminal.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from meridian_node_agent.boundary.engines_file import INVENTORY_FILE, InventoryE
 from meridian_node_agent.boundary.spool import PUBLIC_DIR
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config
 from meridian_node_agent.errors import UsageError
+from meridian_node_agent.terminal_text import escape_text, unescape_text
 
 __all__ = ["add_parsers", "cmd_logs", "kept_logs_dir"]
 
@@ -38,7 +44,9 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "observe unit every 30 s under apply.via: systemd (<apply.state_dir>/public/logs/, readable by the "
         "agent's group), by the agent in-process (<state_dir>/logs/). The previous container's last lines come "
         "first when the engine was recreated since. Values of the container's environment are replaced by "
-        "<redacted> (docs/LOGS.md says which). Exit 0, 1 when no log is kept for ENGINE or it cannot be read.",
+        "<redacted> (docs/LOGS.md says which). Control characters, escape sequences and bytes that are not UTF-8 are "
+        "written visibly (ESC as \\x1b, a backslash before one as \\\\), to a terminal, a pipe or a file alike, unless "
+        "--raw. Exit 0, 1 when no log is kept for ENGINE or it cannot be read, 2 for --raw to a terminal.",
     )
     verb.add_argument("engine", metavar="ENGINE", help="the engine's name, as in the desired state")
     verb.add_argument(
@@ -47,6 +55,12 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         default=None,
         metavar="N",
         help=f"print only the last N lines (default: all kept, at most {TAIL_LINES} per container)",
+    )
+    verb.add_argument(
+        "--raw",
+        action="store_true",
+        help="write the lines as the engine printed them, escape sequences and all, for a pipe or a file "
+        "(| less -R, > chat.log); refused when stdout is a terminal, which would act on them",
     )
     verb.set_defaults(handler=cmd_logs)
 
@@ -79,12 +93,20 @@ def cmd_logs(args: argparse.Namespace) -> int:
         log_path(directory, args.engine)
     except EngineLogError as exc:
         raise UsageError(str(exc)) from exc
+    if args.raw and sys.stdout.isatty():
+        raise UsageError(
+            "--raw writes the escape sequences an engine printed as they are, and stdout is a terminal, which would "
+            f"act on them: pipe it (meridian-node logs {args.engine} --raw | less -R) or leave --raw out"
+        )
     try:
         tail = read_log_tail(directory, args.engine)
     except EngineLogError as exc:
-        print(f"meridian-node logs: error: {_explain(exc, config, args.engine)}", file=sys.stderr)
+        print(
+            f"meridian-node logs: error: {escape_text(_explain(exc, config, args.engine), one_line=True)}",
+            file=sys.stderr,
+        )
         return 1
-    _print(tail, args.tail)
+    _print(tail, args.tail, raw=args.raw)
     return 0
 
 
@@ -121,18 +143,37 @@ def _engines(config: AgentConfig) -> set[str] | None:
     return {engine.name for engine in inventory.engines}
 
 
-def _print(tail: EngineLogTail, count: int | None) -> None:
-    shown = tail.lines(count)
-    previous = tail.previous.lines if tail.previous is not None else ()
+def _print(tail: EngineLogTail, count: int | None, *, raw: bool) -> None:
+    """The headers, always escaped, and the engine's lines: escaped, or with ``raw`` as the engine printed them."""
+    shown = tail.raw_lines(count)
     # How many of the lines shown are the previous container's: the last ones of it, before the current's.
     from_previous = max(0, len(shown) - len(tail.current.lines))
+    out: list[bytes] = []
     if tail.previous is not None and from_previous:
-        print(f"--- {tail.engine}: previous {_describe(tail.previous)} ---")
-        for line in previous[len(previous) - from_previous :]:
-            print(line)
-    print(f"--- {tail.engine}: {_describe(tail.current)} ---")
-    for line in shown[from_previous:]:
-        print(line)
+        out.append(_header(f"--- {tail.engine}: previous {_describe(tail.previous)} ---"))
+        out.extend(_line(line, raw=raw) for line in shown[:from_previous])
+    out.append(_header(f"--- {tail.engine}: {_describe(tail.current)} ---"))
+    out.extend(_line(line, raw=raw) for line in shown[from_previous:])
+    data = b"".join(out)
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:  # a text stream put in stdout's place (a caller's StringIO): the same bytes, as it takes them
+        sys.stdout.write(data.decode("utf-8", "surrogateescape"))
+        return
+    sys.stdout.flush()
+    buffer.write(data)
+
+
+def _header(text: str) -> bytes:
+    return escape_text(text, one_line=True).encode("utf-8") + b"\n"
+
+
+def _line(line: str, *, raw: bool) -> bytes:
+    if not raw:
+        return escape_text(line, one_line=True).encode("utf-8") + b"\n"
+    try:
+        return line.encode("utf-8", "surrogateescape") + b"\n"
+    except UnicodeEncodeError:  # a surrogate no byte made (a hand-edited file): the bytes escape_text spells out
+        return unescape_text(escape_text(line)) + b"\n"
 
 
 def _describe(run: KeptRun) -> str:

@@ -82,7 +82,7 @@ class StateStore:
             return AppliedState()
         except OSError as exc:
             raise StateStoreError(f"cannot read the applied-state file {self.path}: {exc.strerror or exc}") from exc
-        return self._decode(raw)
+        return self.decode(raw)
 
     def record_applied(self, generation: int, epoch: int, payload_sha256: str) -> AppliedState:
         """Record that ``generation`` (issued under lease ``epoch``, body hash ``payload_sha256``) was applied."""
@@ -210,7 +210,9 @@ class StateStore:
         except OSError as exc:
             raise StateStoreError(f"cannot lock the applied-state file {self.path}: {exc.strerror or exc}") from exc
 
-    def _decode(self, raw: bytes) -> AppliedState:
+    def decode(self, raw: bytes) -> AppliedState:
+        """The record held in ``raw`` (what ``load`` read), for a reader that read the file its own way
+        (``meridian-node status`` reads through ``boundary.agent_files``); ``StateStoreError`` if it is not one."""
         try:
             document: Any = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as exc:

@@ -44,7 +44,8 @@ import docker
 from timing import median_seconds
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import Options, converge
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import Options
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import converge
 from ansible_collections.meridian.node.plugins.module_utils.engines.set import SetOptions, converge_set
 from ansible_collections.meridian.node.tests.support.engine_harness import BIND, PORTS, free_ports, run_playbook
 from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image, ensure_engine_image

@@ -34,7 +34,8 @@ import docker
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.docker.image_pull import ImagePuller, PullLimits
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import Options, converge
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import Options
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import converge
 from ansible_collections.meridian.node.tests.support.engine_harness import BIND, PORTS, free_port
 from ansible_collections.meridian.node.tests.support.registry import forget_local, push, running_registry
 from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image, ensure_engine_image

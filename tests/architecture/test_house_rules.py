@@ -33,6 +33,10 @@ RUNS_ON = {"agent_side": "the agent side", "root_side": "the root side", "bounda
 # What a module shell may import besides one module_utils file named *_args (its ARGUMENT_SPEC and outcome).
 SHELL_MAY_IMPORT = ("__future__", "ansible.module_utils.basic", f"{MU}._module")
 SHELL_RULE = "a module shell imports only ansible.module_utils.basic, _module, one *_args file and its *_outcome"
+# One engine's phases live once in engines/converge/; engines/instance.py (one engine) and engines/set.py (a set)
+# only order them, so neither reaches into the other, and converge/ into neither.
+CONVERGE = f"{MU}.engines.converge"
+ORDERERS = (f"{MU}.engines.instance", f"{MU}.engines.set")
 
 
 @dataclass
@@ -161,6 +165,19 @@ def rule_module_utils_rooms(sources: dict[str, Source]) -> list[str]:
     return found
 
 
+def rule_one_converge(sources: dict[str, Source]) -> list[str]:
+    """``engines/instance.py`` and ``engines/set.py`` never import each other; ``engines/converge/`` neither."""
+    found = []
+    for source, line, target in edges(sources):
+        if target not in ORDERERS:
+            continue
+        if source.module in ORDERERS:
+            found.append(f"{source.path}:{line}: imports {target}: instance.py and set.py only share converge/")
+        elif source.module == CONVERGE or source.module.startswith(CONVERGE + "."):
+            found.append(f"{source.path}:{line}: converge/ imports {target}: it imports neither instance nor set")
+    return found
+
+
 def rule_module_shells(sources: dict[str, Source]) -> list[str]:
     """A module imports only ``__future__``, ``ansible.module_utils.basic``, ``_module`` and exactly one
     ``*_args`` file of module_utils, and from that file exactly one ``*_outcome`` function."""
@@ -262,6 +279,7 @@ RULES: list[Rule] = [
     rule_plugins_never_import_the_agent,
     rule_agent_rooms,
     rule_module_utils_rooms,
+    rule_one_converge,
     rule_module_shells,
     rule_unique_class_names,
     rule_one_error_root,
@@ -291,6 +309,10 @@ PLANTED = [
     (rule_module_utils_rooms, f"{M}/trust/dsse.py", f"from {MU}.engines import plan\n", "engines/"),
     (rule_module_utils_rooms, f"{M}/engines/prune.py", f"from {MU}.artifacts import fetch\n", "artifacts/layout"),
     (rule_module_utils_rooms, f"{M}/engines/set.py", f"from {MU}.artifacts.held import held_problems\n", "layout"),
+    (rule_one_converge, f"{M}/engines/instance.py", f"from {MU}.engines.set import SetOptions\n", "only share"),
+    (rule_one_converge, f"{M}/engines/set.py", f"from {MU}.engines import instance\n", "only share"),
+    (rule_one_converge, f"{M}/engines/converge/act.py", f"from {MU}.engines.instance import converge\n", "neither"),
+    (rule_one_converge, f"{M}/engines/converge/room.py", f"from {MU}.engines.set import converge_set\n", "neither"),
     (rule_module_shells, f"{S}/gpu_facts.py", "import json\n", SHELL_RULE),
     (rule_module_shells, f"{S}/drain.py", f"from {MU}.gpu.facts_args import gpu_facts_outcome\n", SHELL_RULE),
     (rule_unique_class_names, f"{A}/boundary/spool.py", "\n\nclass Agent:\n    pass\n", "class Agent"),

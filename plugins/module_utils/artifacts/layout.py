@@ -1,6 +1,6 @@
 """Where the artifact store keeps things, and the one rule for an artifact's promoted version.
 
-The store (``artifacts.store``) writes this layout; engines (``engines.instance``) mount from it. Both read
+The store (``artifacts.store``) writes this layout; engines (``engines.converge.prepare``) mount from it. Both read
 ``artifacts/<name>/current`` through ``current_version`` here, so a planted link is refused the same way
 whether the store lists it or an engine is about to mount it::
 

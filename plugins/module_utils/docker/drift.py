@@ -10,9 +10,9 @@ gives no entrypoint and no command, its entrypoint when the request gives none).
 
 Two readers:
 
-- ``engines.instance`` has the settings: it builds the request the container would be created from now,
-  reads the expected settings out of it (``expected_settings``) and compares them with the live ones
-  (``read_settings``); a difference replaces the container, naming the settings and both values.
+- a converge (``engines.converge.prepare``) has the settings: it builds the request the container would be
+  created from now, reads the expected settings out of it (``expected_settings``) and compares them with the
+  live ones (``read_settings``); a difference replaces the container, naming the settings and both values.
 - the agent has no settings at hand (they come from the spec, the policy and the store, root's side under
   the split), only the inspect document it reads each cycle for the restart count. So the create request
   stores a digest of each expected setting in the label ``meridian.node/settings`` (``settings_label``),

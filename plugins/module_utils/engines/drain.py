@@ -5,11 +5,12 @@ the serving projection drop the engine before anything else happens; only then d
 engine's own running + waiting gauges to reach zero (engines without metrics get a fixed ``grace``);
 only then, if asked, is the container stopped with the driver's signal and stop timeout.
 
-``wait_until_idle`` is the waiting part alone, shared by ``engines.instance``'s drain-then-replace and
-by ``drain_engine`` (``meridian.node.drain``). Both take ``sleep`` and ``clock`` so tests need no real time.
+``wait_until_idle`` is the waiting part alone, shared by a converge's drain-then-replace
+(``engines.converge.waits``) and by ``drain_engine`` (``meridian.node.drain``). Both take ``sleep`` and
+``clock`` so tests need no real time.
 
 On a timeout ``drain_engine`` keeps the mark: whoever asked for the drain asked that the engine get no
-new work, and a re-run continues the same drain (the mark keeps when it began). ``engines.instance``
+new work, and a re-run continues the same drain (the mark keeps when it began). A converge (``engines.converge``)
 clears it instead, because there the old engine goes on serving until a later replacement.
 """
 

@@ -1,7 +1,7 @@
 """The images a converge will create engines from, brought onto the host before anything is drained or stopped.
 
-``engines.instance`` and ``engines.set`` call these between placement and their first action, so a pull that
-fails, stalls or is refused leaves every old engine serving as it was (issue 26, "pull before drain"). Only an
+``engines.converge.images`` calls these, for one engine or a set, between placement and the first action, so a
+pull that fails, stalls or is refused leaves every old engine serving as it was (issue 26, "pull before drain"). Only an
 image a plan creates from and the local Docker lacks is pulled; a rerun finds it present and pulls nothing.
 Check mode asks the registry instead (``docker.image_pull.ImagePuller.forecast``) and pulls nothing.
 

@@ -19,7 +19,8 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.args import 
     RUN_OPTIONS,
     SPEC_REQUIRED_IF,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import Options, converge
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import Options
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import converge
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError
 
 ARGUMENT_SPEC: dict[str, Any] = {

@@ -1,9 +1,9 @@
 """Converge a host's whole set of engines in one run: ``meridian.node.engine_set`` without Ansible.
 
-Every engine is converged with ``engines.instance``'s own steps (``prepare_engine``, ``check_placement``,
-``apply_engine``, ``report_engine``), so one engine in a set ends exactly as ``engines.instance`` alone would
-leave it. What the set adds is the order, and the safety argument is the same: nothing changes before
-everything was checked.
+Every engine is converged with the phases ``engines.instance`` orders for one engine (``engines.converge``:
+``prepare_engine``, ``find_room``, ``check_placement``, ``bring_images``, ``apply_or_report``), so one engine
+in a set ends exactly as ``engines.instance`` alone would leave it. What the set adds is the order, and the
+safety argument is the same: nothing changes before everything was checked.
 
 1. Read once: the policy, every container (one listing), and the desired state when it comes as a signed
    envelope (verified here with ``trust.desired_state.reconcile_desired_state``; this side never trusts the
@@ -17,11 +17,11 @@ everything was checked.
    through but must say (a degraded GPU, ``force`` on a bad one) is in the run's ``warnings``.
    Every refusal is collected; any refusal fails the run before anything changed.
 3. Every image an engine is to be created from and Docker lacks is pulled by digest, each once
-   (``engines.instance.bring_images``), before anything is drained, held or stopped: a failed or stalled pull
+   (``engines.converge.images.bring_images``), before anything is drained, held or stopped: a failed or stalled pull
    fails the run with every old engine still serving. Check mode asks the registry instead.
 4. Check mode stops here and reports what would change.
 5. Act: drain and remove the dropped engines in a listed engine's way; converge the engines wave by wave
-   (``engines.set_plan.waves``), up to ``parallel`` at a time, each one's actions in ``engines.instance``'s
+   (``engines.set_plan.waves``), up to ``parallel`` at a time, each one's actions in ``engines.converge.act``'s
    order (drain before replacing, its own timeouts); then, if every engine converged, drain and remove the
    other dropped engines and, for an envelope with ``record``, record its generation as applied, as step 1
    verified it. With ``prune``, the images this owner pulled (written down in step 3, ``engines.image_record``)
@@ -36,7 +36,6 @@ a second line, for text from outside such as Docker's error messages. ``env`` va
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,47 +44,52 @@ from typing import Any, Protocol, TypeVar
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY, DEFAULT_STATE_DIR
-from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TransferReporter
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     ContainerInfo,
     DockerEngine,
     DockerEngineError,
     ImageNotFoundError,
-    address_overlaps,
     port_bind_problem,
 )
 from ansible_collections.meridian.node.plugins.module_utils.docker.log_scrub import MIN_SCRUBBED_CHARS
-from ansible_collections.meridian.node.plugins.module_utils.engines.cordon import release_cordon_mark
-from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import HostCordon, mark_cordoned
-from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
-from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, clear_draining
-from ansible_collections.meridian.node.plugins.module_utils.engines.image_prune import prune_images, record_pulled
-from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import image_missing
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.act import apply_or_report
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import (
     EngineRun,
     Options,
-    apply_engine,
-    bring_images,
+    RunOptions,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.gates import (
     check_placement,
     cordon_in_force,
-    creates,
-    find_room,
+    gpu_reader,
     held_by_cordon,
     hold,
+    mark_unplaced_image,
+    placed,
+    release_hold,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.images import bring_images, record_pulls
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import (
+    creates,
     load_engine_policy,
     prepare_engine,
-    replan_with_room,
-    report_engine,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.room import (
+    find_room,
+    may_go_beside,
+    published_on,
+    replan_with_room,
+)
+from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import HostCordon
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError, clear_draining
+from ansible_collections.meridian.node.plugins.module_utils.engines.image_prune import prune_images
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import (
     LABEL_MIN_VRAM,
     LABEL_OWNER,
     label_spec,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
-    PlacementFactsError,
-    read_gpu_facts,
-)
+from ansible_collections.meridian.node.plugins.module_utils.engines.placement import PlacementFactsError
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import Action, Room
 from ansible_collections.meridian.node.plugins.module_utils.engines.prune import PruneOrder, prune_order
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan import (
@@ -123,25 +127,12 @@ class EngineSetError(MeridianError):
 
 
 @dataclass(frozen=True)
-class SetOptions:
-    """How to converge the set, beside the engines themselves."""
+class SetOptions(RunOptions):
+    """How to converge the set, beside the engines themselves (each engine's ``Options`` are made from these and
+    its spec: ``_engine_options``)."""
 
-    owner: str | None = None
     prune: bool = False
-    wait_ready: bool = True
     parallel: int = 8
-    ready_timeout_s: float = 600
-    drain_timeout_s: float = 300
-    drain_grace_s: float = 10
-    drain_settle_s: float = 0
-    replace_beside: bool = False
-    policy_path: str = DEFAULT_POLICY
-    state_dir: str = DEFAULT_STATE_DIR
-    store_path: str | None = None
-    # Where the byte progress of pulls goes for the agent (``_transfer_progress``); None: nowhere.
-    progress_file: str | None = None
-    # ``missing``: pull an image Docker lacks; ``never``: refuse it (``image-missing``), as on an air-gapped host.
-    pull: str = "missing"
     prune_reason: str = "the engine set no longer lists it"
     # Images loaded from air-gap bundles are the agent's (only it loads them): only a signed state's run prunes them.
     prune_loaded: bool = False
@@ -512,14 +503,16 @@ def converge_set(
         raise EngineSetError(
             f"engines {twice} are listed more than once; list each engine once", result={"check": "spec"}
         )
-    policy = _load_policy(options.policy_path)
     try:
+        policy = load_engine_policy(options.policy_path)
         containers = engine.list_containers()
+        cordon = cordon_in_force(options.state_dir, policy, options.cordon)
+    except EngineInstanceError as exc:
+        raise EngineSetError(str(exc), result={"check": exc.check}) from exc
     except DockerEngineError as exc:
         raise EngineSetError(str(exc), result={"check": "docker"}) from exc
     by_name = {container.name: container for container in containers}
-    cordon = _cordon(options, policy)
-    read_gpus = _marked_facts(gpu_facts or functools.partial(read_gpu_facts, options.state_dir), cordon)
+    read_gpus = gpu_reader(gpu_facts, options.state_dir, cordon)
     held, specs = _split_held(specs, options, cordon, read_gpus)
 
     def prepare(spec: Mapping[str, Any]) -> EngineRun | tuple[str, str]:
@@ -556,16 +549,14 @@ def converge_set(
             f"nothing was changed: {_failure_text(refusals)}",
             result={"check": refusals[0][2] if len(refusals) == 1 else "engines", "engines": engines, "pruned": []},
         )
-    _bring_images(
-        runs, policy, check_mode=check_mode, clock=clock, progress_file=options.progress_file, pull=options.pull
-    )
+    _bring_images(runs, policy, options, check_mode=check_mode, clock=clock)
     if not check_mode and options.owner:
         _record_pulls(runs, options, engine)
     pruned = [{"name": name, "reason": "first"} for name in order.first]
     pruned += [{"name": name, "reason": "later"} for name in order.later]
     held_results = _hold_all(held, cordon, options, engine, check_mode, sleep, clock)
     if check_mode:
-        results = {name: report_engine(run, True) for name, run in runs.items()}
+        results = {name: apply_or_report(run, check_mode=True) for name, run in runs.items()}
         result = _set_result(results, runs, pruned, by_name, check_mode=True)
     else:
         try:
@@ -575,7 +566,7 @@ def converge_set(
             raise
     if options.prune and options.owner:
         _prune_images(result, runs, containers, options, policy, engine, check_mode=check_mode, now=wall())
-    _release_cordon_marks(result, runs, options, check_mode=check_mode)
+    _release_cordon_marks(result, runs, check_mode=check_mode)
     return _with_held(result, held_results)
 
 
@@ -583,33 +574,37 @@ def converge_set(
 
 
 def _mark_missing_images(runs: Mapping[str, EngineRun]) -> list[tuple[str, str, str]]:
-    """Mark the runs whose plan creates from an image Docker lacks that placement did not look at (check mode
-    before the artifact is in the store: no settings to place); the refusals of those whose image could not be
-    looked at. Placement marks the others (``check_placement``)."""
+    """Mark the runs whose plan creates from an image Docker lacks that placement did not look at (``placed``);
+    the refusals of those whose image could not be looked at."""
     refusals: list[tuple[str, str, str]] = []
     for run in runs.values():
-        if creates(run.plan) and run.spec is not None and run.settings is None:
-            try:
-                run.image_missing = image_missing(run.engine, run.spec.image)
-            except DockerEngineError as exc:
-                refusals.append((run.name, str(exc), "docker"))
+        try:
+            mark_unplaced_image(run)
+        except DockerEngineError as exc:
+            refusals.append((run.name, str(exc), "docker"))
     return refusals
 
 
 def _bring_images(
     runs: Mapping[str, EngineRun],
     policy: Policy,
+    options: SetOptions,
     *,
     check_mode: bool,
     clock: Callable[[], float],
-    progress_file: str | None,
-    pull: str,
 ) -> None:
-    """Every missing image pulled (or forecast) before any engine is touched; a failure fails the set with
-    nothing changed, each engine that needed the image naming the check and how far the pull got."""
+    """Every missing image pulled (or forecast) before any engine is touched (``converge.images``); a failure
+    fails the set with nothing changed, each engine that needed the image naming the check and how far the pull
+    got."""
     try:
-        reporter = TransferReporter(progress_file)
-        bring_images(list(runs.values()), policy, check_mode=check_mode, clock=clock, reporter=reporter, pull=pull)
+        bring_images(
+            list(runs.values()),
+            policy,
+            check_mode=check_mode,
+            clock=clock,
+            progress_file=options.progress_file,
+            pull=options.pull,
+        )
     except EngineInstanceError as exc:
         engines = {
             name: {**run.result(), "failed": True, "msg": str(exc), "check": exc.check}
@@ -625,14 +620,9 @@ def _bring_images(
 
 
 def _record_pulls(runs: Mapping[str, EngineRun], options: SetOptions, engine: DockerEngine) -> None:
-    """Root's record of the images this run pulled, for the owner's image prune (``engines.image_record``)."""
-    pulled = [
-        run.spec.image
-        for run in runs.values()
-        if run.spec is not None and run.image_pull is not None and run.image_pull.get("pulled")
-    ]
+    """Root's record of the images this run pulled, for the owner's image prune (``converge.images``)."""
     try:
-        record_pulled(engine, options.state_dir, str(options.owner), list(dict.fromkeys(pulled)))
+        record_pulls(list(runs.values()), engine, state_dir=options.state_dir, owner=str(options.owner))
     except MeridianError as exc:
         raise EngineSetError(f"no engine was changed: {exc}", result={"check": "image-record", "pruned": []}) from exc
 
@@ -695,25 +685,6 @@ def _prune_images(
 # --- cordons (engines.cordon) ---------------------------------------------------------------------------
 
 
-def _cordon(options: SetOptions, policy: Policy) -> HostCordon | None:
-    try:
-        return cordon_in_force(options.state_dir, policy, options.cordon)
-    except EngineInstanceError as exc:
-        raise EngineSetError(str(exc), result={"check": exc.check}) from exc
-
-
-def _marked_facts(read: Callable[[], Mapping[str, Any]], cordon: HostCordon | None) -> Callable[[], Mapping[str, Any]]:
-    """The GPU facts placement reads, cordoned GPUs marked, read at most once per run."""
-    cache: list[Mapping[str, Any]] = []
-
-    def read_marked() -> Mapping[str, Any]:
-        if not cache:
-            cache.append(mark_cordoned(read(), cordon))
-        return cache[0]
-
-    return read_marked
-
-
 def _split_held(
     specs: Sequence[Mapping[str, Any]],
     options: SetOptions,
@@ -751,12 +722,9 @@ def _hold_all(
     results: dict[str, dict[str, Any]] = {}
     if cordon is None:
         return results
-    engine_options = Options(
-        state_dir=options.state_dir, drain_timeout_s=options.drain_timeout_s, drain_grace_s=options.drain_grace_s
-    )
     for name in held:
         try:
-            results[name] = hold(name, cordon, engine_options, engine, check_mode, sleep, clock)
+            results[name] = hold(name, cordon, options, engine, check_mode, sleep, clock)
         except EngineInstanceError as exc:
             results[name] = {**exc.result, "failed": True, "msg": str(exc), "check": exc.check}
             raise EngineSetError(
@@ -778,28 +746,15 @@ def _with_held(result: dict[str, Any], held: Mapping[str, Mapping[str, Any]]) ->
     return result
 
 
-def _release_cordon_marks(
-    result: dict[str, Any], runs: Mapping[str, EngineRun], options: SetOptions, *, check_mode: bool
-) -> None:
+def _release_cordon_marks(result: dict[str, Any], runs: Mapping[str, EngineRun], *, check_mode: bool) -> None:
     """Engines no cordon holds any more get their cordon's draining mark cleared: back in service."""
     for name, run in runs.items():
-        if run.options.state != "started":
-            continue
         try:
-            released = release_cordon_mark(options.state_dir, name, check_mode=check_mode)
+            released = release_hold(run, result["engines"][name], check_mode=check_mode)
         except DrainStateError as exc:
             raise EngineSetError(str(exc), result={**result, "check": "drain-state"}) from exc
         if released:
-            engine_result = result["engines"][name]
-            engine_result["actions"] = [*engine_result.get("actions", []), "unmark"]
             result["changed"] = True
-
-
-def _load_policy(path: str) -> Policy:
-    try:
-        return load_engine_policy(path)
-    except EngineInstanceError as exc:
-        raise EngineSetError(str(exc), result={"check": exc.check}) from exc
 
 
 def _prune_order(
@@ -833,7 +788,7 @@ def _place(
     first = [_held(c) for c in containers if c.owned and c.name in pruned_first]
     creating = [run for run in runs.values() if creates(run.plan) and run.spec is not None]
     facts: Mapping[str, Any] | None = None
-    with_gpus = [run.name for run in creating if run.spec is not None and run.spec.gpus and run.settings is not None]
+    with_gpus = [run.name for run in creating if placed(run) and run.spec is not None and run.spec.gpus]
     if with_gpus:
         # NVML only when a new engine asks for GPUs: a no-op converge never loads it.
         try:
@@ -852,23 +807,16 @@ def _place(
         )
     if refusals:
         return refusals
-    _look_for_room(creating, members, containers, facts, outside, first)
+    _rooms(creating, members, containers, facts, outside, first)
     for run in creating:
         spec = run.spec
-        if spec is None or run.settings is None:
+        if not placed(run) or spec is None:
             continue  # check mode before the artifact is in the store: placement needs the settings
         member = members[run.name]
         inputs = placement_inputs(member, list(members.values()), outside=outside, pruned_first=first)
 
         def port_taken(port: int, run: EngineRun = run, member: Member = member) -> str | None:
-            holders = [
-                _held(c)
-                for c in containers
-                if any(
-                    p.host_port == port and p.protocol == "tcp" and address_overlaps(p.host_ip, run.bind)
-                    for p in c.ports
-                )
-            ]
+            holders = [_held(c) for c in containers if port in published_on(c, run.bind)]
             if not holders:
                 return port_bind_problem(run.bind, port)
             handover = port_handover(member, holders, members, order.first)
@@ -896,7 +844,7 @@ def _place(
     return refusals
 
 
-def _look_for_room(
+def _rooms(
     creating: Sequence[EngineRun],
     members: dict[str, Member],
     containers: Sequence[ContainerInfo],
@@ -912,21 +860,15 @@ def _look_for_room(
     """
     for run in creating:
         spec = run.spec
-        if run.plan.way != "in-place" or spec is None or not run.options.replace_beside:
+        if not may_go_beside(run) or spec is None:
             continue
         member = members[run.name]
         if any(needs(waiting, member) for waiting in members.values()):
             replan_with_room(run, Room(why_not="another engine of the set waits for its old container"))
             continue
-        published = [
-            p.host_port
-            for container in containers
-            for p in container.ports
-            if p.protocol == "tcp" and address_overlaps(p.host_ip, run.bind)
-        ]
         inputs = placement_inputs(member, list(members.values()), outside=outside, pruned_first=first)
         wanted = [other.port for other in members.values() if other.name != run.name and other.port is not None]
-        room = find_room(run, spec, published=published, gpu_facts=facts, others=inputs.others, wanted=wanted)
+        room = find_room(run, spec, containers=containers, gpu_facts=facts, others=inputs.others, wanted=wanted)
         replan_with_room(run, room)
         members[run.name] = _member(run)
 
@@ -1001,9 +943,7 @@ def _converge_waves(
 
     def act(name: str, retire_only: bool = False) -> _Outcome:
         run = runs[name]
-        if not run.plan.actions:
-            return _guard(lambda: report_engine(run, False))
-        return _guard(lambda: apply_engine(run, sleep, clock, retire_only=retire_only))
+        return _guard(lambda: apply_or_report(run, check_mode=False, sleep=sleep, clock=clock, retire_only=retire_only))
 
     def unblocked(names: Sequence[str]) -> list[str]:
         """``names`` less those that need what a failed engine still holds; those are failed as blocked."""

@@ -2,7 +2,7 @@
 the engines may be acted on.
 
 Pure: no Docker, no NVML, no clock. ``engines.set`` observes the host once, prepares every engine with
-``engines.instance.prepare_engine`` (one plan per engine), and asks this file three things before anything
+``engines.converge.prepare.prepare_engine`` (one plan per engine), and asks this file three things before anything
 changes:
 
 - ``placement_inputs``: the reservations a new engine's placement must count. Beside the host's other owned

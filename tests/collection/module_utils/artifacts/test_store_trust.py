@@ -5,7 +5,7 @@ the same the store sees in production. Which check stops which attack:
 
 - ``current`` re-pointed (an absolute path, ``..``, a temporary, a version that is itself a symlink):
   ``artifacts.layout.current_version``, the one rule the store lists by and an engine mounts by
-  (``engines.instance.mounted_artifact``), on the resolved path.
+  (``engines.converge.prepare.mounted_artifact``), on the resolved path.
 - Writing into the store (a store directory or the index that it owns or can write): ``check_trust``
   refuses the whole store, naming the path, before anything is read or written.
 - Replacing the store from above (a directory on the way to it that it owns or can write, or a symlink
@@ -42,7 +42,7 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.store impo
     ensure_artifact,
 )
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.verified_args import run as run_verified_artifact
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import mounted_artifact
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import mounted_artifact
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError
 from ansible_collections.meridian.node.plugins.module_utils.trust import policy as policy_module
 from ansible_collections.meridian.node.tests.collection.module_utils.artifacts.test_artifact_store import (

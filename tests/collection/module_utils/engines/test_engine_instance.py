@@ -17,6 +17,11 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     ContainerInfo,
     DockerEngine,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import Options
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import (
+    engine_settings,
+    mounted_artifact,
+)
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import (
     DrainStateError,
     clear_draining,
@@ -25,12 +30,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks 
     read_mark,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import get_driver
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import (
-    Options,
-    converge,
-    engine_settings,
-    mounted_artifact,
-)
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import converge
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import (
     LABEL_MIN_VRAM,
     LABEL_OWNER,
@@ -654,7 +654,7 @@ def _settings_and_container(label: str | None) -> tuple[Any, ContainerInfo]:
 def test_the_settings_a_container_was_created_from_follow_its_placed_port_label(
     label: str | None, host_port: int
 ) -> None:
-    from ansible_collections.meridian.node.plugins.module_utils.engines.instance import _as_placed
+    from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import _as_placed
 
     settings, container = _settings_and_container(label)
     placed = _as_placed(settings, container, (8100, 8199))

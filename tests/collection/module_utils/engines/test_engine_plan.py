@@ -5,8 +5,9 @@ from typing import Any
 
 import pytest
 
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import engine_settings
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.waits import poll_intervals
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import get_driver
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import engine_settings, poll_intervals
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import (
     Action,
     NameTakenError,

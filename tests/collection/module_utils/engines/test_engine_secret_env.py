@@ -26,8 +26,8 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     _create_body,
     _our_labels,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import engine_settings
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import DriverError, get_driver
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import engine_settings
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import public_spec, shown_spec
 from ansible_collections.meridian.node.plugins.module_utils.engines.set import _envelope_engines
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec, parse_engine_spec

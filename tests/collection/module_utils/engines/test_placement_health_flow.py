@@ -16,7 +16,8 @@ import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
-from ansible_collections.meridian.node.plugins.module_utils.engines.instance import Options, converge
+from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import Options
+from ansible_collections.meridian.node.plugins.module_utils.engines.instance import converge
 from ansible_collections.meridian.node.plugins.module_utils.engines.set import EngineSetError, SetOptions, converge_set
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_rules import judge

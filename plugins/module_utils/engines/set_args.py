@@ -20,7 +20,8 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.args import 
     RUN_OPTIONS,
     SPEC_REQUIRED_IF,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.set import EngineSetError, run_engine_set
+from ansible_collections.meridian.node.plugins.module_utils.engines.set import EngineSetError
+from ansible_collections.meridian.node.plugins.module_utils.engines.set_run import run_engine_set
 
 ENGINE_OPTIONS = {
     **ENGINE_SPEC_OPTIONS,

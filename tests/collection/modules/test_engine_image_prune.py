@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
-from ansible_collections.meridian.node.plugins.module_utils.engines.set import SetOptions, converge_set, run_engine_set
+from ansible_collections.meridian.node.plugins.module_utils.engines.set import SetOptions, converge_set
+from ansible_collections.meridian.node.plugins.module_utils.engines.set_run import run_engine_set
 from ansible_collections.meridian.node.tests.collection.modules.test_engine_image_pull import engine, pull_host
 from ansible_collections.meridian.node.tests.support.engine_harness import Host, free_port, run_foreign_engine
 from ansible_collections.meridian.node.tests.support.registry import Registry, pushed_image, running_registry

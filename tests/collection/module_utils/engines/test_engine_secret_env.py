@@ -29,7 +29,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import engine_settings
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import DriverError, get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import public_spec, shown_spec
-from ansible_collections.meridian.node.plugins.module_utils.engines.set import _envelope_engines
+from ansible_collections.meridian.node.plugins.module_utils.engines.set_run import _envelope_engines
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec, parse_engine_spec
 
 SECRET = "\u01c2"  # one character, and one that nothing else here prints

@@ -15,13 +15,7 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.held impor
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import placement_problem
-from ansible_collections.meridian.node.plugins.module_utils.engines.set import (
-    MASK,
-    EngineSetError,
-    SetOptions,
-    converge_set,
-    run_engine_set,
-)
+from ansible_collections.meridian.node.plugins.module_utils.engines.set import EngineSetError, SetOptions, converge_set
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan import (
     Held,
     Member,
@@ -32,6 +26,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan imp
     port_handover,
     waves,
 )
+from ansible_collections.meridian.node.plugins.module_utils.engines.set_run import MASK, run_engine_set
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 DIGEST = "sha256:" + "ab" * 32

@@ -63,7 +63,6 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.probes impor
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import CordonPolicy
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 from meridian_node_agent.agent_side.kubernetes_observer import KubernetesView, lighter
-from meridian_node_agent.boundary.engine_log_keeper import keep_engine_logs
 from meridian_node_agent.boundary.engine_logs_file import LOGS_DIR, EngineLogError, EngineLogTail, read_log_tail
 from meridian_node_agent.boundary.engines_file import (
     INVENTORY_FILE,
@@ -74,6 +73,7 @@ from meridian_node_agent.boundary.engines_file import (
     read_inventory,
 )
 from meridian_node_agent.boundary.spool import PUBLIC_DIR
+from meridian_node_agent.collectors.engine_log_keeper import keep_engine_logs
 from meridian_node_agent.logs import EventLogger
 
 __all__ = [
@@ -112,7 +112,7 @@ class DockerEngines:
     last listing are reported with state ``unknown`` and not ready.
 
     With ``owner``, it also keeps the tail of each of its engines' logs in ``<state_dir>/logs``
-    (``boundary.engine_log_keeper``: what root's observe unit does under the split), at most every
+    (``collectors.engine_log_keeper``: what root's observe unit does under the split), at most every
     ``log_refresh_s``, and at each listing while one of them is failing; a failing engine is reported with the
     last lines of its kept tail (``last_lines``).
     """

@@ -1,7 +1,7 @@
 """``<dir>/logs/<engine>.json``: the kept tail of one engine's log, scrubbed, for people without Docker access.
 
 Runs on: both sides: root's observe unit (under the split, in ``<apply.state_dir>/public/logs``) and the
-in-process agent (in ``<state_dir>/logs``) write it (``write_log_tail``, through ``boundary.engine_log_keeper``);
+in-process agent (in ``<state_dir>/logs``) write it (``write_log_tail``, through ``collectors.engine_log_keeper``);
 ``meridian-node logs`` and the agent's observer read it (``read_log_tail``).
 
 The file (format 1)::

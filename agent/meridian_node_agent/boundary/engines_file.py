@@ -33,10 +33,8 @@ reports no engines rather than guessing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +57,6 @@ __all__ = [
     "Inventory",
     "InventoryEngine",
     "InventoryError",
-    "collect_inventory",
     "file_identity",
     "parse_inventory",
     "read_inventory",
@@ -280,65 +277,3 @@ def _is_int(value: Any) -> bool:
 def _require(condition: bool, where: str, problem: str) -> None:
     if not condition:
         raise InventoryError(f"{where}: {problem}")
-
-
-def collect_inventory(
-    connect: Callable[[], Any], *, node_id: str, policy_path: str, state_dir: str, written_at: str
-) -> Inventory:
-    """What root sees of this node's engines, through the engine discovery the playbook uses (root side).
-
-    ``engine_info`` keeps the engines owned by ``agent:<node id>`` and needs no Docker Engine when the
-    policy allows no image; the second listing adds the address each one is probed on. Raises what
-    ``engine_info`` raises (``PolicyError``, ``DockerEngineError``).
-    """
-    from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
-        DockerEngineError,
-        EngineInspection,
-    )
-    from ansible_collections.meridian.node.plugins.module_utils.engines.discovery import engine_info
-    from ansible_collections.meridian.node.plugins.module_utils.engines.drain import driver_of, probe_address
-    from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
-
-    owner = f"agent:{node_id}"
-    listed = engine_info(connect, policy_path=policy_path, state_dir=state_dir, owner=owner, probe=False)["engines"]
-    # By engine name and published port: while an engine is replaced, its old and new containers both show.
-    probes: dict[tuple[str, int | None], tuple[str, str, tuple[str, int] | None]] = {}
-    exits: dict[tuple[str, int | None], EngineInspection] = {}  # how each last ended, what was changed by hand
-    if listed:
-        engine = connect()
-        try:
-            for container in engine.list_owned():
-                if container.labels.get(LABEL_OWNER) == owner:
-                    driver = driver_of(container)
-                    address = probe_address(container, driver)
-                    key = (container.instance or container.name, None if address is None else address[1])
-                    probes[key] = (driver.name, driver.facts.health_path, address)
-                    with contextlib.suppress(DockerEngineError):  # gone since the listing: nothing to say
-                        exits[key] = engine.inspect_engine(container.id)
-        finally:
-            engine.close()
-    engines = []
-    for entry in listed:
-        key = (entry["name"], entry["port"])
-        probe_driver, health_path, address = probes.get(key, ("openai", "/health", None))
-        inspected = exits.get(key)
-        engines.append(
-            InventoryEngine(
-                name=entry["name"],
-                driver=entry["driver"],
-                served_model_name=entry["served_model_name"],
-                image=entry["image"],
-                host=None if address is None else address[0],
-                port=None if address is None else address[1],
-                probe_driver=probe_driver,
-                health_path=health_path,
-                gpus=tuple(entry["gpus"]),
-                min_vram_mib=entry["min_vram_mib"],
-                state=entry["state"],
-                restarts=None if inspected is None else inspected.exit.restarts,
-                exit_code=None if inspected is None else inspected.exit.exit_code,
-                exit_reason=None if inspected is None else inspected.exit.exit_reason,
-                drifted=None if inspected is None else inspected.drifted,
-            )
-        )
-    return Inventory(node_id=node_id, written_at=written_at, engines=tuple(engines))

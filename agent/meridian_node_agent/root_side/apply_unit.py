@@ -41,7 +41,7 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.policy import 
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import Rejection, verify_desired_state
 from meridian_node_agent.apply.applier import Applier
 from meridian_node_agent.boundary.directories import BoundaryError
-from meridian_node_agent.boundary.engines_file import collect_inventory, write_inventory
+from meridian_node_agent.boundary.engines_file import write_inventory
 from meridian_node_agent.boundary.spool import (
     ANSWER_MODE,
     RESULT_FILE,
@@ -52,6 +52,7 @@ from meridian_node_agent.boundary.spool import (
 )
 from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
 from meridian_node_agent.errors import UsageError
+from meridian_node_agent.root_side.engine_inventory import collect_inventory
 from meridian_node_agent.root_side.gpu_reports import relay_gpu_reports
 from meridian_node_agent.root_side.read_only_docker import connect_read_only
 from meridian_node_agent.root_side.root_dir import RootDir, apply_lock, prepare_root_dir, read_request

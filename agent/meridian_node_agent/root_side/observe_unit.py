@@ -30,7 +30,7 @@ that way is kept here like any other, until a reset this read shows or an operat
 the holds are still synced: the file has its own lock, and the apply's placement reads it whole or not at all.
 
 **Engine logs.** Each run also keeps the tail of each engine's log, scrubbed of the container's environment, in
-``<apply.state_dir>/public/logs/<engine>.json`` (``boundary.engine_log_keeper``; mode 0640, the agent's group), where
+``<apply.state_dir>/public/logs/<engine>.json`` (``collectors.engine_log_keeper``; mode 0640, the agent's group), where
 ``meridian-node logs`` and the agent's observations read it without Docker access; the previous container's last
 lines are kept when an engine is recreated. Also while an apply runs (no apply writes there). docs/LOGS.md.
 """
@@ -47,9 +47,9 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import for
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngineError
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HealthHoldError, HealthHolds
-from meridian_node_agent.boundary.engine_log_keeper import keep_engine_logs
 from meridian_node_agent.boundary.engine_logs_file import LOGS_DIR, EngineLogError
 from meridian_node_agent.boundary.engines_file import INVENTORY_FILE, InventoryError, read_inventory
+from meridian_node_agent.collectors.engine_log_keeper import keep_engine_logs
 from meridian_node_agent.root_side.apply_unit import open_root_side, refresh_inventory
 from meridian_node_agent.root_side.read_only_docker import connect_read_only
 from meridian_node_agent.root_side.root_dir import RootDir, apply_lock
@@ -118,7 +118,7 @@ def cmd_observe_engines(
 def keep_logs(
     node_id: str, root: RootDir, *, connect: Callable[[], Any], clock: Callable[[], datetime]
 ) -> tuple[str, str | None]:
-    """Keep the tail of each engine's log in ``<apply.state_dir>/public/logs`` (``boundary.engine_log_keeper``);
+    """Keep the tail of each engine's log in ``<apply.state_dir>/public/logs`` (``collectors.engine_log_keeper``);
     what was done, in a line for the unit's journal, and what went wrong (None: nothing).
 
     Docker is asked only when engines.json lists an engine: a host with none (or a policy allowing no image)

@@ -1,7 +1,7 @@
 """What an engine prints of its own environment, scrubbed before any of its log is kept, shown or reported.
 
 Used by the agent's log keepers (root's observe unit under the split, the agent in-process:
-``meridian_node_agent/boundary/engine_log_keeper.py``), which scrub what they read from Docker before it is
+``meridian_node_agent/collectors/engine_log_keeper.py``), which scrub what they read from Docker before it is
 written; it lives here so that anything else that shows an engine's log (a module's failure message) can scrub it
 the same way. Pure and standard library only: strings in, strings out. Runs on the managed host's Python (3.9+).
 

@@ -30,7 +30,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
-from meridian_node_agent.boundary.engine_log_keeper import keep_engine_logs
+from meridian_node_agent.collectors.engine_log_keeper import keep_engine_logs
 
 pytestmark = pytest.mark.docker
 

@@ -32,7 +32,6 @@ from ansible_collections.meridian.node.tests.support.shared_tmp import reachable
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 from meridian_node_agent.agent_side.observe import InventoryEngines, Observer
-from meridian_node_agent.boundary.engine_log_keeper import KEEP_GONE_S, keep_engine_logs
 from meridian_node_agent.boundary.engine_logs_file import (
     LOG_FILE_MODE,
     MAX_LINE_CHARS,
@@ -44,6 +43,7 @@ from meridian_node_agent.boundary.engine_logs_file import (
 )
 from meridian_node_agent.cli import build_parser
 from meridian_node_agent.cli import main as cli_main
+from meridian_node_agent.collectors.engine_log_keeper import KEEP_GONE_S, keep_engine_logs
 from meridian_node_agent.root_side.observe_unit import cmd_observe_engines
 
 pytestmark = [

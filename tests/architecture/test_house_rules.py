@@ -309,7 +309,7 @@ M = "plugins/module_utils"
 S = "plugins/modules"
 # One violation of each rule: (rule, file, text appended to it, what every report line then names).
 PLANTED = [
-    (rule_plugins_never_import_the_agent, f"{M}/contracts.py", "import meridian_node_agent.config\n", "the agent"),
+    (rule_plugins_never_import_the_agent, f"{M}/contracts/base.py", "import meridian_node_agent.config\n", "the agent"),
     (rule_agent_rooms, f"{A}/agent_side/cycle.py", "from meridian_node_agent.root_side import root_dir\n", "root_side"),
     (rule_agent_rooms, f"{A}/boundary/spool.py", "from meridian_node_agent.cli import main\n", "cli/"),
     (rule_module_utils_rooms, f"{M}/trust/dsse.py", f"from {MU}.engines import plan\n", "engines/"),

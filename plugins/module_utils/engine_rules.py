@@ -43,6 +43,9 @@ __all__ = [
     "volume_targets_problem",
 ]
 
+# The engines there is a driver for, in the order schemas and option choices list them: the one list of their names,
+# which contracts.Driver is derived from and engines/drivers.py's DRIVERS holds a class for each of (a test holds
+# the two to each other; trust/ reads this list and may not import engines/).
 DRIVERS = ("vllm", "tgi", "sglang", "ollama", "llamacpp", "lmdeploy", "openai")
 ENGINE_STATES = ("started", "stopped", "absent")
 REPLACE_STRATEGIES = ("drain-then-replace", "stop-then-start")

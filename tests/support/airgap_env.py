@@ -222,7 +222,7 @@ def grow_while_read(monkeypatch: Any, writer: InPlaceWriter) -> None:
     import io
     import types
 
-    from ansible_collections.meridian.node.plugins.module_utils.airgap import bundle_reader
+    from ansible_collections.meridian.node.plugins.module_utils.airgap import bundle_tar
 
     class GrowingFile(io.FileIO):
         def read(self, size: int = -1) -> bytes:  # type: ignore[override]
@@ -238,4 +238,4 @@ def grow_while_read(monkeypatch: Any, writer: InPlaceWriter) -> None:
     proxy = types.ModuleType("io")
     proxy.__dict__.update(vars(io))
     proxy.FileIO = GrowingFile  # type: ignore[attr-defined]
-    monkeypatch.setattr(bundle_reader, "io", proxy)
+    monkeypatch.setattr(bundle_tar, "io", proxy)  # where the bundle file is opened

@@ -43,7 +43,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     PodAllocation,
     PodDevice,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engine_rules import DRIVERS
+from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import DRIVERS
 from meridian_node_agent.agent_side.podresources.reading import (
     MAX_GPU_CONTAINERS,
     MAX_GPU_DEVICES,
@@ -70,13 +70,10 @@ __all__ = [
 ]
 
 # How an engine shows in a pod's or container's name, as words (the name split at anything but letters and
-# digits): each driver's own name, and the names its images and charts commonly use. "openai" (any
-# OpenAI-compatible server) is not a word that says which engine runs, so it is left out.
-ENGINE_WORDS: tuple[tuple[tuple[str, ...], str], ...] = (
-    *(((driver,), driver) for driver in DRIVERS if driver != "openai"),
-    (("text", "generation", "inference"), "tgi"),
-    (("llama", "cpp"), "llamacpp"),
-    (("llama", "server"), "llamacpp"),
+# digits), driver by driver: each driver's recognition hints (``Driver.recognized_by``: its own name, and the
+# names its images and charts commonly use; none for the generic "openai", whose name says no engine).
+ENGINE_WORDS: tuple[tuple[tuple[str, ...], str], ...] = tuple(
+    (words, name) for name, driver in DRIVERS.items() for words in driver.recognized_by()
 )
 # The kubelet lists the containers of the pods it admitted and has not terminated; it does not say whether
 # the container's process runs, so an engine found there is "active", not "running".

@@ -25,20 +25,9 @@ Choices worth knowing:
   link to its blob (same inode) and the blob still has the size, inode and mtime recorded when it was
   hashed. Nothing is re-read, so a re-run over 100 GB costs a few ``lstat`` calls. ``verify="full"``
   re-hashes every blob of the version; a bad blob is deleted, fetched again and the version re-linked.
-- Quick verification is only sound if nobody but the store's writer can have changed what it trusts, so
-  the store refuses to work (``StoreTrustError``, naming the path) unless: every directory looked up on
-  the way to the root, symlinks followed, is owned by root or the effective uid and not writable by group
-  or others unless sticky (sshd's StrictModes rule); the root, ``blobs/``, ``blobs/sha256``, ``staging/``,
-  ``artifacts/`` and every ``artifacts/<name>/`` are owned by root or the effective uid and writable by
-  nobody else; ``index.json`` and ``.lock`` likewise, and no more than 0644. Root is accepted beside the
-  effective uid because root can change anything anyway: in production the writer is root, and an
-  unprivileged reader (``artifact list``) gets past these checks and then a clear error for the 0600 index.
-  ``check_trust`` runs on every observe and apply (a few ``lstat`` calls); ``relocate_to`` is the one
-  exception, for a store left at the old default inside the agent's directory (see ``policy``): that
-  directory is warned about, not refused, until the store moves.
-- A blob another user owns, that its group or others can write, or that has more hard links than the
-  store made is never taken as verified: it is re-ingested (see ``artifacts.plan``). A version directory
-  another user owns or can write is not intact and is assembled again.
+- Quick verification is only sound if nobody but the store's writer can have changed what it trusts: the
+  checks of who may change the store (its directories, index and lock, every directory on the way to it,
+  each blob's owner, mode and links) are ``artifacts.store_trust``'s, run on every observe and apply.
 - ``artifacts/<name>/current`` is read through ``artifacts.layout.current_version``, the rule engines mount
   by too, which checks the link on its resolved path: anything but a version directory right beside it is
   refused, naming the link and its target.
@@ -49,7 +38,8 @@ Choices worth knowing:
   symlink it did not make (an ``artifacts/<name>`` that is a symlink, a symlink where a manifest file or
   directory would go): someone put it there, and following it could write outside the store.
 - A version is assembled in a fresh temporary directory beside its final place and renamed in, so a
-  reader never sees half a version. Replacing an existing (damaged) version swaps it out by two renames.
+  reader never sees half a version (``artifacts.version_tree``, which also switches ``current``).
+- The index is read and written whole, atomically, 0600 (``artifacts.store_index``).
 - Eviction happens before fetching, so the budget holds while downloading. It never touches pinned
   versions, the current version of any name, names in ``in_use``, or the version being installed. It
   deletes version directories and then every blob no version references any more.
@@ -73,12 +63,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import os
-import pwd
-import shutil
-import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,7 +71,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
-from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import fsync_directory
 from ansible_collections.meridian.node.plugins.module_utils._lockfile import open_private_lock
 from ansible_collections.meridian.node.plugins.module_utils.artifacts import layout
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.fetch import (
@@ -108,8 +93,6 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.layout imp
 )
 from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan import (
     _BLOB_MODE,
-    _DIR_MODE,
-    _FORMAT,
     INDEX_FILE,
     LOCK_FILE,
     PARTIAL_MAX_AGE,
@@ -124,10 +107,24 @@ from ansible_collections.meridian.node.plugins.module_utils.artifacts.plan impor
     StoreState,
     StoreTrustError,
     VersionRecord,
-    _check_relative,
     check_manifest_paths,
     plan_artifact,
     plan_removal,
+)
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.store_index import IndexInProgress, load_index
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.store_trust import (
+    check_store_trust,
+    dirs_are_ours,
+    untrusted_blobs,
+)
+from ansible_collections.meridian.node.plugins.module_utils.artifacts.version_tree import (
+    assemble_version,
+    make_dir,
+    remove_link,
+    remove_version_dir,
+    switch_current,
+    symlinks_under,
+    unlink_if_present,
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import ArtifactManifest, format_rfc3339
 
@@ -235,7 +232,7 @@ class Store:
     def lock(self, timeout_s: float | None = None, poll_s: float = 0.05) -> Iterator[None]:
         """Hold the store's flock. ``timeout_s`` None waits as long as it takes."""
         self.check_trust()  # before creating anything: the path to the root must be ours to create in
-        _makedirs(self.root)
+        make_dir(self.root)
         path = os.path.join(self.root, LOCK_FILE)
         # 0600 and the writer's own (an older one left open to others is replaced): the store's root is 0711,
         # so anyone could open a readable lock file by name and hold it.
@@ -262,53 +259,9 @@ class Store:
 
     # trust
     def check_trust(self) -> tuple[str, ...]:
-        """Refuse a store that anyone but its user or root could have changed; return the warnings to show.
-
-        Raises ``StoreTrustError`` (an owner or mode) or ``ArtifactPathError`` (a symlink in the store's
-        own layout), naming the path. Parts that do not exist yet are skipped: the store creates them.
-        """
-        euid = os.geteuid()
-        warnings: list[str] = []
-        legacy_parent = os.path.realpath(os.path.dirname(self.root)) if self.relocate_to else None
-        parent_problem = None
-        for directory in _lookup_dirs(self.root):
-            problem = _dir_problem(os.lstat(directory), euid, sticky_ok=True)
-            if problem is None:
-                continue
-            if directory == legacy_parent:
-                parent_problem = f"{directory} {problem}"
-                continue
-            raise StoreTrustError(
-                f"refusing the artifact store {self.root}: {directory}, a directory on the way to it, {problem}, "
-                "so whoever controls it can replace the store and swap the model files engines mount. Keep the "
-                f"store under directories that only root can change, or fix {directory} "
-                f"(chown root:root, chmod go-w) if that is safe"
-            )
-        if self.relocate_to is not None:
-            warnings.append(_relocation_warning(self.root, self.relocate_to, parent_problem))
-        for path in self._layout_dirs():
-            try:
-                info = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISLNK(info.st_mode):
-                raise ArtifactPathError(
-                    f"{path} is a symlink; the store does not follow symlinks in its own layout. Remove it and "
-                    "run again"
-                )
-            problem = _dir_problem(info, euid, sticky_ok=False)
-            if problem is not None:
-                raise StoreTrustError(self._tampered(path, problem, euid, "chmod 0755"))
-        for name in (INDEX_FILE, LOCK_FILE):
-            path = os.path.join(self.root, name)
-            try:
-                info = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            problem = _file_problem(info, euid, limit=0o644)
-            if problem is not None:
-                raise StoreTrustError(self._tampered(path, problem, euid, "chmod 0600"))
-        return tuple(warnings)
+        """Refuse a store that anyone but its user or root could have changed; return the warnings to show
+        (``store_trust.check_store_trust``, over this store's own directories)."""
+        return check_store_trust(self.root, self._layout_dirs(), self.relocate_to)
 
     def _layout_dirs(self) -> list[str]:
         fixed = [self.root, os.path.dirname(self.blobs_dir), self.blobs_dir, self.staging_dir, self.artifacts_dir]
@@ -319,20 +272,12 @@ class Store:
                     names.append(entry.path)
         return fixed + sorted(names)
 
-    def _tampered(self, path: str, problem: str, euid: int, mode_fix: str) -> str:
-        owner = "root:root" if euid == 0 else str(euid)
-        return (
-            f"refusing the artifact store {self.root}: {path} {problem}; only {_who(euid)} may change the "
-            "store, or another user could swap the model files engines mount. Find out how it changed, then "
-            f"fix it (chown {owner} {path}; {mode_fix} {path}) and run again"
-        )
-
     # reading
     def observe(self, name: str | None = None, version: str | None = None) -> StoreState:
         """Read index and disk; with ``name``/``version``, also check that version's directory."""
         observed_at = self.clock()
         self.check_trust()
-        index = self._load_index()
+        index = load_index(self.root)
         versions = index["versions"]
         blobs = index["blobs"]
         present: dict[str, BlobRecord] = {}
@@ -343,9 +288,7 @@ class Store:
                     info = entry.stat(follow_symlinks=False)
                     present[entry.name] = BlobRecord(info.st_size, info.st_ino, info.st_mtime_ns)
                     stats[entry.name] = info
-        links = _links_under(self.artifacts_dir) if stats else {}
-        euid = os.geteuid()
-        untrusted = {sha: why for sha, info in stats.items() if (why := _blob_problem(info, euid, links)) is not None}
+        untrusted = untrusted_blobs(stats, self.artifacts_dir)
         partial: dict[str, PartialFile] = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.staging_dir):
@@ -405,7 +348,7 @@ class Store:
         files = record.files if record else ()
         conflicts: list[str] = []
         # A directory someone else can write may hold anything by now: assemble the version afresh.
-        intact = record is not None and _dirs_are_ours(base, os.geteuid())
+        intact = record is not None and dirs_are_ours(base, os.geteuid())
         for path, sha, size in files:
             target = base
             for part in path.split("/"):
@@ -428,68 +371,8 @@ class Store:
             ):
                 intact = False
         if record is None:
-            conflicts.extend(_symlinks_under(base))
+            conflicts.extend(symlinks_under(base))
         return intact and not conflicts, True, tuple(conflicts)
-
-    def _load_index(self) -> dict[str, Any]:
-        path = os.path.join(self.root, INDEX_FILE)
-        try:
-            with open(path, "rb") as handle:
-                raw = json.load(handle)
-        except FileNotFoundError:
-            return {"versions": {}, "blobs": {}}
-        except PermissionError as exc:
-            # Still an OSError, so callers that skip an unreadable store (the agent's observer) keep doing so.
-            raise PermissionError(
-                exc.errno,
-                f"the store index {path} is readable by root only (the store writes it 0600); run this as root "
-                "(for example sudo meridian-node artifact list)",
-            ) from exc
-        except (OSError, ValueError) as exc:
-            raise ArtifactStoreError(
-                f"the store index {path} cannot be read ({exc}); move it aside and run again: blobs on disk are "
-                "re-hashed and adopted, nothing is downloaded twice"
-            ) from exc
-        try:
-            if raw.get("format") != _FORMAT:
-                raise ValueError(f"format {raw.get('format')!r}, expected {_FORMAT}")
-            blobs = {
-                sha: BlobRecord(int(b["size"]), int(b["ino"]), int(b["mtime_ns"])) for sha, b in raw["blobs"].items()
-            }
-            versions = {}
-            for name, by_version in raw["versions"].items():
-                for version, v in by_version.items():
-                    versions[(name, version)] = VersionRecord(
-                        name=name,
-                        version=version,
-                        manifest_sha256=str(v["manifest_sha256"]),
-                        files=tuple((str(p), str(s), int(n)) for p, s, n in v["files"]),
-                        size=int(v["size"]),
-                        pinned=bool(v["pinned"]),
-                        last_used=datetime.fromisoformat(v["last_used"]),
-                        verified_at=datetime.fromisoformat(v["verified_at"]),
-                    )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ArtifactStoreError(
-                f"the store index {path} is damaged ({type(exc).__name__}: {exc}); move it aside and run again"
-            ) from exc
-        return {"versions": versions, "blobs": blobs}
-
-    def _write_index(self, versions: Mapping[tuple[str, str], VersionRecord], blobs: Mapping[str, BlobRecord]) -> None:
-        document: dict[str, Any] = {"format": _FORMAT, "blobs": {}, "versions": {}}
-        for sha, blob in sorted(blobs.items()):
-            document["blobs"][sha] = {"size": blob.size, "ino": blob.ino, "mtime_ns": blob.mtime_ns}
-        for (name, version), record in sorted(versions.items()):
-            document["versions"].setdefault(name, {})[version] = {
-                "manifest_sha256": record.manifest_sha256,
-                "files": [list(item) for item in record.files],
-                "size": record.size,
-                "pinned": record.pinned,
-                "last_used": format_rfc3339(record.last_used),
-                "verified_at": format_rfc3339(record.verified_at),
-            }
-        # Root-only: nothing in it is secret, but no one else has any business with what the store trusts.
-        atomic_write(os.path.join(self.root, INDEX_FILE), json.dumps(document, indent=1).encode(), mode=0o600)
 
     # applying
     def apply(self, plan: ArtifactPlan, config: FetchConfig | None = None) -> StoreApplyResult:
@@ -536,9 +419,9 @@ class Store:
             self.staging_dir,
             self.artifacts_dir,
         ):
-            _makedirs(directory)
+            make_dir(directory)
         self.check_trust()
-        index = _IndexInProgress(self, self._load_index())
+        index = IndexInProgress(self.root, load_index(self.root))
         evicted, removed_blobs, dropped = self._make_room(plan, index)
         if plan.state == "absent" or plan.manifest is None:
             return StoreApplyResult(
@@ -560,7 +443,7 @@ class Store:
         removed_blobs += swept
         promoted = False
         if plan.promote:
-            self._switch_current(manifest.name, manifest.version)
+            switch_current(self.root, manifest.name, manifest.version)
             promoted = True
         changed = bool(
             fetched
@@ -585,23 +468,23 @@ class Store:
             promoted=promoted,
         )
 
-    def _make_room(self, plan: ArtifactPlan, index: _IndexInProgress) -> tuple[list[str], list[str], tuple[str, ...]]:
+    def _make_room(self, plan: ArtifactPlan, index: IndexInProgress) -> tuple[list[str], list[str], tuple[str, ...]]:
         """Evictions, the removal the plan asks for, stale partials, then the blobs nothing uses any more:
         before any fetch, so the budget holds while downloading. (evicted, removed blobs, dropped partials)."""
         evicted: list[str] = []
         for eviction in plan.evict:
             index.versions.pop((eviction.name, eviction.version), None)
             index.write()
-            self._remove_version_dir(eviction.name, eviction.version)
+            remove_version_dir(self.root, eviction.name, eviction.version)
             evicted.append(f"{eviction.name}/{eviction.version}")
         if plan.remove:
             link = os.path.join(self.artifacts_dir, plan.name, CURRENT)
             if os.path.islink(link) and os.readlink(link) == plan.version:
-                _remove_link(link)
+                remove_link(link)
                 fsync_directory(os.path.dirname(link))
             index.versions.pop((plan.name, plan.version), None)
             index.write()
-            self._remove_version_dir(plan.name, plan.version)
+            remove_version_dir(self.root, plan.name, plan.version)
         dropped = self._drop_partials(plan)
         keep = index.referenced()
         if plan.manifest is not None:
@@ -612,7 +495,7 @@ class Store:
         return evicted, removed_blobs, dropped
 
     def _repair_blobs(
-        self, plan: ArtifactPlan, sources: _Sources, index: _IndexInProgress, config: FetchConfig
+        self, plan: ArtifactPlan, sources: _Sources, index: IndexInProgress, config: FetchConfig
     ) -> _Repairs:
         """Re-hash what the plan distrusts and re-ingest untrusted blobs; what fails either is deleted and
         fetched again like a missing blob (``_Repairs.refetch``)."""
@@ -624,7 +507,7 @@ class Store:
             if digest == sha and size == sources.size(sha):
                 index.blobs[sha] = _stat_blob(blob)
                 continue
-            _unlink(blob)
+            unlink_if_present(blob)
             index.blobs.pop(sha, None)
             repairs.repaired.append(sha)
             repairs.refetch.append(self._refetch_step(plan, sources, sha))
@@ -649,7 +532,7 @@ class Store:
         return FetchStep(sha, size, path, self._readable(plan, location, path), 0)
 
     def _fetch_blobs(
-        self, steps: Sequence[FetchStep], locations: Mapping[str, str], index: _IndexInProgress, config: FetchConfig
+        self, steps: Sequence[FetchStep], locations: Mapping[str, str], index: IndexInProgress, config: FetchConfig
     ) -> list[FetchResult]:
         """Each blob through the verifying fetcher into staging, then renamed into ``blobs/`` read-only."""
         fetched: list[FetchResult] = []
@@ -677,7 +560,7 @@ class Store:
         plan: ArtifactPlan,
         manifest: ArtifactManifest,
         sources: _Sources,
-        index: _IndexInProgress,
+        index: IndexInProgress,
         now: datetime,
         verified_now: bool,
     ) -> tuple[bool, list[str]]:
@@ -712,7 +595,7 @@ class Store:
         new inode has no link the store did not make, and is the store's own, 0444. A bad blob is deleted.
         """
         blob, staging = self.blob_path(sha), self.staging_path(sha)
-        _unlink(staging)  # a partial of a blob already held resumes nothing: copy from byte 0
+        unlink_if_present(staging)  # a partial of a blob already held resumes nothing: copy from byte 0
         try:
             fetch_file(
                 blob,
@@ -723,8 +606,8 @@ class Store:
                 config=dataclasses.replace(config, progress=None, attempts=1),
             )
         except (ArtifactIntegrityError, ArtifactTransferError):
-            _unlink(staging)
-            _unlink(blob)
+            unlink_if_present(staging)
+            unlink_if_present(blob)
             fsync_directory(self.blobs_dir)
             return False
         os.chmod(staging, _BLOB_MODE)
@@ -741,72 +624,22 @@ class Store:
         for drop in plan.drop_partials:
             if drop.sha256 in resumed:
                 raise RuntimeError(f"plan drops the partial download {drop.sha256} it also needs; this is a bug")
-            _unlink(self.staging_path(drop.sha256))
+            unlink_if_present(self.staging_path(drop.sha256))
             dropped.append(drop.sha256)
         if dropped:
             fsync_directory(self.staging_dir)
         return tuple(dropped)
 
     def _assemble(self, manifest: ArtifactManifest) -> None:
-        name_dir = os.path.join(self.artifacts_dir, manifest.name)
-        if os.path.islink(name_dir):
-            raise ArtifactPathError(f"{name_dir} is a symlink the store did not create; remove it and run again")
-        _makedirs(name_dir)
-        _clear_leftovers(name_dir)
-        final = self.version_dir(manifest.name, manifest.version)
-        build = tempfile.mkdtemp(prefix=f".{manifest.version}.build-", dir=name_dir)
-        try:
-            os.chmod(build, _DIR_MODE)
-            for entry in manifest.files:
-                target = _safe_target(build, entry.path)
-                os.link(self.blob_path(entry.sha256), target, follow_symlinks=False)
-            for directory, _dirs, _files in os.walk(build):
-                fsync_directory(directory)
-            if os.path.lexists(final):
-                if os.path.islink(final):
-                    raise ArtifactPathError(f"{final} is a symlink the store did not create; remove it and run again")
-                trash = tempfile.mkdtemp(prefix=f".{manifest.version}.old-", dir=name_dir)
-                os.rename(final, os.path.join(trash, "v"))
-                os.rename(build, final)
-                shutil.rmtree(trash)
-            else:
-                os.rename(build, final)
-            fsync_directory(name_dir)
-        except BaseException:
-            shutil.rmtree(build, ignore_errors=True)
-            raise
-
-    def _switch_current(self, name: str, version: str) -> None:
-        name_dir = os.path.join(self.artifacts_dir, name)
-        link = os.path.join(name_dir, CURRENT)
-        if os.path.lexists(link) and not os.path.islink(link):
-            raise ArtifactPathError(f"{link} is not a symlink; the store only replaces its own switch")
-        temp = os.path.join(name_dir, f".{CURRENT}.{os.getpid()}.tmp")
-        _remove_link(temp)
-        os.symlink(version, temp)
-        os.replace(temp, link)
-        fsync_directory(name_dir)
-
-    def _remove_version_dir(self, name: str, version: str) -> None:
-        final = self.version_dir(name, version)
-        if os.path.islink(final):
-            _unlink(final)
-        elif os.path.isdir(final):
-            name_dir = os.path.dirname(final)
-            trash = tempfile.mkdtemp(prefix=f".{version}.evict-", dir=name_dir)
-            os.rename(final, os.path.join(trash, "v"))
-            fsync_directory(name_dir)
-            shutil.rmtree(trash)
-        name_dir = os.path.join(self.artifacts_dir, name)
-        with contextlib.suppress(OSError):
-            os.rmdir(name_dir)  # only succeeds once nothing (no current link, no version) is left
+        links = [(entry.path, self.blob_path(entry.sha256)) for entry in manifest.files]
+        assemble_version(self.root, manifest.name, manifest.version, links)
 
     def _sweep_blobs(self, keep: set[str], blobs: dict[str, BlobRecord]) -> list[str]:
         removed = []
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.blobs_dir):
                 if entry.name not in keep:
-                    _unlink(entry.path)
+                    unlink_if_present(entry.path)
                     blobs.pop(entry.name, None)
                     removed.append(entry.name)
         for sha in [sha for sha in blobs if sha not in keep]:
@@ -817,26 +650,6 @@ class Store:
 
 
 # --- one-call helpers ----------------------------------------------------------------------------------
-
-
-@dataclass
-class _IndexInProgress:
-    """The index as one apply changes it: its versions and blobs, written back after each step."""
-
-    store: Store
-    document: dict[str, Any]
-    versions: dict[tuple[str, str], VersionRecord] = field(init=False)
-    blobs: dict[str, BlobRecord] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.versions = dict(self.document["versions"])
-        self.blobs = dict(self.document["blobs"])
-
-    def write(self) -> None:
-        self.store._write_index(self.versions, self.blobs)
-
-    def referenced(self) -> set[str]:
-        return {sha for record in self.versions.values() for sha in record.digests}
 
 
 @dataclass(frozen=True)
@@ -936,196 +749,9 @@ def remove_artifact(
 # --- small helpers -------------------------------------------------------------------------------------
 
 
-def _safe_target(base: str, path: str) -> str:
-    """Where ``path`` goes under ``base``, creating parents; refuses symlinks and anything outside."""
-    _check_relative(path)
-    parts = path.split("/")
-    current = base
-    for part in parts[:-1]:
-        current = os.path.join(current, part)
-        try:
-            os.mkdir(current, _DIR_MODE)
-        except FileExistsError:
-            if os.path.islink(current) or not os.path.isdir(current):
-                raise ArtifactPathError(f"{current} is a symlink or a file where a directory should be") from None
-    target = os.path.join(current, parts[-1])
-    if os.path.lexists(target):
-        raise ArtifactPathError(f"{target} already exists (a symlink or a colliding path); refusing to overwrite it")
-    real_base = os.path.realpath(base)
-    if os.path.commonpath([real_base, os.path.realpath(target)]) != real_base:
-        raise ArtifactPathError(f"path {path!r} resolves outside its version directory {base}")
-    return target
-
-
-def _clear_leftovers(name_dir: str) -> None:
-    """Remove build, swap and link temporaries a killed run left behind (we hold the lock: none is live)."""
-    for entry in os.scandir(name_dir):
-        if entry.name.startswith(".") and any(mark in entry.name for mark in (".build-", ".old-", ".evict-")):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                _unlink(entry.path)
-        elif entry.name.startswith(f".{CURRENT}.") and entry.name.endswith(".tmp"):
-            _unlink(entry.path)
-
-
-def _symlinks_under(base: str) -> list[str]:
-    found = []
-    for directory, dirs, files in os.walk(base):
-        for entry in dirs + files:
-            full = os.path.join(directory, entry)
-            if os.path.islink(full):
-                found.append(full)
-    return sorted(found)
-
-
 def _stat_blob(path: str) -> BlobRecord:
     info = os.lstat(path)
     return BlobRecord(info.st_size, info.st_ino, info.st_mtime_ns)
-
-
-# The kernel's own bound on symlinks followed in one lookup (ELOOP).
-_MAX_SYMLINKS = 40
-
-
-def _lookup_dirs(path: str) -> list[str]:
-    """Every directory a name is looked up in while resolving ``path`` the kernel's way, in order.
-
-    Checking only the ancestors of ``realpath(path)`` would miss a directory that holds a symlink on the
-    way, and whoever can write that directory can re-point the link. Resolution stops at the first
-    missing component: the store creates the rest itself, in the last directory listed.
-    """
-    pending = list(reversed(path.split("/")))
-    current = "/"
-    looked_in: list[str] = []
-    hops = 0
-    while pending:
-        part = pending.pop()
-        if part in ("", "."):
-            continue
-        if part == "..":
-            current = os.path.dirname(current)
-            continue
-        if current not in looked_in:
-            looked_in.append(current)
-        candidate = os.path.join(current, part)
-        try:
-            mode = os.lstat(candidate).st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            break
-        if not stat.S_ISLNK(mode):
-            current = candidate
-            continue
-        hops += 1
-        if hops > _MAX_SYMLINKS:
-            raise ArtifactPathError(f"resolving {path} follows more than {_MAX_SYMLINKS} symlinks (a loop?)")
-        target = os.readlink(candidate)
-        if target.startswith("/"):
-            current = "/"
-        pending.extend(reversed(target.split("/")))
-    return looked_in
-
-
-def _dir_problem(info: os.stat_result, euid: int, *, sticky_ok: bool) -> str | None:
-    """Why another user could change entries in this directory; None when only root or ``euid`` can."""
-    if not stat.S_ISDIR(info.st_mode):
-        return "is not a directory"
-    if info.st_uid not in (0, euid):
-        return f"is owned by {_who(info.st_uid)}"
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o022 and not (sticky_ok and mode & stat.S_ISVTX):
-        return f"is writable by {_writers(mode)} (mode {mode:04o})"
-    return None
-
-
-def _file_problem(info: os.stat_result, euid: int, *, limit: int) -> str | None:
-    if not stat.S_ISREG(info.st_mode):
-        return "is not a regular file"
-    if info.st_uid not in (0, euid):
-        return f"is owned by {_who(info.st_uid)}"
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & ~limit:
-        return f"has mode {mode:04o}, more than the {limit:04o} the store allows"
-    return None
-
-
-def _blob_problem(info: os.stat_result, euid: int, links: Mapping[tuple[int, int], int]) -> str | None:
-    """Why a blob's bytes may have changed behind its recorded stat; None when only root or ``euid`` could."""
-    if info.st_uid not in (0, euid):
-        return f"it is owned by {_who(info.st_uid)}"
-    mode = stat.S_IMODE(info.st_mode)
-    # The owner's write bit is left alone: the owner is root or the store's own user, who could write anyway.
-    if mode & 0o022:
-        return f"it is writable by {_writers(mode)} (mode {mode:04o}; the store makes blobs {_BLOB_MODE:04o})"
-    ours = 1 + links.get((info.st_dev, info.st_ino), 0)
-    if info.st_nlink > ours:
-        return f"it has {info.st_nlink} hard links and only {ours} are the store's: another name for it exists"
-    return None
-
-
-def _links_under(directory: str) -> dict[tuple[int, int], int]:
-    """How many names each file (device, inode) has under ``directory``, symlinks not followed."""
-    counts: dict[tuple[int, int], int] = {}
-    for base, _dirs, files in os.walk(directory):
-        for name in files:
-            with contextlib.suppress(OSError):
-                info = os.lstat(os.path.join(base, name))
-                if stat.S_ISREG(info.st_mode):
-                    key = (info.st_dev, info.st_ino)
-                    counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def _dirs_are_ours(base: str, euid: int) -> bool:
-    for directory, _dirs, _files in os.walk(base):
-        with contextlib.suppress(OSError):
-            if _dir_problem(os.lstat(directory), euid, sticky_ok=False) is not None:
-                return False
-    return True
-
-
-def _who(uid: int) -> str:
-    try:
-        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _writers(mode: int) -> str:
-    return " and ".join(who for who, bit in (("its group", 0o020), ("others", 0o002)) if mode & bit)
-
-
-def _relocation_warning(root: str, new: str, parent_problem: str | None) -> str:
-    exposure = (
-        f"{parent_problem}, so that user can swap the model files engines mount until the store moves"
-        if parent_problem
-        else "inside the agent's directory"
-    )
-    return (
-        f"the artifact store is still at the old default {root}: the policy sets no store.path, and the "
-        f"default moved to {new}, a directory of root's own, because {exposure}. To move it: stop the units "
-        "(systemctl stop meridian-node.service meridian-node-apply.path meridian-node-apply.service); run "
-        f"mv -T {root} {new} (it replaces the empty directory the apply unit creates there), "
-        f"chown -R root:root {new} and chmod go-w {new}; start the units again. Engines mount the resolved "
-        "version directory, so every engine that uses an artifact changes its mount source and is "
-        "re-created, by its replace strategy, on its next converge"
-    )
-
-
-def _makedirs(path: str) -> None:
-    if os.path.islink(path):
-        raise ArtifactPathError(f"{path} is a symlink; the store does not follow symlinks in its own layout")
-    os.makedirs(path, mode=_DIR_MODE, exist_ok=True)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _remove_link(path: str) -> None:
-    if os.path.islink(path):
-        os.unlink(path)
 
 
 def _read_small(path: str) -> str:

@@ -24,22 +24,43 @@ modules need no Python package on the host, and pay no SDK import on every task.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import hashlib
 import ipaddress
-import json
 import shutil
 import socket
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi, DockerApiError
-from ansible_collections.meridian.node.plugins.module_utils.docker.drift import (
+from ansible_collections.meridian.node.plugins.module_utils.docker.container_info import (
+    ContainerInfo,
+    EngineInspection,
+    ExitInfo,
+    ImageInfo,
+    PublishedPort,
+    claims_ownership,
+)
+from ansible_collections.meridian.node.plugins.module_utils.docker.container_settings import (
+    IPC_MODES,
+    LABEL_CONFIG_HASH,
+    LABEL_DRIVER,
+    LABEL_HOST_PORT,
+    LABEL_INSTANCE,
+    LABEL_OWNED,
     LABEL_SETTINGS,
+    RESERVED_LABELS,
+    RESTART_POLICIES,
+    BindMount,
+    ContainerSettings,
+    Placement,
+    PortBinding,
+    config_hash,
+    create_body,
+    our_labels,
+)
+from ansible_collections.meridian.node.plugins.module_utils.docker.drift import (
     compare_settings,
     drifted_from_label,
     expected_settings,
@@ -79,16 +100,6 @@ __all__ = [
     "port_bind_problem",
 ]
 
-LABEL_OWNED = "meridian.node/owned"
-LABEL_INSTANCE = "meridian.node/instance"
-LABEL_DRIVER = "meridian.node/driver"
-LABEL_CONFIG_HASH = "meridian.node/config-hash"
-# The host port of a container created beside its engine's old one (``Placement``): Docker lists no ports for a
-# stopped container, and the settings it was created from must still be known then.
-LABEL_HOST_PORT = "meridian.node/host-port"
-RESERVED_LABELS = (LABEL_OWNED, LABEL_INSTANCE, LABEL_DRIVER, LABEL_CONFIG_HASH, LABEL_SETTINGS, LABEL_HOST_PORT)
-RESTART_POLICIES = ("no", "on-failure", "unless-stopped", "always")
-IPC_MODES = ("private", "shareable", "host")
 # A host runs a handful of engines: more cached readings than this means containers came and went.
 _DRIFT_CACHE_SIZE = 64
 # The device-request hook Docker uses for driver "nvidia" when no "nvidia" runtime is configured.
@@ -127,264 +138,6 @@ class NvidiaRuntimeMissingError(DockerEngineError):
     """GPUs were requested on an engine without the NVIDIA runtime; nothing was created."""
 
 
-def _value_digest(value: str) -> str:
-    return "sha256:" + hashlib.sha256(value.encode("utf-8")).hexdigest()
-
-
-def config_hash(data: Any) -> str:
-    """``sha256:<hex>`` of the canonical JSON of ``data`` (sorted keys, no spaces): stable across runs,
-    Python versions and dict ordering, so an unchanged spec gives an unchanged label."""
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-@dataclass(frozen=True)
-class BindMount:
-    source: str
-    target: str
-    read_only: bool = True
-
-
-@dataclass(frozen=True)
-class PortBinding:
-    """Publish ``container_port`` (tcp) on ``host_ip:host_port``."""
-
-    container_port: int
-    host_port: int
-    host_ip: str = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one container of an engine actually runs when it is not the engine's own name and port: a
-    replace's new container, created beside the old as ``<name>.NEW`` on a free port, then renamed."""
-
-    name: str
-    host_port: int | None = None
-
-
-@dataclass(frozen=True)
-class ContainerSettings:
-    """Everything a container is created from. Plain data: drivers build it, the config hash covers it.
-
-    ``placed`` is not hashed: a container created beside its engine's old one (another name, another host
-    port) carries the same config hash as one created in its place, so once it has taken over it is the
-    engine as asked, and is not replaced again.
-
-    ``secret_env`` joins ``env`` in the container's environment (a name in both is refused); ``canonical`` and
-    so the config hash hold a sha256 of each of its values, never a value, so that a changed secret replaces
-    the container while no hash input or label can print one.
-
-    ``ulimits`` are ``(name, soft, hard)``, -1 unlimited. ``ipc_mode`` is always sent (the daemon's own default
-    may be ``shareable``); ``shm_size_mib`` None is Docker's 64 MiB and must be None with ``ipc_mode`` host,
-    where Docker would silently ignore it.
-    """
-
-    name: str
-    instance: str
-    driver: str
-    image: str
-    command: tuple[str, ...] = ()
-    entrypoint: tuple[str, ...] | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    secret_env: Mapping[str, str] = field(default_factory=dict)
-    labels: Mapping[str, str] = field(default_factory=dict)
-    port: PortBinding | None = None
-    mounts: tuple[BindMount, ...] = ()
-    gpus: tuple[str, ...] = ()
-    init: bool = True
-    stop_signal: str = "SIGTERM"
-    stop_timeout_s: int = 30
-    restart_policy: str = "no"
-    shm_size_mib: int | None = None
-    ipc_mode: str = "private"
-    ulimits: tuple[tuple[str, int, int], ...] = ()
-    placed: Placement | None = None
-
-    def __post_init__(self) -> None:
-        reserved = sorted(set(self.labels) & set(RESERVED_LABELS))
-        if reserved:
-            raise ValueError(f"labels {reserved} are set by DockerEngine.create itself; remove them from settings")
-        both = sorted(set(self.env) & set(self.secret_env))
-        if both:
-            raise ValueError(f"env names {both} are in both env and secret_env; keep each name in one of them")
-        if self.restart_policy not in RESTART_POLICIES:
-            raise ValueError(f"restart_policy {self.restart_policy!r} is not one of {', '.join(RESTART_POLICIES)}")
-        if self.stop_timeout_s < 0:
-            raise ValueError(f"stop_timeout_s must be >= 0 seconds, got {self.stop_timeout_s}")
-        if self.ipc_mode not in IPC_MODES:
-            raise ValueError(f"ipc_mode {self.ipc_mode!r} is not one of {', '.join(IPC_MODES)}")
-        if self.shm_size_mib is not None and (self.shm_size_mib < 1 or self.ipc_mode == "host"):
-            raise ValueError(
-                f"shm_size_mib {self.shm_size_mib} needs a private or shareable ipc_mode and at least 1 MiB "
-                f"(ipc_mode is {self.ipc_mode!r})"
-            )
-        names = [name for name, _soft, _hard in self.ulimits]
-        if len(set(names)) != len(names):
-            raise ValueError(f"ulimits {sorted(names)} name a limit more than once; give each limit once")
-        for name, soft, hard in self.ulimits:
-            if min(soft, hard) < -1 or (hard != -1 and (soft == -1 or soft > hard)):
-                raise ValueError(f"ulimit {name}: soft {soft} / hard {hard} is not a limit (-1 is unlimited)")
-        for mount in self.mounts:
-            if not mount.source.startswith("/") or not mount.target.startswith("/"):
-                raise ValueError(f"mount {mount.source!r} -> {mount.target!r}: both paths must be absolute")
-        if self.port is not None:
-            for number in (self.port.container_port, self.port.host_port):
-                if not 1 <= number <= 65535:
-                    raise ValueError(f"port {number} is outside 1-65535")
-            ipaddress.ip_address(self.port.host_ip)
-        if self.placed is not None and self.placed.host_port is not None and not 1 <= self.placed.host_port <= 65535:
-            raise ValueError(f"port {self.placed.host_port} is outside 1-65535")
-
-    @property
-    def container_name(self) -> str:
-        """The name the container is created under: the engine's, or its placement's."""
-        return self.name if self.placed is None else self.placed.name
-
-    @property
-    def published(self) -> PortBinding | None:
-        """The port binding the container is created with: the engine's, on its placement's host port if any."""
-        if self.port is None or self.placed is None or self.placed.host_port is None:
-            return self.port
-        return dataclasses.replace(self.port, host_port=self.placed.host_port)
-
-    def placed_at(self, name: str, host_port: int | None) -> ContainerSettings:
-        """These settings for a container named ``name`` published on ``host_port`` (None: the engine's)."""
-        return dataclasses.replace(self, placed=Placement(name=name, host_port=host_port))
-
-    def canonical(self) -> dict[str, Any]:
-        """The settings as plain JSON data, the input of ``config_hash``."""
-        return {
-            "name": self.name,
-            "instance": self.instance,
-            "driver": self.driver,
-            "image": self.image,
-            "command": list(self.command),
-            "entrypoint": None if self.entrypoint is None else list(self.entrypoint),
-            "env": dict(self.env),
-            "labels": dict(self.labels),
-            "port": None if self.port is None else [self.port.host_ip, self.port.host_port, self.port.container_port],
-            "mounts": [[m.source, m.target, m.read_only] for m in self.mounts],
-            "gpus": list(self.gpus),
-            "init": self.init,
-            "stop_signal": self.stop_signal,
-            "stop_timeout": self.stop_timeout_s,  # the hash's key: renaming it would recreate every engine
-            "restart_policy": self.restart_policy,
-            "shm_size_mib": self.shm_size_mib,
-            # Only when set, so that a container created before these settings existed keeps its hash.
-            **({} if self.ipc_mode == "private" else {"ipc_mode": self.ipc_mode}),
-            **({"ulimits": [list(limit) for limit in self.ulimits]} if self.ulimits else {}),
-            **({"secret_env": self.secret_digests()} if self.secret_env else {}),
-        }
-
-    def config_hash(self) -> str:
-        return config_hash(self.canonical())
-
-    def secret_digests(self) -> dict[str, str]:
-        """Each secret_env name with a sha256 of its value: what the config hash covers of a secret."""
-        return {key: _value_digest(value) for key, value in sorted(self.secret_env.items())}
-
-    @property
-    def environment(self) -> dict[str, str]:
-        """The container's whole environment, secret values included: for Docker's create request only."""
-        return {**self.env, **self.secret_env}
-
-
-@dataclass(frozen=True)
-class PublishedPort:
-    host_ip: str
-    host_port: int
-    container_port: int
-    protocol: str = "tcp"
-
-
-@dataclass(frozen=True)
-class ExitInfo:
-    """How often Docker restarted a container and how it last ended, from its inspect document."""
-
-    restarts: int
-    exit_code: int | None  # None: it never exited
-    exit_reason: str | None  # "OOMKilled", "killed by signal 9", "exit 1", Docker's own error text
-
-    @classmethod
-    def from_inspect(cls, attrs: Mapping[str, Any]) -> ExitInfo:
-        state = attrs.get("State") or {}
-        restarts = attrs.get("RestartCount")
-        finished = str(state.get("FinishedAt") or "")
-        code = state.get("ExitCode")
-        # Docker says ExitCode 0 and a zero FinishedAt for a container that never stopped.
-        never = finished.startswith("0001-01-01") or not finished
-        exit_code = None if never or not isinstance(code, int) or isinstance(code, bool) else code
-        reason: str | None = None
-        if state.get("OOMKilled"):
-            reason = "OOMKilled"
-        elif state.get("Error"):
-            reason = str(state["Error"])[:200]
-        elif exit_code is not None and exit_code > 128:
-            reason = f"killed by signal {exit_code - 128}"
-        elif exit_code:
-            reason = f"exit {exit_code}"
-        return cls(
-            restarts=restarts if isinstance(restarts, int) and not isinstance(restarts, bool) else 0,
-            exit_code=exit_code,
-            exit_reason=reason,
-        )
-
-
-@dataclass(frozen=True)
-class EngineInspection:
-    """One inspect of an engine container, read two ways: how it last ended, and which of its settings
-    differ from those it was created with (``docker.drift``; None when it carries nothing to compare with)."""
-
-    exit: ExitInfo
-    drifted: tuple[str, ...] | None
-
-
-@dataclass(frozen=True)
-class ContainerInfo:
-    """One container as the engine lists it. ``owned`` is decided here once, by the rules above."""
-
-    id: str
-    name: str
-    image: str
-    image_id: str
-    state: str
-    status: str
-    labels: Mapping[str, str]
-    ports: tuple[PublishedPort, ...]
-    owned: bool
-
-    @property
-    def instance(self) -> str | None:
-        return self.labels.get(LABEL_INSTANCE)
-
-    @property
-    def driver(self) -> str | None:
-        return self.labels.get(LABEL_DRIVER)
-
-    @property
-    def config_hash(self) -> str | None:
-        return self.labels.get(LABEL_CONFIG_HASH)
-
-    @property
-    def running(self) -> bool:
-        return self.state == "running"
-
-
-@dataclass(frozen=True)
-class ImageInfo:
-    """A local image a reference resolved to; ``pinned_by`` says how a digest reference matched."""
-
-    reference: str
-    id: str
-    repo_tags: tuple[str, ...]
-    repo_digests: tuple[str, ...]
-    labels: Mapping[str, str]
-    pinned_by: str  # "registry-digest", "image-id" or "" (not a digest reference)
-    # The image's own Config (command, entrypoint, env, labels): what Docker merges into its containers.
-    config: Mapping[str, Any] = field(default_factory=dict)
-
-
 @contextmanager
 def _docker_call(action: str, not_found: type[DockerEngineError] = DockerEngineError) -> Iterator[None]:
     """Fold every API and transport error into our family, naming what we were doing: 'Error <action>: ...'."""
@@ -412,26 +165,6 @@ def port_bind_problem(address: str, port: int) -> str | None:
                 return f"address {address} is not an address of this host (binding port {port} failed)"
             return f"port {port} on {address} cannot be bound: {exc.strerror or exc}"
     return None
-
-
-def _claims_ownership(entry: Mapping[str, Any]) -> bool:
-    labels = entry.get("Labels") or {}
-    return labels.get(LABEL_OWNED) == "true" and bool(labels.get(LABEL_INSTANCE))
-
-
-def _published_ports(entry: Mapping[str, Any]) -> tuple[PublishedPort, ...]:
-    ports = []
-    for port in entry.get("Ports") or []:
-        if port.get("PublicPort"):
-            ports.append(
-                PublishedPort(
-                    host_ip=str(port.get("IP", "")),
-                    host_port=int(port["PublicPort"]),
-                    container_port=int(port["PrivatePort"]),
-                    protocol=str(port.get("Type", "tcp")),
-                )
-            )
-    return tuple(ports)
 
 
 class DockerEngine:
@@ -481,32 +214,16 @@ class DockerEngine:
             images = self.api.images({"label": [LABEL_OWNED]})
         return frozenset(image["Id"] for image in images)
 
-    def _info_from_entry(self, entry: Mapping[str, Any], spoofing: frozenset[str]) -> ContainerInfo:
-        labels = dict(entry.get("Labels") or {})
-        owned = _claims_ownership(entry) and entry.get("ImageID", "") not in spoofing
-        names = entry.get("Names") or []
-        return ContainerInfo(
-            id=str(entry["Id"]),
-            name=str(names[0]).lstrip("/") if names else "",
-            image=str(entry.get("Image", "")),
-            image_id=str(entry.get("ImageID", "")),
-            state=str(entry.get("State", "")),
-            status=str(entry.get("Status", "")),
-            labels=labels,
-            ports=_published_ports(entry),
-            owned=owned,
-        )
-
     def _list(self, filters: Mapping[str, Any], action: str) -> list[ContainerInfo]:
         with _docker_call(action):
             entries = self.api.containers(filters)
-        claimed = {str(entry.get("ImageID", "")) for entry in entries if _claims_ownership(entry)}
+        claimed = {str(entry.get("ImageID", "")) for entry in entries if claims_ownership(entry)}
         if claimed - self._image_spoofs.keys():
             spoofing = self._spoofing_image_ids()
             for image_id in claimed - self._image_spoofs.keys():
                 self._image_spoofs[image_id] = image_id in spoofing
         forged = frozenset(image_id for image_id in claimed if self._image_spoofs[image_id])
-        return [self._info_from_entry(entry, forged) for entry in entries]
+        return [ContainerInfo.from_listing(entry, forged) for entry in entries]
 
     def list_containers(self) -> list[ContainerInfo]:
         """Every container on the host, ours and others (``owned`` tells them apart); for discovery."""
@@ -581,7 +298,7 @@ class DockerEngine:
         """The settings of ``container`` that differ from those it would be created with from ``settings`` now,
         each as ``(live, expected)`` in ``docker.drift``'s form; {} when it runs as asked."""
         image = self.resolve_image(settings.image)
-        expected = expected_settings(_create_body(settings, image.id, _our_labels(settings)), {"Config": image.config})
+        expected = expected_settings(create_body(settings, image.id, our_labels(settings)), {"Config": image.config})
         with _docker_call(f"inspecting container {container.name!r}", not_found=ContainerNotFoundError):
             live = read_settings(self.api.inspect_container(container.id))
         return {name: (live.get(name), expected[name]) for name in compare_settings(expected, live)}
@@ -677,13 +394,13 @@ class DockerEngine:
                 "which Docker would copy into the container and make it pass as meridian.node's; rebuild the "
                 "image without them"
             )
-        labels = _our_labels(settings)
+        labels = our_labels(settings)
         # What the container will show when inspected, as a digest per setting: the agent, which has no
         # settings at hand, tells a container changed by hand from these (engine_drift).
-        expected = expected_settings(_create_body(settings, image.id, labels), {"Config": image.config})
+        expected = expected_settings(create_body(settings, image.id, labels), {"Config": image.config})
         labels[LABEL_SETTINGS] = settings_label(expected)
         with _docker_call(f"creating container {settings.container_name!r}"):
-            created = self.api.create_container(settings.container_name, _create_body(settings, image.id, labels))
+            created = self.api.create_container(settings.container_name, create_body(settings, image.id, labels))
         container_id = str(created["Id"])
         with _docker_call(f"inspecting the new container {settings.name!r}", not_found=ContainerNotFoundError):
             live = read_settings(self.api.inspect_container(container_id))
@@ -742,65 +459,6 @@ class DockerEngine:
                 "or choose another instance name",
                 container,
             )
-
-
-def _our_labels(settings: ContainerSettings) -> dict[str, str]:
-    """The settings' labels and the ownership labels ``create`` adds (all but the settings digests)."""
-    labels = {
-        **settings.labels,
-        LABEL_OWNED: "true",
-        LABEL_INSTANCE: settings.instance,
-        LABEL_DRIVER: settings.driver,
-        LABEL_CONFIG_HASH: settings.config_hash(),
-    }
-    if settings.placed is not None and settings.placed.host_port is not None:
-        labels[LABEL_HOST_PORT] = str(settings.placed.host_port)
-    return labels
-
-
-def _create_body(settings: ContainerSettings, image_id: str, labels: Mapping[str, str]) -> dict[str, Any]:
-    """The Engine API's container-create document for ``settings``; ``image_id``, not the reference: what
-    runs is what was resolved and checked."""
-    host_config: dict[str, Any] = {
-        "Init": settings.init,
-        "IpcMode": settings.ipc_mode,
-        "Mounts": [
-            {"Type": "bind", "Source": m.source, "Target": m.target, "ReadOnly": m.read_only} for m in settings.mounts
-        ],
-    }
-    body: dict[str, Any] = {
-        "Image": image_id,
-        "Env": [f"{key}={value}" for key, value in sorted(settings.environment.items())],
-        "Labels": dict(labels),
-        "StopSignal": settings.stop_signal,
-        "StopTimeout": settings.stop_timeout_s,
-        "AttachStdin": False,
-        "AttachStdout": False,
-        "AttachStderr": False,
-        "Tty": False,
-        "OpenStdin": False,
-        "HostConfig": host_config,
-    }
-    if settings.command:
-        body["Cmd"] = list(settings.command)
-    if settings.entrypoint is not None:
-        body["Entrypoint"] = list(settings.entrypoint)
-    published = settings.published
-    if published is not None:
-        key = f"{published.container_port}/tcp"
-        body["ExposedPorts"] = {key: {}}
-        host_config["PortBindings"] = {key: [{"HostIp": published.host_ip, "HostPort": str(published.host_port)}]}
-    if settings.gpus:
-        host_config["DeviceRequests"] = [
-            {"Driver": "nvidia", "DeviceIDs": list(settings.gpus), "Capabilities": [["gpu"]], "Count": 0, "Options": {}}
-        ]
-    if settings.restart_policy != "no":
-        host_config["RestartPolicy"] = {"Name": settings.restart_policy}
-    if settings.shm_size_mib is not None:
-        host_config["ShmSize"] = settings.shm_size_mib * 1024 * 1024
-    if settings.ulimits:
-        host_config["Ulimits"] = [{"Name": name, "Soft": soft, "Hard": hard} for name, soft, hard in settings.ulimits]
-    return body
 
 
 def _split_digest(reference: str) -> tuple[str, str]:

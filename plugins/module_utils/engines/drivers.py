@@ -200,6 +200,16 @@ class Driver:
     reserved_env: ClassVar[tuple[str, ...]] = ("NVIDIA_VISIBLE_DEVICES",)
     # The /dev/shm (MiB) the engine's docs call for; the spec's own size wins (docs/ENGINE_DRIVERS.md)
     default_shm_size_mib: ClassVar[int | None] = None
+    # Recognition hints: how the engine shows in a pod's or container's name, as words (the name split at
+    # anything but letters and digits), besides the driver's own name: the names its images and charts
+    # commonly use. ``name_is_a_hint`` False: the driver's name says nothing about which engine runs.
+    also_named: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    name_is_a_hint: ClassVar[bool] = True
+
+    @classmethod
+    def recognized_by(cls) -> tuple[tuple[str, ...], ...]:
+        """Every run of words that says this engine runs where a name holds it (the Kubernetes observer's)."""
+        return ((cls.name,), *cls.also_named) if cls.name_is_a_hint else cls.also_named
 
     def container_settings(
         self,
@@ -381,6 +391,7 @@ class VllmDriver(Driver):
 
 class TgiDriver(Driver):
     name = "tgi"
+    also_named = (("text", "generation", "inference"),)
     facts = EngineFacts(
         container_port=80,
         health_path="/health",
@@ -506,6 +517,7 @@ class OllamaDriver(Driver):
 
 class LlamaCppDriver(Driver):
     name = "llamacpp"
+    also_named = (("llama", "cpp"), ("llama", "server"))
     facts = EngineFacts(
         container_port=8080,
         health_path="/health",
@@ -623,6 +635,7 @@ class OpenAIDriver(Driver):
     """Any OpenAI-compatible server: the image's own entrypoint, the spec's args, a configurable probe."""
 
     name = "openai"
+    name_is_a_hint = False  # any OpenAI-compatible server: the name does not say which engine runs
     default_port = 8000
 
     def __init__(

@@ -26,10 +26,10 @@ from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_reader
     MAX_EXTENDED_HEADER_BYTES,
     BundleProblem,
     BundleRefused,
-    Reason,
     check_bundle,
     unpack_bundle,
 )
+from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_refused import Reason
 from ansible_collections.meridian.node.plugins.module_utils.airgap.runbook import listed_runbook
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import AppliedState, RejectionCode

@@ -56,6 +56,21 @@ def test_registry_has_a_driver_for_every_driver_the_contract_allows() -> None:
         assert driver_class.name == name
 
 
+def test_each_engine_is_recognised_by_its_name_and_hints_and_no_words_name_two() -> None:
+    """The Kubernetes observer's ENGINE_WORDS come from these hints: within a name the first words that match win,
+    so no run of words may belong to two drivers, nor start another driver's run (then order would decide)."""
+    owner: dict[tuple[str, ...], str] = {}
+    for name, driver_class in DRIVERS.items():
+        hints = driver_class.recognized_by()
+        assert ((name,) in hints) == (name != "openai"), name
+        for words in hints:
+            assert owner.setdefault(words, name) == name, words
+    for words, name in owner.items():
+        for other, other_name in owner.items():
+            if other_name != name and len(other) > len(words):
+                assert other[: len(words)] != words, (words, other)
+
+
 def test_unknown_driver_is_refused_naming_the_allowed_ones() -> None:
     with pytest.raises(DriverError) as raised:
         get_driver("tensorrt")

@@ -12,6 +12,11 @@ from typing import Any
 
 import pytest
 
+from ansible_collections.meridian.node.plugins.module_utils.docker.container_settings import (
+    ContainerSettings,
+    create_body,
+    our_labels,
+)
 from ansible_collections.meridian.node.plugins.module_utils.docker.drift import (
     LABEL_SETTINGS,
     compare_settings,
@@ -20,11 +25,6 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.drift import 
     expected_settings,
     read_settings,
     settings_label,
-)
-from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
-    ContainerSettings,
-    _create_body,
-    _our_labels,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import engine_settings
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import DriverError, get_driver
@@ -61,8 +61,8 @@ def printed(value: Any) -> str:
 def test_a_one_character_secret_reaches_the_container_and_nothing_else() -> None:
     spec = parsed(env={"MODE": "tgi", "FLAG": "1"}, secret_env={"HF_TOKEN": SECRET})
     settings = settings_of(spec)
-    labels = _our_labels(settings)
-    body = _create_body(settings, "sha256:" + "2" * 64, labels)
+    labels = our_labels(settings)
+    body = create_body(settings, "sha256:" + "2" * 64, labels)
     expected = expected_settings(body, {"Config": {}})
 
     assert f"HF_TOKEN={SECRET}" in body["Env"]
@@ -97,7 +97,7 @@ def test_a_secret_that_overrides_a_driver_default_is_in_the_environment_once() -
     spec = parse_engine_spec(
         dict(ENGINE, driver="ollama", model={"name": "llama3:8b"}, secret_env={"OLLAMA_NOPRUNE": SECRET})
     )
-    body = _create_body(settings_of(spec), "sha256:" + "2" * 64, {})
+    body = create_body(settings_of(spec), "sha256:" + "2" * 64, {})
 
     assert [entry for entry in body["Env"] if entry.startswith("OLLAMA_NOPRUNE=")] == [f"OLLAMA_NOPRUNE={SECRET}"]
 
@@ -130,7 +130,7 @@ def test_a_signed_states_secrets_go_back_into_the_engines_it_converges() -> None
 
 def inspected(settings: ContainerSettings, labels: dict[str, str]) -> dict[str, Any]:
     """What Docker's inspect shows of a container created from ``settings`` with ``labels``, image defaults none."""
-    body = _create_body(settings, IMAGE_ID, labels)
+    body = create_body(settings, IMAGE_ID, labels)
     config = {key: body.get(key) for key in ("Env", "Labels", "Cmd", "Entrypoint", "StopSignal", "StopTimeout")}
     return {"Image": IMAGE_ID, "Config": config, "HostConfig": body["HostConfig"]}
 
@@ -143,8 +143,8 @@ def test_a_secret_changed_behind_our_back_is_drift_named_without_its_value(
     # only the live settings tell. The agent compares them with the digests in LABEL_SETTINGS, the module with
     # the settings themselves; the diff names the variable, never a value.
     settings = settings_of(parsed(env={"MODE": "tgi"}, secret_env={"HF_TOKEN": SECRET}))
-    labels = _our_labels(settings)
-    expected = expected_settings(_create_body(settings, IMAGE_ID, labels), {"Config": {}})
+    labels = our_labels(settings)
+    expected = expected_settings(create_body(settings, IMAGE_ID, labels), {"Config": {}})
     labels[LABEL_SETTINGS] = settings_label(expected)
     live = inspected(dataclasses.replace(settings, secret_env={"HF_TOKEN": live_secret}), labels)
 

@@ -302,6 +302,7 @@ def test_public_api_of_the_protocol_client_is_pinned() -> None:
         "IdentityError",
         "NodeIdentity",
         "PendingKey",
+        "certificate_info",
     }
     assert issubclass(client_module.ControlPlaneRejected, client_module.ControlPlaneError)
     assert issubclass(client_module.CertificateExpired, client_module.ControlPlaneRejected)

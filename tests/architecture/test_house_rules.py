@@ -28,6 +28,16 @@ AGENT_MAY_IMPORT = {
     "root_side": ("", "root_side", "boundary", "apply", "config", "errors", "logs"),
     "devserver": ("", "devserver", "boundary", "errors"),
 }
+# The devserver's rooms, each with the rooms it may import (its own among them): the store knows no control plane,
+# the control plane no server, and nothing imports the command line. Its package's __init__ imports none.
+DEVSERVER = f"{AGENT}.devserver"
+DEVSERVER_MAY_IMPORT = {
+    "": (),
+    "store": ("store",),
+    "control": ("store", "control"),
+    "serving": ("store", "control", "serving"),
+    "cli": ("store", "control", "serving", "cli"),
+}
 LOW_ROOMS = ("trust", "gpu", "docker")  # module_utils rooms that never reach into engines/ or artifacts/
 RUNS_ON = {"agent_side": "the agent side", "root_side": "the root side", "boundary": "both sides"}
 # What a module shell may import besides one module_utils file named *_args (its ARGUMENT_SPEC and outcome).
@@ -148,6 +158,33 @@ def rule_agent_rooms(sources: dict[str, Source]) -> list[str]:
             found.append(f"{source.path}:{line}: imports {target}: nothing imports cli/ or dev/")
         elif room in AGENT_MAY_IMPORT and target_room not in AGENT_MAY_IMPORT[room]:
             found.append(f"{source.path}:{line}: {room}/ imports {target}, and {target_room}/ is not its to import")
+    return found
+
+
+def _devserver_room(module: str) -> str | None:
+    """The devserver room ``module`` is in ("" for the package itself), or None outside the devserver."""
+    if module != DEVSERVER and not module.startswith(DEVSERVER + "."):
+        return None
+    return module[len(DEVSERVER) + 1 :].partition(".")[0]
+
+
+def rule_devserver_rooms(sources: dict[str, Source]) -> list[str]:
+    """store/ imports only store/, control/ adds store/, serving/ adds control/; nothing imports cli/; every file of
+    the devserver's is in one of those rooms."""
+    rooms = ", ".join(f"{room}/" for room in DEVSERVER_MAY_IMPORT if room)
+    found = [
+        f"{source.path}: the devserver's files live in its rooms ({rooms})"
+        for source in sources.values()
+        if _devserver_room(source.module) not in (None, *DEVSERVER_MAY_IMPORT)
+    ]
+    for source, line, target in edges(sources):
+        room, target_room = _devserver_room(source.module), _devserver_room(target)
+        if room not in DEVSERVER_MAY_IMPORT or target_room is None or room == target_room:
+            continue
+        if target_room == "cli":
+            found.append(f"{source.path}:{line}: imports {target}: nothing imports the devserver's cli/")
+        elif target_room not in DEVSERVER_MAY_IMPORT[room]:
+            found.append(f"{source.path}:{line}: the devserver's {room}/ imports {target}; {target_room}/ is above it")
     return found
 
 
@@ -284,6 +321,7 @@ def rule_runs_on_lines(sources: dict[str, Source]) -> list[str]:
 RULES: list[Rule] = [
     rule_plugins_never_import_the_agent,
     rule_agent_rooms,
+    rule_devserver_rooms,
     rule_module_utils_rooms,
     rule_one_converge,
     rule_module_shells,
@@ -305,6 +343,7 @@ def test_the_house_keeps_its_rules(rule: Rule, house: dict[str, Source]) -> None
 
 
 A = f"agent/{AGENT}"
+D = f"{A}/devserver"
 M = "plugins/module_utils"
 S = "plugins/modules"
 # One violation of each rule: (rule, file, text appended to it, what every report line then names).
@@ -312,6 +351,21 @@ PLANTED = [
     (rule_plugins_never_import_the_agent, f"{M}/contracts.py", "import meridian_node_agent.config\n", "the agent"),
     (rule_agent_rooms, f"{A}/agent_side/cycle.py", "from meridian_node_agent.root_side import root_dir\n", "root_side"),
     (rule_agent_rooms, f"{A}/boundary/spool.py", "from meridian_node_agent.cli import main\n", "cli/"),
+    (rule_devserver_rooms, f"{D}/store/database.py", f"from {DEVSERVER}.serving import hot_path\n", "store/ imports"),
+    (
+        rule_devserver_rooms,
+        f"{D}/store/schema.py",
+        f"from {DEVSERVER}.control.plane import Settings\n",
+        "store/ imports",
+    ),
+    (
+        rule_devserver_rooms,
+        f"{D}/control/plane.py",
+        f"from {DEVSERVER}.serving.hot_path import HotPath\n",
+        "control/ im",
+    ),
+    (rule_devserver_rooms, f"{D}/serving/app.py", f"from {DEVSERVER}.cli import main\n", "nothing imports"),
+    (rule_devserver_rooms, f"{D}/store/errors.py", f"from {DEVSERVER}.cli.common import Refused\n", "nothing imports"),
     (rule_module_utils_rooms, f"{M}/trust/dsse.py", f"from {MU}.engines import plan\n", "engines/"),
     (rule_module_utils_rooms, f"{M}/engines/prune.py", f"from {MU}.artifacts import fetch\n", "artifacts/layout"),
     (rule_module_utils_rooms, f"{M}/engines/set.py", f"from {MU}.artifacts.held import held_problems\n", "layout"),
@@ -344,3 +398,10 @@ def test_a_missing_runs_on_line_is_caught(tmp_path: Path) -> None:
     spool.write_text(spool.read_text(encoding="utf-8").replace("Runs on:", "Runs:", 1), encoding="utf-8")
     expected = f"{A}/boundary/spool.py: its docstring needs a 'Runs on: both sides' line (found None)"
     assert rule_runs_on_lines(load(tmp_path)) == [expected]
+
+
+def test_a_devserver_file_outside_its_rooms_is_caught(tmp_path: Path) -> None:
+    shutil.copytree(REPO / "agent", tmp_path / "agent", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (tmp_path / D / "helpers.py").write_text(f"from {DEVSERVER}.store.database import Database\n", encoding="utf-8")
+    found = rule_devserver_rooms(load(tmp_path))
+    assert found == [f"{D}/helpers.py: the devserver's files live in its rooms (store/, control/, serving/, cli/)"]

@@ -89,7 +89,7 @@ from ansible_collections.meridian.node.bench.fleet_server import (
     serving_replicas,
 )
 from ansible_collections.meridian.node.bench.fleet_stats import ENDPOINTS, Distribution, Recorder
-from meridian_node_agent.devserver.control import ControlPlane
+from meridian_node_agent.devserver.control.plane import ControlPlane
 
 __all__ = [
     "DESIRED_STATE",

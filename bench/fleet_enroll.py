@@ -24,7 +24,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     parse_document,
 )
 from meridian_node_agent.agent_side.identity import NodeIdentity
-from meridian_node_agent.devserver.control import ControlPlane
+from meridian_node_agent.devserver.control.plane import ControlPlane
 
 __all__ = ["ENROLL_CONNECTIONS", "Enrolled", "client_context", "enroll", "fleet_node_ids", "make_tokens"]
 

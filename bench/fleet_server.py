@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import devserver_command
-from meridian_node_agent.devserver.control import ControlPlane, DataDir, open_control_plane
+from meridian_node_agent.devserver.control.plane import ControlPlane, DataDir, open_control_plane
 
 __all__ = ["ProcSample", "Replicas", "ServerProcess", "open_control", "serving", "serving_replicas"]
 

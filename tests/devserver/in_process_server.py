@@ -29,11 +29,11 @@ import uvicorn
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation, format_rfc3339
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected, DesiredStateFetch
 from meridian_node_agent.agent_side.identity import NodeIdentity
-from meridian_node_agent.devserver.app import create_app
-from meridian_node_agent.devserver.change_feed import ChangeFeed
-from meridian_node_agent.devserver.control import ControlPlane, open_control_plane
-from meridian_node_agent.devserver.hot_path import HotPath
-from meridian_node_agent.devserver.server import bind, prepare_tls, uvicorn_config
+from meridian_node_agent.devserver.control.plane import ControlPlane, open_control_plane
+from meridian_node_agent.devserver.serving.app import create_app
+from meridian_node_agent.devserver.serving.hot_path import HotPath
+from meridian_node_agent.devserver.serving.server import bind, prepare_tls, uvicorn_config
+from meridian_node_agent.devserver.store.change_feed import ChangeFeed
 
 __all__ = [
     "InProcessServer",

@@ -9,9 +9,9 @@ from typing import cast
 
 import pytest
 
-from meridian_node_agent.devserver.change_feed import ChangeKind, SqliteChangeLog, StateChange, decode_change
-from meridian_node_agent.devserver.lease_table import LeaseTable
-from meridian_node_agent.devserver.store import Database
+from meridian_node_agent.devserver.serving.lease_table import LeaseTable
+from meridian_node_agent.devserver.store.change_feed import ChangeKind, SqliteChangeLog, StateChange, decode_change
+from meridian_node_agent.devserver.store.database import Database
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meridian_node_agent.devserver.ca import CertificateAuthority, CsrError
+from meridian_node_agent.devserver.control.ca import CertificateAuthority, CsrError
 
 LIFETIME = timedelta(days=1)
 

@@ -14,7 +14,7 @@ import pytest
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, cli, enroll_node, running
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
 from meridian_node_agent.agent_side.control_client import ControlPlaneRejected
-from meridian_node_agent.devserver.store import token_digest
+from meridian_node_agent.devserver.store.database import token_digest
 
 # The tokens table exactly as devservers created it before tokens could be bound to a node.
 _OLD_TOKENS_TABLE = """

@@ -23,11 +23,11 @@ from meridian_node_agent.agent_side import control_client as client_module
 from meridian_node_agent.agent_side import identity as identity_module
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneUnavailable
 from meridian_node_agent.agent_side.identity import IdentityError, NodeIdentity
-from meridian_node_agent.devserver.app import create_app
-from meridian_node_agent.devserver.ca import CertificateAuthority, CsrError, PeerCertificateError
-from meridian_node_agent.devserver.control import ControlPlane, ProtocolError, open_control_plane
-from meridian_node_agent.devserver.store import Database, StoreConflict
-from meridian_node_agent.devserver.tls import peer_certificate_der, server_ssl_context, tls_extension
+from meridian_node_agent.devserver.control.ca import CertificateAuthority, CsrError, PeerCertificateError
+from meridian_node_agent.devserver.control.plane import ControlPlane, ProtocolError, open_control_plane
+from meridian_node_agent.devserver.serving.app import create_app
+from meridian_node_agent.devserver.serving.tls import peer_certificate_der, server_ssl_context, tls_extension
+from meridian_node_agent.devserver.store.database import Database, StoreConflict
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

@@ -30,8 +30,8 @@ from ansible_collections.meridian.node.bench.fleet_observation import Observatio
 from ansible_collections.meridian.node.bench.fleet_server import Replicas, ServerProcess, open_control, serving
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.agent_side.control_client import ControlClient
-from meridian_node_agent.devserver.control import Settings
-from meridian_node_agent.devserver.store import NodeRow
+from meridian_node_agent.devserver.control.plane import Settings
+from meridian_node_agent.devserver.store.database import NodeRow
 
 NODES = 500
 # Two cycles of every node inside the window: enough that each one's steady calls (a heartbeat and a 304 per

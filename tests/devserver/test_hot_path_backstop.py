@@ -21,7 +21,7 @@ from ansible_collections.meridian.node.tests.devserver.in_process_server import 
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.agent_side.control_client import ControlClient, FetchStatus
 from meridian_node_agent.agent_side.identity import NodeIdentity
-from meridian_node_agent.devserver.change_feed import InProcessFeed
+from meridian_node_agent.devserver.store.change_feed import InProcessFeed
 
 EMPTY: dict[str, list[object]] = {"engines": [], "artifacts": []}
 _NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)

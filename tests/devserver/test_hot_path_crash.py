@@ -35,8 +35,9 @@ from ansible_collections.meridian.node.tests.devserver.in_process_server import 
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneUnavailable
 from meridian_node_agent.agent_side.identity import NodeIdentity
-from meridian_node_agent.devserver.change_feed import libpq_conninfo
-from meridian_node_agent.devserver.store import DATABASE_URL_ENV, Database, NodeRow
+from meridian_node_agent.devserver.cli.common import DATABASE_URL_ENV
+from meridian_node_agent.devserver.store.change_feed import libpq_conninfo
+from meridian_node_agent.devserver.store.database import Database, NodeRow
 
 NODE = "crash-node"
 

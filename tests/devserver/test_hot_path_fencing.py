@@ -25,7 +25,7 @@ from ansible_collections.meridian.node.tests.devserver.in_process_server import 
     wait_for,
 )
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
-from meridian_node_agent.devserver.change_feed import InProcessFeed
+from meridian_node_agent.devserver.store.change_feed import InProcessFeed
 
 
 def test_a_heard_fence_refuses_a_stale_observation_from_memory(tmp_path: Path, store_backend: StoreBackend) -> None:

@@ -26,9 +26,9 @@ from ansible_collections.meridian.node.tests.devserver.in_process_server import 
 )
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.agent_side.control_client import DesiredStateFetch, FetchStatus
-from meridian_node_agent.devserver.lease_table import LeaseTable
-from meridian_node_agent.devserver.server import bind
-from meridian_node_agent.devserver.store import Database, ObservationWrite
+from meridian_node_agent.devserver.serving.lease_table import LeaseTable
+from meridian_node_agent.devserver.serving.server import bind
+from meridian_node_agent.devserver.store.database import Database, ObservationWrite
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 

@@ -18,11 +18,11 @@ from fastapi.routing import APIRoute
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
 from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.dev import schemas
-from meridian_node_agent.devserver import app as app_module
-from meridian_node_agent.devserver import control as control_module
-from meridian_node_agent.devserver.app import create_app
-from meridian_node_agent.devserver.control import ControlPlane, Settings, open_control_plane
-from meridian_node_agent.devserver.openapi import OPENAPI_PATH, openapi_document, operations
+from meridian_node_agent.devserver.control import plane as control_module
+from meridian_node_agent.devserver.control.plane import ControlPlane, Settings, open_control_plane
+from meridian_node_agent.devserver.serving import app as app_module
+from meridian_node_agent.devserver.serving.app import create_app
+from meridian_node_agent.devserver.serving.openapi import OPENAPI_PATH, openapi_document, operations
 
 DOCUMENT = openapi_document(Settings.max_wait_s)
 

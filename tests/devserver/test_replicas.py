@@ -47,9 +47,10 @@ from meridian_node_agent.agent_side.control_client import (
     FetchStatus,
 )
 from meridian_node_agent.agent_side.identity import NodeIdentity
-from meridian_node_agent.devserver.control import open_control_plane
-from meridian_node_agent.devserver.server import prepare_tls
-from meridian_node_agent.devserver.store import DATABASE_URL_ENV, Database
+from meridian_node_agent.devserver.cli.common import DATABASE_URL_ENV
+from meridian_node_agent.devserver.control.plane import open_control_plane
+from meridian_node_agent.devserver.serving.server import prepare_tls
+from meridian_node_agent.devserver.store.database import Database
 
 _tokens = itertools.count(1)
 

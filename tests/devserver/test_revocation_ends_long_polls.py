@@ -41,10 +41,10 @@ from meridian_node_agent.agent_side.control_client import (
     DesiredStateFetch,
     FetchStatus,
 )
-from meridian_node_agent.devserver.change_feed import ChangeKind, StateChange
-from meridian_node_agent.devserver.long_poll import DesiredStateWaiters
-from meridian_node_agent.devserver.state_cache import NodeStateCache
-from meridian_node_agent.devserver.store import Database
+from meridian_node_agent.devserver.serving.long_poll import DesiredStateWaiters
+from meridian_node_agent.devserver.serving.state_cache import NodeStateCache
+from meridian_node_agent.devserver.store.change_feed import ChangeKind, StateChange
+from meridian_node_agent.devserver.store.database import Database
 
 NODE = "parked-node"
 WAIT_S = 60.0  # the server's longest wait: a request that ends within the 30 s guard was ended, not timed out

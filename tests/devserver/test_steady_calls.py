@@ -19,8 +19,8 @@ import pytest
 
 from ansible_collections.meridian.node.tests.devserver.in_process_server import InProcessServer, serving_in_process
 from meridian_node_agent.agent_side.identity import NodeIdentity
-from meridian_node_agent.devserver.app import create_app
-from meridian_node_agent.devserver.steady_calls import SteadyCallLane
+from meridian_node_agent.devserver.serving.app import create_app
+from meridian_node_agent.devserver.serving.steady_calls import SteadyCallLane
 
 NODE = "lane-node"
 QUIET = "lane-quiet"  # enrolled, nothing published to it

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
-from meridian_node_agent.devserver.store import (
+from meridian_node_agent.devserver.store.database import (
     REVOKED_BY_OPERATOR,
     SUPERSEDED_BY_ENROLLMENT,
     Database,

@@ -24,7 +24,7 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 )
 from ansible_collections.meridian.node.tests.support.postgres import PostgresServer
 from meridian_node_agent.agent_side.control_client import DesiredStateFetch, FetchStatus
-from meridian_node_agent.devserver.store import DATABASE_URL_ENV
+from meridian_node_agent.devserver.cli.common import DATABASE_URL_ENV
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
-"""The store's schema migrations (Alembic, agent/meridian_node_agent/devserver/migrations/): an empty database and
-one left by the devserver before Alembic both arrive at the schema ``store_schema`` declares, on both backends.
+"""The store's schema migrations (Alembic, agent/meridian_node_agent/devserver/store/migrations/): an empty database
+and one left by the devserver before Alembic both arrive at the schema ``store/schema.py`` declares, on both backends.
 
 "Agrees with the declared schema" is Alembic's own comparison (``compare_metadata``: tables, columns, types,
-nullability, indexes, unique constraints) between the migrated database and ``store_schema.METADATA``.
+nullability, indexes, unique constraints) between the migrated database and ``schema.METADATA``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from ansible_collections.meridian.node.tests.support.postgres import PostgresServer, StoreBackend
-from meridian_node_agent.devserver import migrations
-from meridian_node_agent.devserver.store import (
+from meridian_node_agent.devserver.store import migrations
+from meridian_node_agent.devserver.store.database import (
     SUPERSEDED_BY_ENROLLMENT,
     Database,
     DatabaseUnavailable,
@@ -32,7 +32,7 @@ from meridian_node_agent.devserver.store import (
     ObservationRecord,
     token_digest,
 )
-from meridian_node_agent.devserver.store_schema import METADATA
+from meridian_node_agent.devserver.store.schema import METADATA
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -81,7 +81,7 @@ CREATE TABLE IF NOT EXISTS observations (
 """
 # What the old code's _migrate had added by the time revocation reasons came: token binding only.
 _BEFORE_REVOCATION_REASONS = _BEFORE_TOKEN_BINDING + "ALTER TABLE tokens ADD COLUMN node_id TEXT;\n"
-# What import-outbox (outbox_import.py) adds beside them.
+# What import-outbox (control/outbox_import.py) adds beside them.
 _OUTBOX_RECORDS = """
 CREATE TABLE IF NOT EXISTS outbox_records (
     node_id TEXT NOT NULL,

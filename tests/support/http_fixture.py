@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from meridian_node_agent.devserver.ca import CertificateAuthority
+from meridian_node_agent.devserver.control.ca import CertificateAuthority
 
 __all__ = ["ArtifactServer", "RequestRecord", "TlsMaterial", "running_artifact_server", "small_tmpfs", "tls_material"]
 

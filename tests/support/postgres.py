@@ -36,7 +36,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from meridian_node_agent.devserver.store import Database
+from meridian_node_agent.devserver.store.database import Database
 
 __all__ = [
     "PostgresServer",

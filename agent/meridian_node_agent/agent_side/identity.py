@@ -24,7 +24,7 @@ is done in steps that each leave a matching pair too (see ``_adopt_flat_layout``
 exists on disk only inside a 0700 directory, in a 0600 file, and only once its certificate has arrived.
 
 P-256 rather than Ed25519 because the key is used in TLS, where P-256 works with every stack (see
-``meridian_node_agent.devserver.ca``).
+``meridian_node_agent.devserver.control.ca``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from meridian_node_agent.boundary.outbox import OutboxRecord
-from meridian_node_agent.devserver.json_schema import (
+from meridian_node_agent.devserver.serving.json_schema import (
     INTEGER_COMMENT,
     INTEGER_FORMAT,
     ContractJsonSchema,

@@ -1,10 +1,15 @@
 """``meridian-node-devserver``: the reference control plane for protocol v1 (docs/PROTOCOL.md).
 
-Modules, each with one job: ``ca`` (certificates), ``store`` (the database: SQLite or PostgreSQL, with
-``store_schema``, ``store_queries``, ``store_engine``, ``store_errors`` and Alembic's ``migrations``), ``control``
-(what the control plane does, shared by HTTP and CLI), ``hot_path`` (how ``serve`` answers a node's steady calls from
-memory: ``lease_table``, ``state_cache``, ``observation_writer``, ``long_poll``, and ``change_feed`` with
-``change_watcher`` for other processes' changes), ``app`` (FastAPI handlers), ``tls`` (mutual TLS under uvicorn),
-``server`` (running uvicorn), ``cli`` (the command line), ``files`` (private key files), ``openapi`` (the
-``/openapi.json`` document), ``json_schema`` (the contract models' JSON Schemas, for it and contracts/v1).
+Four rooms, each importing only the ones before it (tests/architecture/test_house_rules.py checks it):
+
+* ``store/``: the database, SQLite or PostgreSQL (``database``: ``Database``, the one door; ``schema``, ``queries``,
+  ``backends``, ``errors``; Alembic's ``migrations/``), and ``change_feed``, how a committed change is announced to
+  every process on that database.
+* ``control/``: what the control plane does, for the HTTP server and the CLI alike (``plane``: ``ControlPlane``;
+  ``ca``, certificates; ``files``, key files; ``outbox_import``, an air-gapped node's outbox).
+* ``serving/``: ``serve``: the FastAPI handlers (``app``), the fleet's steady calls in front of them
+  (``steady_calls``), answered from memory (``hot_path`` with ``lease_table``, ``state_cache``,
+  ``observation_writer``, ``long_poll`` and ``change_watcher``), uvicorn with mutual TLS (``server``, ``tls``), the
+  ``/openapi.json`` document (``openapi``, ``json_schema``).
+* ``cli/``: the command line, one module per verb family, loaded lazily; nothing imports it.
 """

@@ -29,7 +29,7 @@ from meridian_node_agent.agent_side.control_client import (
     ControlPlaneUnavailable,
 )
 from meridian_node_agent.agent_side.identity import NodeIdentity
-from meridian_node_agent.devserver.tls import server_ssl_context
+from meridian_node_agent.devserver.serving.tls import server_ssl_context
 
 
 def _refusing_port() -> socket.socket:

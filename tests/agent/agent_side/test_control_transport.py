@@ -28,8 +28,8 @@ from meridian_node_agent.agent_side.control_client import (
 )
 from meridian_node_agent.agent_side.control_link import MAX_HEAD_BYTES
 from meridian_node_agent.agent_side.identity import NodeIdentity
-from meridian_node_agent.devserver.control import open_control_plane
-from meridian_node_agent.devserver.tls import server_ssl_context
+from meridian_node_agent.devserver.control.plane import open_control_plane
+from meridian_node_agent.devserver.serving.tls import server_ssl_context
 
 NODE_ID = "gpu-transport-1"
 

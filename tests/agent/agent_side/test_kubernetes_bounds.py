@@ -43,7 +43,7 @@ from meridian_node_agent.agent_side.kubernetes_observer import MAX_GPU_CONTAINER
 from meridian_node_agent.agent_side.observe import OBSERVATION_MAX_BYTES, ObservationSizeGuard, Observer
 from meridian_node_agent.agent_side.podresources.client import PodResourcesClient
 from meridian_node_agent.agent_side.podresources.reading import is_gpu_device
-from meridian_node_agent.devserver.app import MAX_REQUEST_BYTES
+from meridian_node_agent.devserver.serving.app import MAX_REQUEST_BYTES
 
 MODE = "kubernetes-integrated"
 

@@ -165,7 +165,7 @@ def test_import_outbox_copied_in_part_out_of_order_then_twice_loses_and_duplicat
     assert {r["sequence"]: r["result"] for r in first} == {2: "imported", 3: "imported"}
     assert {r["sequence"]: r["result"] for r in second} == {1: "superseded", 2: "duplicate", 3: "duplicate"}
     # The node's latest observation is the newest record's, whatever order the files came in.
-    from meridian_node_agent.devserver.control import open_control_plane
+    from meridian_node_agent.devserver.control.plane import open_control_plane
 
     control = open_control_plane(data_dir)
     try:

@@ -27,7 +27,7 @@ from ansible_collections.meridian.node.tests.support.standin_image import LocalI
 from ansible_collections.meridian.node.tests.support.trust_fixtures import artifact_manifest, envelope
 from meridian_node_agent.apply.applier import collection_paths
 from meridian_node_agent.cli.bundle import shipped_code_pin
-from meridian_node_agent.devserver.control import open_control_plane
+from meridian_node_agent.devserver.control.plane import open_control_plane
 
 NODE = "airgap-e2e-node"
 WEIGHTS = b"tiny weights\n" * 512

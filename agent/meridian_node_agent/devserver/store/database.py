@@ -2,8 +2,8 @@
 
 SQLAlchemy Core (no ORM) over two backends: SQLite, embedded, the default (a file in the data dir, or
 ``:memory:``), and PostgreSQL through psycopg 3, for a fleet that outgrows one file or wants several server
-processes on one database. How each is connected: ``store_engine.py``; the tables: ``store_schema.py``; the
-statements, built once: ``store_queries.py``; the schema's history: ``migrations/`` (Alembic, run when a
+processes on one database. How each is connected: ``backends.py``; the tables: ``schema.py``; the
+statements, built once: ``queries.py``; the schema's history: ``migrations/`` (Alembic, run when a
 ``Database`` opens; databases from before Alembic are adopted there).
 
 Every read sees the latest commit of any process: a revocation made by the CLI applies to the server's next
@@ -26,7 +26,7 @@ node whose key leaked is made safe by enrolling it again. ``certificates.revoked
 certificate was revoked (``revoked``: the operator's ``revoke``; ``superseded``: a later enrollment),
 so the refusal can tell the two apart; it is NULL for revocations recorded before the column existed.
 
-``nodes_changed_since(seq)`` is what a server's backstop asks (``change_watcher.py``): the nodes published to,
+``nodes_changed_since(seq)`` is what a server's backstop asks (``serving/change_watcher.py``): the nodes published to,
 fenced, enrolled or revoked since the change it last saw. Each of those transactions ends by bumping the one row of
 ``change_marker`` and stamping its node's ``change_seq`` with the new value (``_bump``); the row's lock (on SQLite
 the write lock) holds every other such transaction until this one commits, so they commit in the order of their
@@ -36,7 +36,7 @@ the transaction commits, out of commit order, and a reader could skip a change t
 
 ``renew_leases`` and ``record_observations`` are the batched writes a server that holds leases and
 observations in memory flushes: one transaction, one ``executemany`` each. ``statement_count`` and
-``commit_count`` count what this ``Database`` sent (``store_engine.StatementCounter``).
+``commit_count`` count what this ``Database`` sent (``backends.StatementCounter``).
 
 The devserver's command line imports this module for every verb. Without the ``devserver`` extra (SQLAlchemy,
 Alembic, psycopg) it still imports, and ``Database`` says which package to install.
@@ -54,7 +54,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
-from meridian_node_agent.devserver.store_errors import DatabaseUnavailable, StoreConflict, UnknownNode
+from meridian_node_agent.devserver.store.errors import DatabaseUnavailable, StoreConflict, UnknownNode
 
 _missing_package: str | None = None
 # What the `devserver` extra brings for the database (mako: Alembic's; typing_extensions: SQLAlchemy's).
@@ -63,22 +63,21 @@ try:
     from sqlalchemy import Connection, func, insert, select, text
     from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-    from meridian_node_agent.devserver import migrations
-    from meridian_node_agent.devserver.store_engine import (
+    from meridian_node_agent.devserver.store import migrations
+    from meridian_node_agent.devserver.store.backends import (
         WRITE_OPTION,
         StatementCounter,
         create_store_engine,
         locate,
     )
-    from meridian_node_agent.devserver.store_queries import StoreQueries
-    from meridian_node_agent.devserver.store_schema import outbox_records
+    from meridian_node_agent.devserver.store.queries import StoreQueries
+    from meridian_node_agent.devserver.store.schema import outbox_records
 except ModuleNotFoundError as exc:
     if (exc.name or "").partition(".")[0] not in _DATABASE_STACK:
         raise
     _missing_package = exc.name
 
 __all__ = [
-    "DATABASE_URL_ENV",
     "REVOKED_BY_OPERATOR",
     "SUPERSEDED_BY_ENROLLMENT",
     "CertificateRecord",
@@ -94,10 +93,6 @@ __all__ = [
     "StoreConflict",
     "UnknownNode",
 ]
-
-
-# Where the devserver's verbs find the database when --database-url is not given (else the SQLite file).
-DATABASE_URL_ENV = "MERIDIAN_DEVSERVER_DATABASE_URL"
 
 
 @dataclass(frozen=True)

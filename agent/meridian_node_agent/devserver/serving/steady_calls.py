@@ -26,10 +26,10 @@ from urllib.parse import parse_qsl
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from meridian_node_agent.devserver.control import ProtocolError
-from meridian_node_agent.devserver.hot_path import HotPath
-from meridian_node_agent.devserver.openapi import GENERATION_HEADER, ProtocolErrorBody
-from meridian_node_agent.devserver.tls import peer_certificate_der
+from meridian_node_agent.devserver.control.plane import ProtocolError
+from meridian_node_agent.devserver.serving.hot_path import HotPath
+from meridian_node_agent.devserver.serving.openapi import GENERATION_HEADER, ProtocolErrorBody
+from meridian_node_agent.devserver.serving.tls import peer_certificate_der
 
 __all__ = [
     "SteadyCallLane",

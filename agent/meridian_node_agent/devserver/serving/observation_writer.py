@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from meridian_node_agent.devserver.store import Database, ObservationWrite
+from meridian_node_agent.devserver.store.database import Database, ObservationWrite
 
 __all__ = ["ObservationWriter"]
 

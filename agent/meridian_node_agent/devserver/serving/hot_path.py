@@ -35,18 +35,18 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     Observation,
     ServingProjection,
 )
-from meridian_node_agent.devserver.change_watcher import BACKSTOP_S, ChangeWatcher
-from meridian_node_agent.devserver.control import (
+from meridian_node_agent.devserver.control.plane import (
     ControlPlane,
     check_observation_node,
     epoch_refusal,
     unknown_node,
 )
-from meridian_node_agent.devserver.lease_table import DEFAULT_LEASE_FLUSH_S, LeaseTable
-from meridian_node_agent.devserver.long_poll import DesiredStateWaiters
-from meridian_node_agent.devserver.observation_writer import ObservationWriter
-from meridian_node_agent.devserver.state_cache import NodeStateCache
-from meridian_node_agent.devserver.store import ObservationWrite, PublishedState, UnknownNode
+from meridian_node_agent.devserver.serving.change_watcher import BACKSTOP_S, ChangeWatcher
+from meridian_node_agent.devserver.serving.lease_table import DEFAULT_LEASE_FLUSH_S, LeaseTable
+from meridian_node_agent.devserver.serving.long_poll import DesiredStateWaiters
+from meridian_node_agent.devserver.serving.observation_writer import ObservationWriter
+from meridian_node_agent.devserver.serving.state_cache import NodeStateCache
+from meridian_node_agent.devserver.store.database import ObservationWrite, PublishedState, UnknownNode
 
 __all__ = ["SERVING_MAX_AGE_S", "HotPath"]
 

@@ -1,4 +1,4 @@
-"""The devserver's tables as SQLAlchemy Core sees them: what ``store.Database`` queries, on SQLite and PostgreSQL.
+"""The devserver's tables as SQLAlchemy Core sees them: what ``database.Database`` queries, on SQLite and PostgreSQL.
 
 This is the schema the newest migration leaves (``migrations/versions/``); the migrations carry their own frozen
 copies of the DDL, and ``tests/devserver/test_store_backends.py`` checks on both backends that an upgraded

@@ -1,7 +1,7 @@
-"""The devserver's schema migrations (Alembic), run by ``store.Database`` when it opens a database.
+"""The devserver's schema migrations (Alembic), run by ``database.Database`` when it opens a database.
 
 Users need no ``alembic.ini``: ``upgrade`` points Alembic at this package (``env.py``, ``versions/``) and hands it
-the caller's connection, inside the caller's transaction. ``store.Database`` holds that transaction with the
+the caller's connection, inside the caller's transaction. ``database.Database`` holds that transaction with the
 write lock taken first (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: a transaction-scoped advisory lock), so two
 processes opening the same database at once migrate it once: the second finds it at the head.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection
 
-from meridian_node_agent.devserver.store_errors import DatabaseUnavailable
+from meridian_node_agent.devserver.store.errors import DatabaseUnavailable
 
 __all__ = ["HEAD", "upgrade"]
 

@@ -30,22 +30,22 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     describe_validation_error,
     parse_document,
 )
-from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
-from meridian_node_agent.devserver.hot_path import HotPath
-from meridian_node_agent.devserver.openapi import (
+from meridian_node_agent.devserver.control.plane import ControlPlane, ProtocolError
+from meridian_node_agent.devserver.serving.hot_path import HotPath
+from meridian_node_agent.devserver.serving.openapi import (
     OPENAPI_PATH,
     HealthAnswer,
     ProtocolErrorBody,
     openapi_document,
 )
-from meridian_node_agent.devserver.steady_calls import (
+from meridian_node_agent.devserver.serving.steady_calls import (
     authenticate,
     desired_state_response,
     heartbeat_response,
     json_response,
     protocol_error_response,
 )
-from meridian_node_agent.devserver.tls import peer_certificate_der
+from meridian_node_agent.devserver.serving.tls import peer_certificate_der
 
 __all__ = ["MAX_REQUEST_BYTES", "create_app"]
 

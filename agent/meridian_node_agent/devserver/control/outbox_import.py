@@ -36,8 +36,8 @@ from meridian_node_agent.boundary.outbox import (
     record_name_parts,
     verify_outbox_record,
 )
-from meridian_node_agent.devserver.control import ControlPlane, ProtocolError
-from meridian_node_agent.devserver.store import StoreConflict
+from meridian_node_agent.devserver.control.plane import ControlPlane, ProtocolError
+from meridian_node_agent.devserver.store.database import StoreConflict
 
 __all__ = ["ImportResult", "import_outbox"]
 

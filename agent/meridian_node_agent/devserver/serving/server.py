@@ -21,11 +21,11 @@ from pathlib import Path
 
 import uvicorn
 
-from meridian_node_agent.devserver.app import create_app
-from meridian_node_agent.devserver.control import ControlPlane
-from meridian_node_agent.devserver.hot_path import HotPath
-from meridian_node_agent.devserver.steady_calls import SteadyCallLane
-from meridian_node_agent.devserver.tls import MutualTlsHttpToolsProtocol, server_ssl_context
+from meridian_node_agent.devserver.control.plane import ControlPlane
+from meridian_node_agent.devserver.serving.app import create_app
+from meridian_node_agent.devserver.serving.hot_path import HotPath
+from meridian_node_agent.devserver.serving.steady_calls import SteadyCallLane
+from meridian_node_agent.devserver.serving.tls import MutualTlsHttpToolsProtocol, server_ssl_context
 
 __all__ = ["ServerTls", "bind", "prepare_tls", "serve", "uvicorn_config"]
 

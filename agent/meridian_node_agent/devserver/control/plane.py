@@ -36,14 +36,15 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     format_rfc3339,
 )
 from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
-from meridian_node_agent.devserver.ca import (
+from meridian_node_agent.devserver.control.ca import (
     CertificateAuthority,
     CertificateExpiredError,
     CsrError,
     PeerCertificateError,
     node_ids_in,
 )
-from meridian_node_agent.devserver.change_feed import (
+from meridian_node_agent.devserver.control.files import private_file_exclusive, write_public_file
+from meridian_node_agent.devserver.store.change_feed import (
     ChangeFeed,
     ChangeKind,
     InProcessFeed,
@@ -53,8 +54,7 @@ from meridian_node_agent.devserver.change_feed import (
     change_log_path,
     libpq_conninfo,
 )
-from meridian_node_agent.devserver.files import private_file_exclusive, write_public_file
-from meridian_node_agent.devserver.store import (
+from meridian_node_agent.devserver.store.database import (
     SUPERSEDED_BY_ENROLLMENT,
     CertificateRecord,
     Database,
@@ -167,7 +167,7 @@ def open_control_plane(
     """Open (creating on first use) the CA, control key and database in ``data_dir``.
 
     ``database``: a SQLite file path, ``:memory:`` or a database URL (``postgresql+psycopg://...``); by default
-    the SQLite file in ``data_dir``. ``store.Database`` migrates it to the newest schema.
+    the SQLite file in ``data_dir``. ``Database`` (``store/database.py``) migrates it to the newest schema.
     """
     paths = DataDir(data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -186,7 +186,7 @@ def open_control_plane(
 
 
 def _change_feed(store: Database, location: str) -> ChangeFeed:
-    """Where this database's changes are announced to the servers holding it in memory (``change_feed.py``)."""
+    """Where this database's changes are announced to the servers holding it in memory (``store/change_feed.py``)."""
     if store.backend == "postgresql":
         return PostgresChangeChannel(libpq_conninfo(location))
     if store.path == ":memory:":
@@ -238,7 +238,7 @@ class ControlPlane:
 
     Every verb that changes what a server holds in memory (a publish, a fence, a revocation, a re-enrollment)
     tells ``local`` (a server in this process, if any) and announces it on ``feed`` to the servers in other
-    processes, after its transaction has committed (``change_feed.py``).
+    processes, after its transaction has committed (``store/change_feed.py``).
     """
 
     def __init__(
@@ -500,7 +500,7 @@ class ControlPlane:
 
     def observe(self, node_id: str, observation: Observation, remote_host: str) -> None:
         """Store the observation now, in a transaction of its own (``import-outbox``; a server batches them:
-        ``observation_writer.py``)."""
+        ``serving/observation_writer.py``)."""
         check_observation_node(node_id, observation)
         try:
             self.store.record_observation(

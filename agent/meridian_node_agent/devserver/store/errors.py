@@ -1,7 +1,7 @@
 """What the devserver's store refuses, and why it cannot open: the store's errors, importable without SQLAlchemy.
 
-They live apart from ``store.py`` so that the devserver's command line can name the missing ``devserver`` extra
-instead of failing on an import (``store.py`` re-exports them; import them from there).
+They live apart from ``database.py`` so that the devserver's command line can name the missing ``devserver`` extra
+instead of failing on an import (``database.py`` re-exports them; import them from there).
 """
 
 from __future__ import annotations

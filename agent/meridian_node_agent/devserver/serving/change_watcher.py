@@ -1,6 +1,6 @@
 """The one thread per server that keeps its memory in step with the database.
 
-It takes the changes other processes announce (``change_feed.py``: NOTIFY on PostgreSQL, the change log beside
+It takes the changes other processes announce (``store/change_feed.py``: NOTIFY on PostgreSQL, the change log beside
 a SQLite file) and re-reads each changed node into ``NodeStateCache``, which wakes the long-polls waiting on that
 node. Waiting requests do no database work of their own; a change costs one statement per node it touched,
 whatever the number of waiting requests.
@@ -29,9 +29,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from meridian_node_agent.devserver.change_feed import ChangeFeed
-from meridian_node_agent.devserver.state_cache import NodeStateCache
-from meridian_node_agent.devserver.store import Database
+from meridian_node_agent.devserver.serving.state_cache import NodeStateCache
+from meridian_node_agent.devserver.store.change_feed import ChangeFeed
+from meridian_node_agent.devserver.store.database import Database
 
 __all__ = ["BACKSTOP_S", "ChangeWatcher"]
 

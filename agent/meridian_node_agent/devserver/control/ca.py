@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from meridian_node_agent.devserver.files import private_file_exclusive, public_file_exclusive, write_public_file
+from meridian_node_agent.devserver.control.files import private_file_exclusive, public_file_exclusive, write_public_file
 
 __all__ = [
     "CertificateAuthority",

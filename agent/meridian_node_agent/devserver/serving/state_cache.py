@@ -4,8 +4,8 @@ no database statement.
 What a node's steady traffic needs from the database is small and changes rarely: its epoch (a heartbeat's answer,
 the observation fence), its certificate's record (every request: is it ours, is it revoked) and its latest desired
 state (a long-poll's answer, a 304's ETag). Read once on first use, each is kept until a change to that node is
-announced (``change_feed.py``) or found by a full refresh, then re-read: a heartbeat or a 304 of a known node reads
-nothing (``tests/devserver/test_hot_path_statements.py`` counts it).
+announced (``store/change_feed.py``) or found by a full refresh, then re-read: a heartbeat or a 304 of a known node
+reads nothing (``tests/devserver/test_hot_path_statements.py`` counts it).
 
 Correctness rests on each value only ever moving one way, so that a slow read racing a refresh cannot put an older
 value back:
@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from meridian_node_agent.devserver.change_feed import ChangeKind, StateChange
-from meridian_node_agent.devserver.store import (
+from meridian_node_agent.devserver.store.change_feed import ChangeKind, StateChange
+from meridian_node_agent.devserver.store.database import (
     CertificateRecord,
     Database,
     NodeChange,
@@ -188,7 +188,7 @@ class NodeStateCache:
     def refresh_all(self) -> int:
         """Compare every node with what the last refresh saw, and re-read what differs; returns how many did.
 
-        What a server does at start and when announcements may have been lost (see ``change_feed.py``): one
+        What a server does at start and when announcements may have been lost (see ``store/change_feed.py``): one
         ``nodes()`` statement, plus one statement per node whose held desired state or epoch moved.
         """
         return self.refresh(self._store.nodes())

@@ -29,7 +29,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     ServingProjection,
     StrictModel,
 )
-from meridian_node_agent.devserver.json_schema import INTEGER_COMMENT, ContractJsonSchema
+from meridian_node_agent.devserver.serving.json_schema import INTEGER_COMMENT, ContractJsonSchema
 
 __all__ = [
     "GENERATION_HEADER",

@@ -1,10 +1,10 @@
 """How a change to what a server holds in memory reaches every process that serves the same database.
 
-A ``serve`` process answers heartbeats, 304s and the epoch check from memory (``state_cache.py``): each node's epoch,
-its certificate records and its latest desired state. Other processes change them: the CLI's ``publish``, ``fence``
-and ``revoke``, and on PostgreSQL the other replicas' enrollments. Every ``ControlPlane`` verb that changes one of
-them announces it, after its transaction has committed, as a ``StateChange`` (what changed, for which node) on the
-database's feed, and each server's ``ChangeWatcher`` re-reads just that node:
+A ``serve`` process answers heartbeats, 304s and the epoch check from memory (``serving/state_cache.py``): each node's
+epoch, its certificate records and its latest desired state. Other processes change them: the CLI's ``publish``,
+``fence`` and ``revoke``, and on PostgreSQL the other replicas' enrollments. Every ``ControlPlane`` verb that changes
+one of them announces it, after its transaction has committed, as a ``StateChange`` (what changed, for which node) on
+the database's feed, and each server's ``ChangeWatcher`` re-reads just that node:
 
 * **PostgreSQL**: ``NOTIFY`` on the channel ``meridian_devserver_changes`` with the payload ``"<kind> <node id>"``.
   Each server ``LISTEN``s on one connection of its own (not one of the store's pool), so a change reaches every

@@ -10,7 +10,7 @@ SQLite (the default, embedded: nothing to start):
   lock is taken up front and assigning a generation or bumping an epoch cannot race another process; a read runs
   without ``BEGIN``, each statement seeing the latest commit of any process.
 * ``:memory:`` is one connection for every thread (``StaticPool``): each SQLite connection to ``:memory:`` is a
-  database of its own. ``store.Database`` serialises its calls on it with a lock.
+  database of its own. ``database.Database`` serialises its calls on it with a lock.
 
 PostgreSQL through psycopg 3 (``postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE``; ``postgresql://`` means
 the same here): a pool of connections, the session time zone UTC, reads in autocommit (one round trip, no
@@ -35,7 +35,7 @@ from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import StaticPool
 
-from meridian_node_agent.devserver.store_errors import DatabaseUnavailable
+from meridian_node_agent.devserver.store.errors import DatabaseUnavailable
 
 __all__ = [
     "WRITE_OPTION",

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from meridian_node_agent.devserver.store import Database, LeaseRecord
+from meridian_node_agent.devserver.store.database import Database, LeaseRecord
 
 __all__ = ["DEFAULT_LEASE_FLUSH_S", "LeaseTable"]
 

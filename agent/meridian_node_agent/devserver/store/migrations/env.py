@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from meridian_node_agent.devserver.store_schema import METADATA
+from meridian_node_agent.devserver.store.schema import METADATA
 
 connection = context.config.attributes.get("connection")
 if connection is None:

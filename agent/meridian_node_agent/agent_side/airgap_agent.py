@@ -44,6 +44,7 @@ from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.agent_side.stop import StopSignal
 from meridian_node_agent.apply.applier import Applier, ApplyAbandoned
 from meridian_node_agent.apply.inbox import BundleResult, InboxProcessor, close_interrupted
+from meridian_node_agent.boundary.agent_files import STATUS_FILE
 from meridian_node_agent.boundary.outbox import JournalSummary, Outbox, keyid_of
 from meridian_node_agent.boundary.outcomes import OutcomesError, read_outcomes
 from meridian_node_agent.boundary.spool import PUBLIC_DIR
@@ -52,7 +53,7 @@ from meridian_node_agent.errors import UsageError
 from meridian_node_agent.logs import EventLogger
 
 if TYPE_CHECKING:
-    from meridian_node_agent.agent_side.cycle import ObservePort
+    from meridian_node_agent.agent_side.reporter import ObservePort
 
 __all__ = [
     "OBSERVATION_REFRESH_S",
@@ -70,8 +71,6 @@ __all__ = [
 OBSERVATION_REFRESH_S = 3600.0
 # Under the split: the last outcome of root's the agent journaled, and root's record as root published it.
 ROOT_SEEN_FILE = "airgap-root-seen.json"
-# The same file the online agent writes (cycle.STATUS_FILE), read by ``meridian-node status``.
-STATUS_FILE = "status.json"
 
 
 class PassResult:

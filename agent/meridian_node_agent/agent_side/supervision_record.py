@@ -143,7 +143,7 @@ class RememberedState:
 
 @dataclass(frozen=True)
 class RememberedRetry:
-    """A state whose apply failed: how often, and when the next attempt is allowed (``cycle.ApplyRetry`` less
+    """A state whose apply failed: how often, and when the next attempt is allowed (``apply_retry.ApplyRetry`` less
     the envelope, which the spool holds); and ``etag``, the control plane's ETag the agent held meanwhile, so
     that a restarted agent asks as the long-running one would have, and is answered as it would have been."""
 

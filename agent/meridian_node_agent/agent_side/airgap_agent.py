@@ -39,7 +39,7 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import ato
 from ansible_collections.meridian.node.plugins.module_utils._lockfile import LockTimeout
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
-from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import DEFAULT_BUNDLE_SCRATCH, Policy
 from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.agent_side.stop import StopSignal
 from meridian_node_agent.apply.applier import Applier, ApplyAbandoned
@@ -395,7 +395,7 @@ def root_inbox_problems(config: AgentConfig, scratch: Path) -> list[str]:
     if os.path.commonpath([agent_real, scratch_real]) in (agent_real, scratch_real):
         problems.append(
             f"policy air_gap.scratch_dir {scratch} overlaps the agent's directory {agent_real}: under the split "
-            "root unpacks bundles there, so it must be root's (default /var/lib/meridian-node-apply/bundle-scratch)"
+            f"root unpacks bundles there, so it must be root's (default {DEFAULT_BUNDLE_SCRATCH})"
         )
     else:
         with contextlib.suppress(FileNotFoundError):  # made by root's reader on first use

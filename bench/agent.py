@@ -80,8 +80,9 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.support.engine_harness import free_ports
 from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image, ensure_engine_image
 from meridian_node_agent.agent_side.control_client import DesiredStateFetch
-from meridian_node_agent.agent_side.cycle import Agent, CycleStatus, read_status
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.observe import DockerEngines, Observer
+from meridian_node_agent.agent_side.status_file import read_status
 from meridian_node_agent.cli.agent import build_agent
 from meridian_node_agent.config import load_config
 from meridian_node_agent.logs import EventLogger
@@ -646,14 +647,14 @@ def unchanged_cycles(
             fail(f"the published state was not already applied: the first cycle was {first.outcome}")
         for _ in range(5):  # warm caches and the TLS connection, as a running agent has
             if clock is not None:
-                clock.step(agent.wait_s)
+                clock.step(agent.lease_keeper.wait_s)
             agent.cycle(wait_s=0)
         counting.heartbeats = counting.posts = 0
         total = 0.0
         profiler = cProfile.Profile(time.process_time) if profile else None  # CPU, not waiting
         for _ in range(cycles):
             if clock is not None:
-                clock.step(agent.wait_s)
+                clock.step(agent.lease_keeper.wait_s)
             if profiler is not None:
                 profiler.enable()
             start = time.process_time()

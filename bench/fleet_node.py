@@ -2,19 +2,20 @@
 
 ``SimNode.cycle`` is ``Agent._cycle`` (agent_side/cycle.py) on the wire:
 
-- a heartbeat when the renewal is due (``_heartbeat_due``/``_renewed``): ``heartbeat_seconds`` ±``TIMER_JITTER``
-  after the last one was asked for, never later than half the lease, and at once while the lease is unknown;
-- the conditional long-poll (``_long_poll_wait``): ``long_poll_seconds`` less up to ``TIMER_JITTER`` of it, ending
-  at the next renewal when that comes first (so with the defaults a steady cycle is one renewal and one 304,
-  ``heartbeat_seconds`` ±10 % apart), sent in milliseconds, with ``If-None-Match`` and the ETag held;
-- the observation (``_report``): posted when its content digest changed, or ``REPORT_REFRESH_S`` ±10 % after the
-  last post.
+- a heartbeat when the renewal is due (``LeaseKeeper.due``/``renewed``, agent_side/lease.py):
+  ``heartbeat_seconds`` ±``TIMER_JITTER`` after the last one was asked for, never later than half the lease, and at
+  once while the lease is unknown;
+- the conditional long-poll (``LeaseKeeper.long_poll_wait``): ``long_poll_seconds`` less up to ``TIMER_JITTER`` of
+  it, ending at the next renewal when that comes first (so with the defaults a steady cycle is one renewal and one
+  304, ``heartbeat_seconds`` ±10 % apart), sent in milliseconds, with ``If-None-Match`` and the ETag held;
+- the observation (``Reporter.report``, agent_side/reporter.py): posted when its content digest changed, or
+  ``REPORT_REFRESH_S`` ±10 % after the last post.
 
 The next cycle starts as soon as one ends, as ``Agent.run`` does with a long-poll configured; a failed call backs
 off with the agent's own ``Backoff`` (its jitter included) and counts. Every jitter is drawn through the agent's
 ``jittered`` from the node's own random source.
 
-The digest is what ``_report`` compares, reduced to what changes here: the content of the GPU facts (re-read
+The digest is what ``Reporter.report`` compares, reduced to what changes here: the content of the GPU facts (re-read
 every ``gpu_refresh_s`` of the ``Observer``; with chance ``changing`` a read finds something the digest covers
 changed, an engine's readiness or a health counter, and the node posts at once), the generation applied and
 the lease epoch. A GPU's gauges of the moment (utilization, power, temperature) move at every read, so the
@@ -41,15 +42,16 @@ from datetime import datetime
 from ansible_collections.meridian.node.bench.fleet_client import Answer, Link, TransferFailed
 from ansible_collections.meridian.node.bench.fleet_observation import VARIANTS, ObservationBodies
 from ansible_collections.meridian.node.bench.fleet_stats import HEARTBEAT, LONG_POLL, OBSERVATION, Recorder
-from meridian_node_agent.agent_side.cycle import REPORT_REFRESH_S, TIMER_JITTER, Backoff, jittered
+from meridian_node_agent.agent_side.lease import Backoff, jittered
 from meridian_node_agent.agent_side.observe import Observer
-from meridian_node_agent.config import BackoffConfig, ControlPlaneConfig
+from meridian_node_agent.agent_side.reporter import REPORT_REFRESH_S
+from meridian_node_agent.config import TIMER_JITTER, BackoffConfig, ControlPlaneConfig
 
 __all__ = ["AgentTimers", "Refused", "SimNode"]
 
 _HEADERS = [(b"accept", b"application/json"), (b"user-agent", b"meridian-node-agent")]
 _JSON_BODY = [*_HEADERS, (b"content-type", b"application/json")]
-# cycle._RENEWAL_SLACK_S: a long-poll ended a little before the renewal it was sized to reach still renews.
+# lease._RENEWAL_SLACK_S: a long-poll ended a little before the renewal it was sized to reach still renews.
 _RENEWAL_SLACK_S = 0.1
 
 
@@ -64,7 +66,7 @@ class AgentTimers:
     heartbeat_s: float  # ControlPlaneConfig.heartbeat_seconds: the lease renewal
     long_poll_s: float  # ControlPlaneConfig.long_poll_seconds: the longest a fetch waits (it ends at the renewal)
     timeout_s: float  # ControlPlaneConfig.timeout_seconds: each call's bound (a long-poll adds its wait)
-    report_refresh_s: float  # cycle.REPORT_REFRESH_S: an unchanged observation is re-sent this often
+    report_refresh_s: float  # reporter.REPORT_REFRESH_S: an unchanged observation is re-sent this often
     gpu_refresh_s: float  # Observer's gpu_refresh_s: how often GPU facts are read again
     backoff_initial_s: float  # BackoffConfig: the retry after a failed call, doubling with jitter
     backoff_max_s: float
@@ -167,7 +169,7 @@ class SimNode:
             ).total_seconds()
             self.epoch = int(lease["epoch"])
             interval_s = min(self.timers.heartbeat_s, max(1.0, lease_s / 2))
-            self.renew_at = answer.sent_at + jittered(interval_s, self.rng)  # from the ask, as ``_renewed``
+            self.renew_at = answer.sent_at + jittered(interval_s, self.rng)  # from the ask, as ``LeaseKeeper.renewed``
         headers = _HEADERS if self.etag is None else [*_HEADERS, (b"if-none-match", self.etag)]
         wait_s = self._long_poll_wait(time.perf_counter())
         target = self.fetch_target + (f"?wait={wait_s:g}".encode() if wait_s else b"")

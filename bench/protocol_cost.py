@@ -82,10 +82,12 @@ from ansible_collections.meridian.node.tests.support.node_env import make_node
 from meridian_node_agent.agent_side import control_client
 from meridian_node_agent.agent_side.control_client import ControlClient, DesiredStateFetch, FetchStatus
 from meridian_node_agent.agent_side.control_link import Link, Reply
-from meridian_node_agent.agent_side.cycle import REPORT_REFRESH_S, TIMER_JITTER, Agent, CycleStatus
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 from meridian_node_agent.agent_side.observe import Observer
+from meridian_node_agent.agent_side.reporter import REPORT_REFRESH_S
 from meridian_node_agent.apply.applier import ApplyResult
+from meridian_node_agent.config import TIMER_JITTER
 
 HOUR_S = 3600.0
 KEEP_ALIVE_S = 5.0  # uvicorn's timeout_keep_alive: the devserver ends a connection idle this long
@@ -479,7 +481,7 @@ def run_scenario(
     metered = Metered(real, clock, relay, publish)
     agent.client = metered
     try:
-        first = agent.cycle(wait_s=agent.long_poll_s)  # start-up: lease, the state, its apply; not counted
+        first = agent.cycle(wait_s=agent.lease_keeper.long_poll_s)  # start-up: lease, the state, its apply; not counted
         if first.outcome != CycleStatus.APPLIED:
             fail(f"the start-up cycle was {first.outcome}, not an apply")
         start = clock.now
@@ -491,7 +493,7 @@ def run_scenario(
         metered.counting = True
         changes = 0
         while clock.now < end:
-            outcome = agent.cycle(wait_s=agent.long_poll_s)
+            outcome = agent.cycle(wait_s=agent.lease_keeper.long_poll_s)
             if outcome.outcome == CycleStatus.APPLIED:
                 changes += 1
             elif outcome.outcome != CycleStatus.UNCHANGED:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._module import AGENT_STATE_DIR, DEFAULT_STATE_DIR
 from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import (
     YamlFileError,
     parse_yaml,
@@ -29,8 +30,6 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.policy import 
 from meridian_node_agent.errors import UsageError
 
 DEFAULT_CONFIG_PATH = "/etc/meridian-node/config.yaml"
-DEFAULT_STATE_DIR = "/var/lib/meridian-node"
-DEFAULT_APPLY_STATE_DIR = "/var/lib/meridian-node-apply"
 CONFIG_ENV = "MERIDIAN_NODE_CONFIG"
 
 # Every timer of the agent that paces a call to the control plane (the lease renewal, the pause between cycles,
@@ -249,7 +248,7 @@ class Apply(_Section):
     # highest epoch, its journal and ansible-runner dirs, the draining marks, and ``public/`` where it
     # answers. Root-owned; the agent only reads ``public/`` and ``draining/`` there.
     state_dir: str = Field(
-        default=DEFAULT_APPLY_STATE_DIR,
+        default=DEFAULT_STATE_DIR,
         description="root's directory under apply.via systemd (record, journal, public/ answers); apart from state_dir",
     )
     # Large model downloads run inside one apply: generous by default, never unbounded.
@@ -326,7 +325,7 @@ class AgentConfig(_Section):
     mode: Mode = Field(default="observe-only", description="what the agent may do; the policy must allow it")
     policy: str = Field(default=DEFAULT_POLICY_PATH, description="the root-owned policy file the agent runs under")
     state_dir: str = Field(
-        default=DEFAULT_STATE_DIR, description="the agent's own directory: identity, spool, status, oplog"
+        default=AGENT_STATE_DIR, description="the agent's own directory: identity, spool, status, oplog"
     )
     control_plane: ControlPlaneConfig | None = Field(
         default=None, description="where desired state comes from; required in every mode but air-gapped"
@@ -407,7 +406,7 @@ def load_config(path: os.PathLike[str] | str) -> AgentConfig:
             raise ConfigError(
                 f"{what}: apply.state_dir ({root_dir}) and state_dir ({agent_dir}) must be separate directories, "
                 "neither inside the other: the agent can rename anything under its own directory, so the root "
-                f"apply unit keeps its record and journal apart (default {DEFAULT_APPLY_STATE_DIR})"
+                f"apply unit keeps its record and journal apart (default {DEFAULT_STATE_DIR})"
             )
     return resolved
 

@@ -11,6 +11,11 @@ import posixpath
 import re
 from collections.abc import Iterable
 
+from ansible_collections.meridian.node.plugins.module_utils._module import (
+    AGENT_STATE_DIR,
+    DEFAULT_STATE_DIR,
+    DEFAULT_STORE_PATH,
+)
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import short_repr
 
 __all__ = [
@@ -75,9 +80,9 @@ RESERVED_HOST_PATHS = (
     "/var/lib/containerd",
     "/var/lib/docker",
     "/var/lib/kubelet",
-    "/var/lib/meridian-node",
-    "/var/lib/meridian-node-apply",
-    "/var/lib/meridian-node-artifacts",
+    AGENT_STATE_DIR,
+    DEFAULT_STATE_DIR,
+    DEFAULT_STORE_PATH,
     "/var/run",
 )
 # Container paths a volume may not cover: /meridian holds the collection's own mounts (the model artifact).

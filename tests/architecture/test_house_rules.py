@@ -51,14 +51,14 @@ MU_HELPERS = (
 MU_MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "_errors.py": (),  # MeridianError, the one root: imports nothing of ours
     "_compat.py": (),  # Python 3.9 shims
-    "_module.py": (),  # the host options and run_module: Ansible's side only
+    "_module.py": (),  # the host options, the node's directories (named once) and run_module
     "_fileutil.py": ("_errors.py",),
     "_lockfile.py": ("_errors.py",),
     "_plain_checks.py": ("_errors.py",),
     "_pydantic_stub.py": ("_errors.py",),  # what contracts/ stands on where a host lacks pydantic
     "_strict_yaml.py": ("_errors.py", "_fileutil.py"),
     "_transfer_progress.py": ("_errors.py", "_fileutil.py"),
-    "engine_rules.py": ("_errors.py", "_plain_checks.py"),
+    "engine_rules.py": ("_errors.py", "_module.py", "_plain_checks.py"),  # _module: the paths no engine mounts
     "contracts/": ("_compat.py", "_errors.py", "_plain_checks.py", "_pydantic_stub.py", "engine_rules.py"),
     # The low rooms never reach into engines/ or artifacts/.
     "docker/": MU_HELPERS,
@@ -107,7 +107,7 @@ AGENT_MU_MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "terminal_text.py": (),
     "errors.py": ("_errors.py",),
     "logs.py": (),
-    "config.py": ("_errors.py", "_strict_yaml.py", "contracts/", "trust/"),
+    "config.py": ("_errors.py", "_module.py", "_strict_yaml.py", "contracts/", "trust/"),  # _module: the directories
     "boundary/": (*MU_HELPERS, "contracts/", "engine_rules.py", "trust/"),
 }
 # engines/ takes only artifacts/layout of artifacts/, but for these files: a module's *_args file is its

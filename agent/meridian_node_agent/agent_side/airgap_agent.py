@@ -39,11 +39,12 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import ato
 from ansible_collections.meridian.node.plugins.module_utils._lockfile import LockTimeout
 from ansible_collections.meridian.node.plugins.module_utils.contracts import format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
-from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import DEFAULT_BUNDLE_SCRATCH, Policy
 from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.agent_side.stop import StopSignal
 from meridian_node_agent.apply.applier import Applier, ApplyAbandoned
 from meridian_node_agent.apply.inbox import BundleResult, InboxProcessor, close_interrupted
+from meridian_node_agent.boundary.agent_files import STATUS_FILE
 from meridian_node_agent.boundary.outbox import JournalSummary, Outbox, keyid_of
 from meridian_node_agent.boundary.outcomes import OutcomesError, read_outcomes
 from meridian_node_agent.boundary.spool import PUBLIC_DIR
@@ -52,7 +53,7 @@ from meridian_node_agent.errors import UsageError
 from meridian_node_agent.logs import EventLogger
 
 if TYPE_CHECKING:
-    from meridian_node_agent.agent_side.cycle import ObservePort
+    from meridian_node_agent.agent_side.reporter import ObservePort
 
 __all__ = [
     "OBSERVATION_REFRESH_S",
@@ -70,8 +71,6 @@ __all__ = [
 OBSERVATION_REFRESH_S = 3600.0
 # Under the split: the last outcome of root's the agent journaled, and root's record as root published it.
 ROOT_SEEN_FILE = "airgap-root-seen.json"
-# The same file the online agent writes (cycle.STATUS_FILE), read by ``meridian-node status``.
-STATUS_FILE = "status.json"
 
 
 class PassResult:
@@ -396,7 +395,7 @@ def root_inbox_problems(config: AgentConfig, scratch: Path) -> list[str]:
     if os.path.commonpath([agent_real, scratch_real]) in (agent_real, scratch_real):
         problems.append(
             f"policy air_gap.scratch_dir {scratch} overlaps the agent's directory {agent_real}: under the split "
-            "root unpacks bundles there, so it must be root's (default /var/lib/meridian-node-apply/bundle-scratch)"
+            f"root unpacks bundles there, so it must be root's (default {DEFAULT_BUNDLE_SCRATCH})"
         )
     else:
         with contextlib.suppress(FileNotFoundError):  # made by root's reader on first use

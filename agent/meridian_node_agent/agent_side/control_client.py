@@ -151,14 +151,29 @@ class ControlCallStopped(ControlPlaneError):
     """The agent is stopping: the call was not made, or its answer was not waited for."""
 
 
+# What an operator does about each refusal the control plane answers a node with: retrying will not help until they act.
+_REFUSAL_HINTS = {
+    "certificate-revoked": "this node's certificate was revoked: enroll again with a new token",
+    "certificate-expired": "the node's certificate expired before it was renewed: enroll again with a new token",
+    "wrong-node": "the certificate names another node than config node_id: fix node_id or re-enroll",
+    "certificate-untrusted": "the certificate is not the control plane's (another CA): re-enroll",
+    "certificate-unknown": "the control plane never issued this certificate: re-enroll",
+    "unknown-node": "the control plane does not know this node: check node_id and control_plane.url",
+}
+
+
 class ControlPlaneRejected(ControlPlaneError):
-    """The control plane refused the request (4xx) and said why."""
+    """The control plane refused the request (4xx) and said why; ``hint`` says what an operator does about it."""
 
     def __init__(self, status: int, reason: str, detail: str) -> None:
         super().__init__(f"HTTP {status} {reason}: {detail}")
         self.status = status
         self.reason = reason
         self.detail = detail
+
+    @property
+    def hint(self) -> str:
+        return _REFUSAL_HINTS.get(self.reason, "see docs/PROTOCOL.md for the reason")
 
 
 class CertificateExpired(ControlPlaneRejected):

@@ -6,13 +6,13 @@ Each process used to start them at zero, so a status read after a restart (a cra
 ``run --once`` from cron) said "0 apply failures" of a node that had failed all night.
 
 Where from: ``<state_dir>/status.json``, which the cycle already rewrites whenever something in it changes
-(and at least once a minute: ``cycle.STATUS_REFRESH_S``), so no second file is written per cycle. What a
+(and at least once a minute: ``status_file.STATUS_REFRESH_S``), so no second file is written per cycle. What a
 restart can lose is what changed since that write: at most the cycles of the last minute (a cycle alone
 does not rewrite the file) and what a crash cut off between a cycle and its write; never more.
 
 A missing file is a first start. One that cannot be read (a symlink, not a regular file, larger than
-``MAX_STATUS_BYTES``), is not JSON, or whose counters are not counts (negative, not integers, too large)
-is logged once (``counters-not-restored``, with the reason) and the counters start at zero: a count shown
+``boundary.agent_files.STATUS_MAX_BYTES``), is not JSON, or whose counters are not counts (negative, not integers,
+too large) is logged once (``counters-not-restored``, with the reason) and the counters start at zero: a count shown
 wrong matters less than an agent that will not start. Keys this version does not know (a newer agent's,
 after a downgrade) are left out, not a reason to start over.
 """
@@ -36,12 +36,11 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     UtcTimestamp,
     describe_validation_error,
 )
+from meridian_node_agent.boundary.agent_files import STATUS_MAX_BYTES
 from meridian_node_agent.logs import EventLogger
 
-__all__ = ["MAX_STATUS_BYTES", "CarriedOver", "Counters", "restore_counters"]
+__all__ = ["CarriedOver", "Counters", "restore_counters"]
 
-# status.json lists every engine and GPU; a few hundred of each stay well under this.
-MAX_STATUS_BYTES = 4 * 1024 * 1024
 _NOT_RESTORED_FIX = "nothing to do: the counters start at zero in this run, and the next status write replaces the file"
 
 _Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -92,7 +91,7 @@ class _StatusCarried(BaseModel):
 def restore_counters(status_path: Path, *, log: EventLogger) -> CarriedOver:
     """The counters ``status_path`` (the agent's ``status.json``) holds, or zeros: never raises for the file."""
     try:
-        raw = read_capped(status_path, MAX_STATUS_BYTES, what="agent status file")
+        raw = read_capped(status_path, STATUS_MAX_BYTES, what="agent status file")
     except CappedFileMissingError:
         return CarriedOver(Counters())
     except CappedReadError as exc:

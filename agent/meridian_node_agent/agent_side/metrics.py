@@ -65,7 +65,7 @@ _CYCLE_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 15, 60, 300)
 def apply_failure_reason(result: ApplyResult) -> str:
     """The ``reason`` label of a failed apply (a key of ``APPLY_FAILURE_REASONS``)."""
     if not result.ident:
-        return "not-run"  # cycle._not_run: no playbook, no journal
+        return "not-run"  # ApplyResult.not_run: no playbook, no journal
     if result.status in ("timeout", "canceled"):
         return result.status
     return "task-failed" if result.failed else "playbook-failed"

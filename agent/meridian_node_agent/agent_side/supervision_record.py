@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -66,10 +65,10 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     read_json,
 )
 from meridian_node_agent.agent_side.supervise import EngineTrack
+from meridian_node_agent.boundary.boot import read_boot_id
 from meridian_node_agent.logs import EventLogger
 
 __all__ = [
-    "BOOT_ID_FILE",
     "MAX_RECORD_BYTES",
     "RECORD_FILE",
     "RECORD_FORMAT",
@@ -78,7 +77,6 @@ __all__ = [
     "RememberedRetry",
     "RememberedState",
     "SupervisionRecord",
-    "read_boot_id",
 ]
 
 RECORD_FILE = "supervision.json"
@@ -86,8 +84,6 @@ RECORD_FORMAT = "meridian.node/supervision-record"
 RECORD_VERSION = 1
 # About 300 bytes per engine: room for hundreds of engines, and a bound on what a start-up reads.
 MAX_RECORD_BYTES = 256 * 1024
-BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
-_BOOT_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _CLOCK = "monotonic"
 _IGNORED_FIX = "nothing to do: supervision counts start over from this run; the record is rewritten at its next change"
 
@@ -143,7 +139,7 @@ class RememberedState:
 
 @dataclass(frozen=True)
 class RememberedRetry:
-    """A state whose apply failed: how often, and when the next attempt is allowed (``cycle.ApplyRetry`` less
+    """A state whose apply failed: how often, and when the next attempt is allowed (``apply_retry.ApplyRetry`` less
     the envelope, which the spool holds); and ``etag``, the control plane's ETag the agent held meanwhile, so
     that a restarted agent asks as the long-running one would have, and is answered as it would have been."""
 
@@ -165,15 +161,6 @@ class Remembered:
     supervised: RememberedState | None
     apply_retry: RememberedRetry | None
     same_clock: bool
-
-
-def read_boot_id(path: Path = BOOT_ID_FILE) -> str | None:
-    """The kernel's id of this boot (a random UUID, new at every boot), or None where there is none to read."""
-    try:
-        text = read_capped(path, 64, what="kernel boot id", nofollow=False).decode("ascii").strip()
-    except (CappedReadError, UnicodeDecodeError):
-        return None
-    return text if _BOOT_ID.fullmatch(text) else None
 
 
 class SupervisionRecord:

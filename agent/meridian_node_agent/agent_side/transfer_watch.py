@@ -3,7 +3,7 @@
 Runs on: the agent side. The modules write ``transfers.json`` (``_transfer_progress``: at most once a second)
 where the agent can read it: its own state directory in process, root's ``public/`` under the split (the apply
 unit passes the path, ``meridian_progress_file``). While an apply runs the cycle polls it each ``APPLY_REPORT_S``
-(``cycle._reporting_while_applying``); this keeps what is shown to the pace people and a control plane want:
+(``cycle.Agent._reporting_while_applying``); this keeps what is shown to the pace people and a control plane want:
 
 - the log says ``transfer-started`` and ``transfer-ended`` once each, and ``transfer-progress`` (bytes, total,
   percent, rate) for each transfer at most every ``PROGRESS_EVERY_S`` seconds: a 100 GB download is a line

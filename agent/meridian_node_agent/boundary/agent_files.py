@@ -38,9 +38,11 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
 )
 from meridian_node_agent.boundary.directories import BoundaryError
 
-__all__ = ["STATUS_MAX_BYTES", "read_agent_document", "read_agent_file"]
+__all__ = ["STATUS_FILE", "STATUS_MAX_BYTES", "read_agent_document", "read_agent_file"]
 
-# The agent's status.json (agent_side.cycle writes it): far above what it holds, far below harm.
+# The agent's status document, in its state_dir (agent_side.status_file writes it; ``status``, ``gpu-health`` and a
+# restarted agent's counters read it), and a cap on a read of it: far above what it holds, far below harm.
+STATUS_FILE = "status.json"
 STATUS_MAX_BYTES = 4 * 1024 * 1024
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

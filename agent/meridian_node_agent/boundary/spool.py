@@ -109,6 +109,23 @@ class ApplyResult:
     def ok(self) -> bool:
         return self.status == "successful"
 
+    @classmethod
+    def not_run(cls, generation: int, started_at: datetime, finished_at: datetime, why: str) -> ApplyResult:
+        """A failed apply whose playbook never ran: no journal, nothing changed, ``why`` as its one failure."""
+        return cls(
+            ident="",
+            generation=generation,
+            status="failed",
+            rc=None,
+            changed=0,
+            failed=0,
+            journal=Path(),
+            started_at=started_at,
+            finished_at=finished_at,
+            wall_s=0.0,
+            failures=[why],
+        )
+
 
 class SpoolError(MeridianError, ValueError):
     """A request or answer file is unreadable or malformed; the message names the file and the field."""

@@ -349,7 +349,7 @@ def _read_state_dir(
 ) -> tuple[AppliedState, Operation | None, dict[str, Any] | None, CertificateInfo | None]:
     """What ``status`` shows of the agent's directory, each file read as root reads the agent's files
     (``boundary.agent_files``): ``BoundaryError`` for one planted there, ``StateStoreError`` for a damaged record."""
-    from meridian_node_agent.agent_side.cycle import STATUS_FILE
+    from meridian_node_agent.boundary.agent_files import STATUS_FILE
 
     state_dir = Path(config.state_dir)
     raw = read_agent_file(state_dir, STATE_FILE, max_bytes=MAX_APPLIED_BYTES, what="the applied-state file")

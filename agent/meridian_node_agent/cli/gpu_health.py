@@ -200,7 +200,7 @@ def _agent_only(config: AgentConfig, agent: Mapping[str, Any], held: Mapping[str
 def _agent_verdicts(config: AgentConfig) -> dict[str, dict[str, Any]]:
     """The verdicts in the agent's status.json by uuid ({} when it has none); ``BoundaryError`` for a file that is
     not what the agent writes there (a FIFO, a symlink, too large)."""
-    from meridian_node_agent.agent_side.cycle import STATUS_FILE
+    from meridian_node_agent.boundary.agent_files import STATUS_FILE
 
     status = (
         read_agent_document(

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write
+from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_STATE_DIR
 from ansible_collections.meridian.node.plugins.module_utils.airgap.runbook import shipped_code_problem
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     ArtifactManifest,
@@ -33,7 +34,6 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.policy import 
     PolicyError,
     load_policy,
 )
-from meridian_node_agent.config import DEFAULT_APPLY_STATE_DIR
 from meridian_node_agent.errors import UsageError
 
 KIND_MODELS: dict[str, type[BaseModel]] = {
@@ -90,7 +90,7 @@ def add_parsers(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]
         default=None,
         help="the directory of the host's record of the applied generation and epoch (default: "
         "the one that decides under --config: apply.state_dir with apply.via: systemd, else "
-        f"state_dir; {DEFAULT_APPLY_STATE_DIR} when there is no config)",
+        f"state_dir; {DEFAULT_STATE_DIR} when there is no config)",
     )
     verify.add_argument("--record", action="store_true", help="store the accepted generation and epoch as applied")
     verify.add_argument(
@@ -248,7 +248,7 @@ def record_dir(config_path: str) -> Path:
     try:
         return load_config(config_path).record_dir
     except ConfigError:
-        return Path(DEFAULT_APPLY_STATE_DIR)
+        return Path(DEFAULT_STATE_DIR)
 
 
 def _emit(document: dict[str, Any]) -> None:

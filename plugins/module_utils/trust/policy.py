@@ -65,7 +65,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_POLICY
+from ansible_collections.meridian.node.plugins.module_utils._module import (
+    AGENT_STATE_DIR,
+    DEFAULT_POLICY,
+    DEFAULT_STATE_DIR,
+    DEFAULT_STORE_PATH,
+)
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import (
     FieldError,
     check_bool,
@@ -116,10 +121,9 @@ __all__ = [
 ]
 
 DEFAULT_POLICY_PATH = DEFAULT_POLICY
-# Root's own directory (the apply unit's StateDirectory=), so no other user can rename or replace it.
-DEFAULT_STORE_PATH = "/var/lib/meridian-node-artifacts"
-# The default before the store moved out of the agent's directory; still honoured (see default_store_path).
-LEGACY_STORE_PATH = "/var/lib/meridian-node/artifacts"
+# The default before the store moved out of the agent's directory (now ``DEFAULT_STORE_PATH``, root's own); still
+# honoured (see default_store_path).
+LEGACY_STORE_PATH = f"{AGENT_STATE_DIR}/artifacts"
 StorePathSource = Literal["policy", "default", "legacy-default"]
 
 Role = Literal["control", "artifact", "air_gap_authority"]
@@ -396,7 +400,7 @@ def _agent(data: Any) -> AgentPolicy:
 # --- air-gap bundles (docs/AIR_GAP.md) -------------------------------------------------------------------
 
 # Root's own directory (the apply unit's StateDirectory=): the agent's user cannot swap a verified file there.
-DEFAULT_BUNDLE_SCRATCH = "/var/lib/meridian-node-apply/bundle-scratch"
+DEFAULT_BUNDLE_SCRATCH = f"{DEFAULT_STATE_DIR}/bundle-scratch"
 # air_gap.shipped_code: run a bundle's playbooks/ and collection/ only when control pinned them, or never.
 SHIPPED_CODE = ("pinned", "refuse")
 

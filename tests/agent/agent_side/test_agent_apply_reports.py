@@ -17,9 +17,11 @@ from ansible_collections.meridian.node.plugins.module_utils._transfer_progress i
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
-from meridian_node_agent.agent_side.cycle import APPLY_REPORT_S, STATUS_FILE, Agent, CycleStatus
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.observe import Observer
+from meridian_node_agent.agent_side.reporter import APPLY_REPORT_S
 from meridian_node_agent.agent_side.transfer_watch import transfers_path
+from meridian_node_agent.boundary.agent_files import STATUS_FILE
 from meridian_node_agent.boundary.spool import ApplyResult
 from meridian_node_agent.cli.agent import _transfers_text
 

@@ -24,10 +24,11 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.support.engine_harness import free_port
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
-from meridian_node_agent.agent_side.cycle import Agent, read_status
+from meridian_node_agent.agent_side.cycle import Agent
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 from meridian_node_agent.agent_side.metrics import GPU_VERDICTS, Metrics
 from meridian_node_agent.agent_side.observe import Observer, no_engines
+from meridian_node_agent.agent_side.status_file import read_status
 from meridian_node_agent.cli.agent import serve_metrics
 from meridian_node_agent.errors import UsageError
 

@@ -36,8 +36,9 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
 from meridian_node_agent.agent_side.control_client import ControlClient
-from meridian_node_agent.agent_side.cycle import Agent, CycleStatus, read_status
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.identity import NodeIdentity, PendingKey
+from meridian_node_agent.agent_side.status_file import read_status
 
 LIFETIME = timedelta(hours=1)
 

@@ -25,15 +25,12 @@ from meridian_node_agent.agent_side.control_client import (
     ControlPlaneUnavailable,
     DesiredStateFetch,
 )
-from meridian_node_agent.agent_side.cycle import (
-    REPORT_REFRESH_S,
-    STATUS_REFRESH_S,
-    TIMER_JITTER,
-    Agent,
-    CycleStatus,
-)
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.agent_side.observe import Observer
+from meridian_node_agent.agent_side.reporter import REPORT_REFRESH_S
+from meridian_node_agent.agent_side.status_file import STATUS_REFRESH_S
+from meridian_node_agent.config import TIMER_JITTER
 
 # uvicorn closes a kept-alive connection after 5 s without a request.
 _SERVER_KEEP_ALIVE_SECONDS = 5
@@ -147,7 +144,7 @@ def test_lease_is_renewed_once_per_interval_and_before_it_can_lapse(
     for _ in range(3):  # long-polls that returned early, within one heartbeat interval
         agent.cycle()
     early = counting.heartbeats - renewals
-    clock.now += agent.pause_s * (1 + TIMER_JITTER)  # the renewal is jittered: past its latest
+    clock.now += agent.lease_keeper.pause_s * (1 + TIMER_JITTER)  # the renewal is jittered: past its latest
     agent.cycle()
 
     assert early == 0

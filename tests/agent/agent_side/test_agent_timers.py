@@ -31,9 +31,12 @@ from meridian_node_agent.agent_side.control_client import (
     DesiredStateFetch,
     FetchStatus,
 )
-from meridian_node_agent.agent_side.cycle import REPORT_REFRESH_S, TIMER_JITTER, Agent, Backoff
+from meridian_node_agent.agent_side.cycle import Agent
+from meridian_node_agent.agent_side.lease import Backoff
 from meridian_node_agent.agent_side.observe import Observer
+from meridian_node_agent.agent_side.reporter import REPORT_REFRESH_S
 from meridian_node_agent.apply.applier import ApplyResult
+from meridian_node_agent.config import TIMER_JITTER
 
 HEARTBEAT_S = 15
 LONG_POLL_S = 30
@@ -314,8 +317,8 @@ def test_reports_during_an_apply_back_off_while_the_control_plane_is_down(
     log, events = recording_logger(node_id)
     agent = node.agent(rng=random.Random(27), log=log)
     agent.observer = Observer(store_path=None, gpu_facts=lambda: {"nvml_available": False}, engines=list)
-    backoff = _CountingBackoff(agent.report_backoff)
-    agent.report_backoff = backoff
+    backoff = _CountingBackoff(agent.reporter.backoff)
+    agent.reporter.backoff = backoff
     agent.client = _Down(agent.client, _Clock())
     agent.applier = _SlowApply(backoff.enough)
 

@@ -31,8 +31,8 @@ from meridian_node_agent.agent_side.control_client import (
     ControlPlaneRejected,
     ControlPlaneUnavailable,
 )
-from meridian_node_agent.agent_side.cycle import read_status
 from meridian_node_agent.agent_side.identity import NodeIdentity
+from meridian_node_agent.agent_side.status_file import read_status
 from meridian_node_agent.devserver.serving.tls import server_ssl_context
 
 LIFETIME_SECONDS = 4

@@ -13,7 +13,8 @@ import pytest
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
 from meridian_node_agent.agent_side.counters import Counters, restore_counters
-from meridian_node_agent.agent_side.cycle import STATUS_FILE, read_status
+from meridian_node_agent.agent_side.status_file import read_status
+from meridian_node_agent.boundary.agent_files import STATUS_FILE
 from meridian_node_agent.logs import EventLogger
 
 

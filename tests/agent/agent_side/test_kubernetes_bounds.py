@@ -218,7 +218,7 @@ def test_an_observation_over_the_limit_sheds_kubernetes_detail_first_says_so_and
         agent = node.agent(log=log)
         agent.client = posted = _Posted(agent.client)
         agent.cycle()
-        agent._reported = None  # due again: the same observation is posted, and not said twice
+        agent.reporter.last_posted = None  # due again: the same observation is posted, and not said twice
         agent.cycle()
 
     assert len(posted.posted) == 2

@@ -52,8 +52,9 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     signed,
     write_policy,
 )
+from meridian_node_agent.agent_side.apply_retry import ApplyRetry
 from meridian_node_agent.agent_side.control_client import ControlClient, DesiredStateFetch
-from meridian_node_agent.agent_side.cycle import SPOOL_FILE, ApplyRetry, CycleStatus
+from meridian_node_agent.agent_side.cycle import SPOOL_FILE, CycleStatus
 from meridian_node_agent.agent_side.systemd_applier import SystemdApplier, write_request
 from meridian_node_agent.apply.applier import Applier
 from meridian_node_agent.apply.oplog import OpLog

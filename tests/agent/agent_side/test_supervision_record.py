@@ -21,7 +21,6 @@ from meridian_node_agent.agent_side.supervision_record import (
     RememberedRetry,
     RememberedState,
     SupervisionRecord,
-    read_boot_id,
 )
 from meridian_node_agent.logs import EventLogger
 
@@ -299,18 +298,6 @@ def test_a_record_that_cannot_be_written_is_logged_once_and_never_raises(tmp_pat
     assert "No such file or directory" in failed["error"] and "writable" in failed["fix"]
     (tmp_path / "gone").mkdir()
     assert record.save(RememberedState(7, SHA, _tracks()), None) is True  # retried until it could be written
-
-
-def test_the_boot_id_is_the_kernels_or_none(tmp_path: Path) -> None:
-    here = read_boot_id()
-    if Path("/proc/sys/kernel/random/boot_id").exists():
-        assert here is not None and len(here) == 36
-    garbage = tmp_path / "boot_id"
-    garbage.write_text("not a boot id\n")
-    assert read_boot_id(garbage) is None
-    assert read_boot_id(tmp_path / "missing") is None
-    garbage.write_text(BOOT + "\n")
-    assert read_boot_id(garbage) == BOOT
 
 
 def test_the_record_names_its_format_version_clock_and_boot(tmp_path: Path) -> None:

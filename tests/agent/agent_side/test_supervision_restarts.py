@@ -320,7 +320,7 @@ class Seen:
 
 def _seen(agent: Agent, outcome: CycleStatus, host: Host) -> Seen:
     asked, host.asked = host.asked, []
-    retry = agent._retry_status()
+    retry = None if agent._retry is None else agent._retry.status(agent.monotonic())
     if retry is not None:  # wall-clock times differ between two hosts; the pacing must not
         retry = {key: retry[key] for key in ("state", "failures", "backoff_seconds", "next_attempt_in_seconds")}
     return Seen(outcome, asked, agent.supervisor.status(), retry)

@@ -55,7 +55,7 @@ from meridian_node_agent.cli import build_parser
 from meridian_node_agent.config import DEFAULT_CONFIG_PATH, AgentConfig
 from meridian_node_agent.logs import EventLogger
 from meridian_node_agent.root_side import shutdown_drain
-from meridian_node_agent.root_side.shutdown_drain import (
+from meridian_node_agent.root_side.drain_on_shutdown import (
     AGENT_ENGINES_REFRESH_S,
     DEFAULT_TIMEOUT_S,
     DrainSettings,
@@ -64,17 +64,15 @@ from meridian_node_agent.root_side.shutdown_drain import (
     LogindEvent,
     LogindOwnerChanged,
     LogindUnavailableError,
-    ServiceStopped,
     ShutdownDrain,
     ShutdownSignal,
-    SystemBusLogind,
     clear_shutdown_marks,
-    cmd_shutdown_drain,
-    notify_systemd,
     observation_interval_s,
     running_engines,
     shutdown_reason,
 )
+from meridian_node_agent.root_side.logind_bus import SystemBusLogind
+from meridian_node_agent.root_side.shutdown_drain import ServiceStopped, cmd_shutdown_drain, notify_systemd
 
 NODE = "gpu-node-7"
 BOOT, OLD_BOOT = "9f0e4c1a-0000-4000-8000-000000000001", "1b2c3d4e-0000-4000-8000-000000000002"

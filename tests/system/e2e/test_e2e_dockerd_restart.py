@@ -50,8 +50,8 @@ def own_dockerd(docker_client: Any, image: LocalImage, monkeypatch: pytest.Monke
 
 
 def _engine(agent: Agent, name: str) -> dict[str, Any]:
-    found = {e["name"]: e for e in agent._engines}
-    assert name in found, agent._engines
+    found = {e["name"]: e for e in agent.reporter.engines}
+    assert name in found, agent.reporter.engines
     return found[name]
 
 
@@ -91,7 +91,7 @@ def test_engines_come_back_ready_after_their_docker_daemon_restarts_and_the_agen
             break
         time.sleep(0.3)
         outcomes.append(agent.cycle().outcome)
-    assert _engine(agent, name)["ready"], (outcomes, agent._engines)
+    assert _engine(agent, name)["ready"], (outcomes, agent.reporter.engines)
 
     assert set(outcomes) <= {CycleStatus.UNCHANGED}  # no publish, no repair: the restart policy brought it back
     assert agent.counters.repairs == 0 and agent.counters.applies == 1

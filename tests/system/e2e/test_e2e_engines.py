@@ -44,7 +44,8 @@ from ansible_collections.meridian.node.tests.support.engine_harness import hold_
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from meridian_node_agent.agent_side.control_client import ControlPlaneRejected, ControlPlaneUnavailable
-from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, CycleStatus, read_status
+from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, CycleStatus
+from meridian_node_agent.agent_side.status_file import read_status
 from meridian_node_agent.apply.applier import ApplyResult
 from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.config import load_config

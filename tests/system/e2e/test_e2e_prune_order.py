@@ -38,7 +38,8 @@ from ansible_collections.meridian.node.tests.support.e2e_env import (
 from ansible_collections.meridian.node.tests.support.engine_harness import hold_requests
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from meridian_node_agent.agent_side.cycle import Agent, CycleStatus, read_status
+from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
+from meridian_node_agent.agent_side.status_file import read_status
 from meridian_node_agent.apply.applier import ApplyResult
 from meridian_node_agent.apply.oplog import OpLog
 

@@ -50,12 +50,9 @@ options:
     type: path
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.no_diff
   - meridian.node.host
 attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
   idempotent:
     support: none
     details: Each O(state=unpacked) run unpacks into a new work directory; staging artifacts is idempotent.

@@ -46,14 +46,8 @@ options:
     default: false
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.diff
   - meridian.node.host
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: full
-  idempotent:
-    support: full
 """
 
 EXAMPLES = r"""

@@ -73,14 +73,8 @@ options:
     default: drained by meridian.node.drain
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.no_diff
   - meridian.node.host.state_dir
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
-  idempotent:
-    support: full
 seealso:
   - module: meridian.node.engine_instance
 """

@@ -54,14 +54,8 @@ options:
     default: true
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.no_diff
   - meridian.node.host
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
-  idempotent:
-    support: full
 notes:
   - Recognising someone else's engine is a heuristic that errs towards "not an engine" - a container whose
     image name and ports say nothing is left out of the list.

@@ -222,11 +222,6 @@ options:
     type: str
     choices: [drain-then-replace, stop-then-start]
     default: drain-then-replace
-  wait_ready:
-    description:
-      - Wait after every start until the engine's readiness probe passes.
-    type: bool
-    default: true
   ready_timeout:
     description:
       - Seconds to wait for readiness (model loading included).
@@ -242,25 +237,6 @@ options:
       - Seconds to wait when draining an engine that publishes no in-flight metrics (Ollama, generic servers).
     type: int
     default: 10
-  replace_beside:
-    description:
-      - Replace a running engine beside its old container when the host has room (a free port of the policy's
-        C(engines.port_range), and the new engine's GPUs and VRAM besides the old one's) - the new container
-        starts on the free port, serves once ready, the old one drains and stops, and the engine keeps the new
-        port. Right where whatever routes to the engine follows the serving projection (the pull agent's
-        reconcile sets it); leave it off when something routes to the spec's port (a static load balancer).
-      - Off, or without room, a replace stops the old engine but keeps it until the new one is ready, and starts
-        it again if the new one fails; the engine keeps its port.
-    type: bool
-    default: false
-  drain_settle:
-    description:
-      - Seconds a drained engine keeps serving after it is marked draining, before its in-flight gauges are
-        trusted - time for whoever routes to it (the pull agent's observation, the serving projection, a
-        gateway) to stop sending it new work. 0 trusts the gauges at once, right for callers that route by
-        nothing else.
-    type: int
-    default: 0
   store_path:
     description:
       - The artifact store to resolve O(model.artifact) in. Defaults to the policy's C(store.path).
@@ -274,15 +250,9 @@ options:
     type: str
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.diff
   - meridian.node.host
-  - meridian.node.image_pull
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: full
-  idempotent:
-    support: full
+  - meridian.node.engine
 notes:
   - Containers are created from the image id the reference resolved to, so what runs is what was checked.
   - A stopped engine keeps its VRAM reservation; remove it (O(state=absent)) to release it.

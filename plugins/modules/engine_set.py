@@ -236,11 +236,6 @@ options:
         "Pruning engine images".
       - Defaults to V(false) with O(engines) and V(true) with O(envelope).
     type: bool
-  wait_ready:
-    description:
-      - Wait after every start until the engine's readiness probe passes.
-    type: bool
-    default: true
   parallel:
     description:
       - How many engines are acted on at once.
@@ -285,37 +280,18 @@ options:
       - Seconds to wait when draining an engine that publishes no in-flight metrics, for the engines that set none.
     type: int
     default: 10
-  replace_beside:
-    description:
-      - Replace a running engine beside its old container when the host has room (a free port of the policy's
-        C(engines.port_range), and the new engine's GPUs and VRAM besides the old one's) - the new container
-        starts on the free port, serves once ready, the old one drains and stops, and the engine keeps the new
-        port. Right where whatever routes to the engine follows the serving projection (the pull agent's
-        reconcile sets it); leave it off when something routes to the spec's port (a static load balancer).
-      - Off, or without room, a replace stops the old engine but keeps it until the new one is ready, and starts
-        it again if the new one fails; the engine keeps its port.
-    type: bool
-    default: false
-  drain_settle:
-    description:
-      - Seconds a drained engine keeps serving after it is marked draining, before its in-flight gauges are
-        trusted - time for whoever routes to it (the pull agent's observation, the serving projection, a
-        gateway) to stop sending it new work. 0 trusts the gauges at once, right for callers that route by
-        nothing else.
-    type: int
-    default: 0
   store_path:
     description:
       - The artifact store to resolve models in. Defaults to the policy's C(store.path).
     type: path
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.diff
   - meridian.node.host
-  - meridian.node.image_pull
+  - meridian.node.engine
   - meridian.node.attributes.action
 attributes:
   action:
-    support: full
     details:
       - When the task runs on the controller itself (connection C(local), no C(become), no C(delegate_to), no
         C(async), no task C(environment)) and C(ansible_python_interpreter) is the controller's own interpreter,
@@ -324,15 +300,8 @@ attributes:
         C(meridian_engine_set_in_worker) to V(false) to always run the module. C(-vvv) says which way each task
         went, and why.
   async:
-    support: full
     details:
       - An C(async) task always runs as a module.
-  check_mode:
-    support: full
-  diff_mode:
-    support: full
-  idempotent:
-    support: full
 notes:
   - Each engine's result is the one M(meridian.node.engine_instance) returns for it.
 seealso:

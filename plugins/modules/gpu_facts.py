@@ -58,16 +58,8 @@ options:
     default: true
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.no_diff
   - meridian.node.attributes.facts
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: none
-  facts:
-    support: full
-  idempotent:
-    support: full
 notes:
   - With MIG enabled, NVML reports utilization only per MIG instance, so the GPU's utilization is
     V(null), and processes are read from the MIG instances.

@@ -106,14 +106,8 @@ options:
     type: path
 extends_documentation_fragment:
   - meridian.node.attributes
+  - meridian.node.attributes.diff
   - meridian.node.host.policy
-attributes:
-  check_mode:
-    support: full
-  diff_mode:
-    support: full
-  idempotent:
-    support: full
 notes:
   - A partial download kept after a transfer failure is resumed by the next run.
 """

@@ -15,16 +15,10 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuFacts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.xid_events import XidWatch
-from ansible_collections.meridian.node.tests.support.real_nvml import real_gpu_count
 
 pytestmark = pytest.mark.gpu
 
 pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed")
-
-
-@pytest.fixture(scope="module")
-def gpu_count() -> int:
-    return real_gpu_count(pynvml)
 
 
 @pytest.fixture(scope="module")

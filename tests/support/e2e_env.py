@@ -9,6 +9,7 @@ policy allows, so these two keep it from ever reaching another suite's engines o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import sqlite3
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import ServingProjection
@@ -39,6 +41,7 @@ __all__ = [
     "BIND",
     "E2E_REPOSITORY",
     "PORT_RANGE",
+    "QUICK_SUPERVISION",
     "E2ENode",
     "applied",
     "container_named",
@@ -59,6 +62,14 @@ __all__ = [
 BIND = "127.0.0.1"
 E2E_REPOSITORY = "meridian-node/e2e-standin"
 PORT_RANGE = (9400, 9499)
+# Supervision shortened for tests that wait for repairs: settled after a second, a crash loop's backoff 2 s doubling
+# to 8 s, so that three attempts take seconds, not minutes.
+QUICK_SUPERVISION = {
+    "settle_seconds": 1,
+    "startup_grace_seconds": 60,
+    "backoff_initial_seconds": 2,
+    "backoff_max_seconds": 8,
+}
 
 
 def tag_for_e2e(client: Any, image: LocalImage) -> LocalImage:
@@ -217,13 +228,19 @@ def serving(node: E2ENode, prefix: str) -> list[dict[str, Any]]:
 
 
 def remove_containers(client: Any, prefixes: Iterable[str]) -> list[str]:
-    """Force-remove every container whose name or engine-instance label starts with one of ``prefixes``."""
+    """Force-remove every container whose name or engine-instance label starts with one of ``prefixes``.
+
+    Read from one listing (no inspect of each container), and a container that is gone by the time it is removed
+    is passed over: other sessions' tests add and remove theirs on the same Docker Engine meanwhile."""
+    prefixes = tuple(prefixes)
     removed = []
-    for container in client.containers.list(all=True):
-        instance = (container.labels or {}).get(LABEL_INSTANCE, "")
-        if any(container.name.startswith(p) or instance.startswith(p) for p in prefixes):
-            container.remove(force=True)
-            removed.append(container.name)
+    for container in client.containers.list(all=True, sparse=True):
+        name = (container.attrs.get("Names") or ["/"])[0].lstrip("/")
+        instance = (container.attrs.get("Labels") or {}).get(LABEL_INSTANCE, "")
+        if any(name.startswith(p) or instance.startswith(p) for p in prefixes):
+            with contextlib.suppress(docker.errors.NotFound):
+                container.remove(force=True)
+            removed.append(name)
     return removed
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import port_bind_problem
+from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,6 +26,25 @@ VENV_BIN = REPO / ".venv" / "bin"
 SERVER = REPO / "tests" / "support" / "standin_server.py"
 BIND = "127.0.0.1"
 PORTS = (8100, 8999)
+
+
+def engine_images(client: Any, base: LocalImage, drivers: Sequence[str]) -> dict[str, LocalImage]:
+    """The stand-in image of each driver in ``drivers`` (``ensure_engine_image`` with this harness's SERVER)."""
+    return {driver: ensure_engine_image(client, base, SERVER, engine=driver) for driver in drivers}
+
+
+def issue_25_engine(image: LocalImage, name: str, **extra: Any) -> dict[str, Any]:
+    """The engine of issue 25's secret_env tests: the stand-in vLLM with plain ``env`` values (``tgi``, ``1``) that
+    a masking of env would star everywhere; the caller adds its ``secret_env`` in ``extra``."""
+    return {
+        "name": name,
+        "driver": "vllm",
+        "image": image.pinned,
+        "model": {"name": "tiny"},
+        "port": free_port(),
+        "env": {"MODE": "tgi", "FLAG": "1"},
+        **extra,
+    }
 
 
 def free_port() -> int:
@@ -141,6 +161,18 @@ class Host:
         Returns every step's registered result by label, and the playbook's output. ``nvml`` names a fake NVML
         scenario (tests/support/fakes/nvml_scenarios) for engines that ask for GPUs.
         """
+        each = [(label, module, params, check) for label, params, check in steps]
+        return self.play_steps(each, nvml=nvml, extra_args=["--diff", *extra_args])
+
+    def play_steps(
+        self,
+        steps: Sequence[tuple[str, str, Mapping[str, Any], bool]],
+        *,
+        nvml: str | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> tuple[dict[str, Any], str]:
+        """Run ``(label, module, params, check_mode)`` steps in order in one playbook, each its own module; as
+        ``play_module`` returns, without ``--diff`` unless ``extra_args`` has it."""
         out = self.root / f"results-{secrets.token_hex(4)}.json"
         tasks: list[dict[str, Any]] = [
             {
@@ -150,9 +182,9 @@ class Host:
                 "register": f"step_{index}",
                 "ignore_errors": True,
             }
-            for index, (label, params, check) in enumerate(steps)
+            for index, (label, module, params, check) in enumerate(steps)
         ]
-        collected = ", ".join(f"{json.dumps(label)}: step_{index}" for index, (label, _p, _c) in enumerate(steps))
+        collected = ", ".join(f"{json.dumps(label)}: step_{index}" for index, (label, *_rest) in enumerate(steps))
         tasks.append(
             {
                 "name": "save the results",
@@ -165,9 +197,7 @@ class Host:
         extra_env = {}
         if nvml is not None:
             extra_env = {"PYTHONPATH": str(REPO / "tests" / "support" / "fakes"), "MERIDIAN_FAKE_NVML_SCENARIO": nvml}
-        proc = run_playbook(
-            playbook, temp_dir=self.root / "ansible-tmp", extra_env=extra_env, extra_args=["--diff", *extra_args]
-        )
+        proc = run_playbook(playbook, temp_dir=self.root / "ansible-tmp", extra_env=extra_env, extra_args=extra_args)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         results: dict[str, Any] = json.loads(out.read_text())
         return results, proc.stdout + proc.stderr

@@ -3,7 +3,8 @@
 ``ImageParts`` holds one image's pieces (layer tars, config, OCI manifest); ``members()`` lays them out as
 ``image_export`` does and ``archive()`` writes any list of members as a tar, so each hostile case says exactly
 which header or byte is wrong. ``HOSTILE`` names each case with the reason the host gives for it.
-``image_bundle`` wraps archives into a real signed bundle whose control-signed state pins ``pins``.
+``image_bundle`` wraps archives into a real signed bundle whose control-signed state pins ``pins``;
+``own_repository`` is a repository name of the test's own to load them into.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import secrets
 import tarfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -36,6 +39,7 @@ __all__ = [
     "engine",
     "image_bundle",
     "layer_tar",
+    "own_repository",
 ]
 
 REPOSITORY = "meridian-test/bundled"
@@ -247,6 +251,17 @@ HOSTILE: dict[str, tuple[Callable[[ImageParts], bytes], str]] = {
         "image-duplicate-member",
     ),
 }
+
+
+@contextmanager
+def own_repository(client: Any, stem: str) -> Iterator[str]:
+    """A repository name of the test's own (``meridian-test/<stem>-<random>``); every image tagged in it is removed
+    afterwards."""
+    repository = f"meridian-test/{stem}-{secrets.token_hex(4)}"
+    yield repository
+    for found in client.images.list(name=repository):
+        for tag in found.tags:
+            client.images.remove(tag)
 
 
 def engine(name: str, image: str, port: int = 9400) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""A node for agent-loop tests: a policy trusting a devserver's control key, a config, an enrolled identity.
+"""A node for agent-loop tests: a policy trusting a devserver's control key, a config, an enrolled identity; and
+``RecordingClient``, the node's real control client with what the agent posted kept.
 
 The devserver is the real ``meridian-node-devserver serve`` process (tests/devserver/devserver_process.py);
 operator verbs (publish, fence) run as separate processes against its data dir, as an operator would.
@@ -14,15 +15,34 @@ from typing import Any
 
 import yaml
 
+from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
+from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
+from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
+from ansible_collections.meridian.node.plugins.module_utils.trust.verify import VerifiedState, verify_desired_state
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
-from meridian_node_agent.agent_side.cycle import Agent
+from meridian_node_agent.agent_side.control_client import ControlClient
+from meridian_node_agent.agent_side.cycle import SPOOL_FILE, Agent
+from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.cli.agent import build_agent
 from meridian_node_agent.config import AgentConfig, load_config
 from meridian_node_agent.logs import EventLogger
 
-__all__ = ["Node", "make_kubernetes_node", "make_node", "publish"]
+__all__ = ["SERVING_ENGINE", "Node", "RecordingClient", "make_kubernetes_node", "make_node", "publish"]
 
 _documents = itertools.count(1)
+
+# One engine as the agent's observer lists it: ours, running and ready (copy it before changing it).
+SERVING_ENGINE: dict[str, Any] = {
+    "name": "chat",
+    "managed": True,
+    "driver": "vllm",
+    "image": "meridian-node/standin:1",
+    "state": "running",
+    "ready": True,
+    "draining": False,
+    "port": 8123,
+    "served_model_name": "chat",
+}
 
 
 @dataclass
@@ -63,6 +83,62 @@ class Node:
         for name, value in overrides.items():
             setattr(agent, name, value)
         return agent
+
+    def fetch_envelope(self, server: DevServer) -> bytes:
+        """The desired state ``server`` holds for this node, as the node fetches it with its identity."""
+        identity = self.config.identity_dir
+        with ControlClient(
+            server.base_url, identity / "ca.pem", identity / "node.pem", identity / "node.key.pem"
+        ) as client:
+            fetched = client.fetch_desired_state(self.node_id)
+        assert fetched.envelope is not None
+        return fetched.envelope
+
+    def verify(self, envelope: bytes) -> VerifiedState:
+        """``envelope`` verified as the node's agent verifies it now, against its policy and applied state."""
+        policy = load_policy(self.config.policy)
+        applied = StateStore(self.state_dir).load()
+        return verify_desired_state(envelope, policy, node_id=self.node_id, now=datetime.now(UTC), applied=applied)
+
+    def leave_interrupted_apply(self, server: DevServer, run_ident: str) -> tuple[int, bytes]:
+        """What an agent killed in the middle of an apply leaves: a state published to this node (its generation
+        and envelope are returned) in the spool, and a 'started' line for it with no result, as ``run_ident``."""
+        generation = publish(server, self.node_id)
+        envelope = self.fetch_envelope(server)
+        verified = self.verify(envelope)
+        (self.state_dir / SPOOL_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / SPOOL_FILE).write_bytes(envelope)
+        OpLog(self.state_dir / "oplog.jsonl").append(
+            op="apply",
+            generation=generation,
+            epoch=verified.state.lease_epoch,
+            payload_sha256=verified.payload_sha256,
+            run_ident=run_ident.format(generation=generation),
+            result="started",
+        )
+        return generation, envelope
+
+
+class RecordingClient:
+    """The agent's real control client, every call passed through; its heartbeats counted and each observation it
+    posts kept in ``posted`` (before it is sent: a report the control plane refuses is kept too)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.heartbeats = 0
+        self.posted: list[Observation] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def heartbeat(self, node_id: str) -> Lease:
+        self.heartbeats += 1
+        lease: Lease = self.real.heartbeat(node_id)
+        return lease
+
+    def post_observation(self, observation: Observation) -> None:
+        self.posted.append(observation)
+        self.real.post_observation(observation)
 
 
 def make_node(

@@ -3,7 +3,8 @@
 ``apply_spooled`` runs the real ``meridian-node apply-spooled`` (what ``meridian-node-apply.service``
 starts); ``PathUnit`` plays ``meridian-node-apply.path`` (``PathChanged=`` on the request file): each new
 request file starts the verb once, in a thread, until the ``with`` block ends. ``write_split_config``
-writes the root-owned config of such a node, which the verb reads.
+writes the root-owned config of such a node, which the verb reads; ``write_node_config`` writes one with its
+policy and directories under one root, for the tests of root's other verbs (observe-engines, logs, gpu-health).
 """
 
 from __future__ import annotations
@@ -17,17 +18,26 @@ from typing import Any
 
 import yaml
 
+from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 from meridian_node_agent.agent_side.systemd_applier import watch_directory
 from meridian_node_agent.boundary.spool import REQUEST_FILE, SPOOL_DIR
 
 
-def write_split_config(path: Path, *, node_id: str, policy: Path, state_dir: Path, apply: Mapping[str, Any]) -> Path:
+def write_split_config(
+    path: Path,
+    *,
+    node_id: str,
+    policy: Path,
+    state_dir: Path,
+    apply: Mapping[str, Any],
+    mode: str = "managed-host",
+) -> Path:
     """Write to ``path`` the root-owned config of a split node (as the apply unit reads it) and return it:
-    ``node_id`` in mode managed-host, ``policy``, the agent's ``state_dir``, the ``apply`` section, and a control
-    plane that is never called (these nodes only apply what is spooled)."""
+    ``node_id`` in ``mode``, ``policy``, the agent's ``state_dir``, the ``apply`` section, and a control plane that
+    is never called (these nodes only apply what is spooled)."""
     config = {
         "node_id": node_id,
-        "mode": "managed-host",
+        "mode": mode,
         "policy": str(policy),
         "state_dir": str(state_dir),
         "control_plane": {"url": "https://127.0.0.1:9"},
@@ -35,6 +45,24 @@ def write_split_config(path: Path, *, node_id: str, policy: Path, state_dir: Pat
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def write_node_config(
+    root: Path,
+    *,
+    node_id: str,
+    via: str = "systemd",
+    mode: str = "managed-host",
+    policy_extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """``write_split_config`` of a node whose files all lie under ``root``: a policy in ``root/etc`` trusting a
+    fresh control key (plus ``policy_extra``), the agent's ``root/state``, root's ``root/apply`` applying ``via``;
+    the config is ``root/config.yaml``. No directory but ``etc`` is made."""
+    policy = write_policy(root / "etc", control=[make_key()], extra=policy_extra)
+    apply = {"via": via, "state_dir": str(root / "apply")}
+    return write_split_config(
+        root / "config.yaml", node_id=node_id, policy=policy, state_dir=root / "state", apply=apply, mode=mode
+    )
 
 
 def apply_spooled(config_path: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -1,4 +1,8 @@
-"""The gate of the tests that need a real NVIDIA driver (marker ``gpu``): skip, saying why, where there is none."""
+"""The gate of the tests that need a real NVIDIA driver (marker ``gpu``): skip, saying why, where there is none.
+
+``gpu_count`` is that gate as a module-scoped fixture (the conftest.py files of tests/gpu and
+tests/collection/module_utils/gpu register it).
+"""
 
 from __future__ import annotations
 
@@ -25,3 +29,10 @@ def real_gpu_count(pynvml: Any) -> int:
     if count == 0:
         pytest.skip("NVML works but sees no GPU")
     return count
+
+
+@pytest.fixture(scope="module")
+def gpu_count() -> int:
+    """``real_gpu_count`` of the real pynvml, once per test module; skips where nvidia-ml-py is not installed."""
+    pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed")
+    return real_gpu_count(pynvml)

@@ -1,4 +1,6 @@
-"""An ``EventLogger`` whose events a test reads back: ``log, events = recording_logger("name")``."""
+"""An ``EventLogger`` whose events a test reads back: ``log, events = recording_logger("name")`` (through a logger of
+its own, as the agent logs), or ``log = SeenEvents()`` (no logger in between: every event, whatever its level, in
+``log.seen``)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any
 
 from meridian_node_agent.logs import EventLogger
 
-__all__ = ["RecordedEvents", "recording_logger"]
+__all__ = ["RecordedEvents", "SeenEvents", "recording_logger"]
 
 
 class RecordedEvents(logging.Handler):
@@ -30,3 +32,17 @@ def recording_logger(name: str) -> tuple[EventLogger, RecordedEvents]:
     logger.setLevel(logging.DEBUG)
     logger.propagate = False
     return EventLogger(logger), handler
+
+
+class SeenEvents(EventLogger):
+    """The agent's logger, keeping each event (name and fields) for the test to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def _emit(self, level: int, event: str, fields: dict[str, Any]) -> None:
+        self.seen.append((event, fields))
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [fields for name, fields in self.seen if name == event]

@@ -16,7 +16,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TransferReporter
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
-from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
+from ansible_collections.meridian.node.tests.support.node_env import SERVING_ENGINE, make_node, publish
 from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.observe import Observer
 from meridian_node_agent.agent_side.reporter import APPLY_REPORT_S
@@ -24,18 +24,6 @@ from meridian_node_agent.agent_side.transfer_watch import transfers_path
 from meridian_node_agent.boundary.agent_files import STATUS_FILE
 from meridian_node_agent.boundary.spool import ApplyResult
 from meridian_node_agent.cli.agent import _transfers_text
-
-ENGINE = {
-    "name": "chat",
-    "managed": True,
-    "driver": "vllm",
-    "image": "meridian-node/standin:1",
-    "state": "running",
-    "ready": True,
-    "draining": False,
-    "port": 8123,
-    "served_model_name": "chat",
-}
 
 
 class _Posts:
@@ -81,7 +69,7 @@ def _agent(server: DevServer, tmp_path: Path, node_id: str, engines: list[Any]) 
 def test_a_change_during_the_apply_is_posted_during_it(server: DevServer, tmp_path: Path, node_id: str) -> None:
     engines: list[Any] = []
     agent, posts = _agent(server, tmp_path, node_id, engines)
-    slow = _SlowApply(4 * APPLY_REPORT_S, change=lambda: engines.append(dict(ENGINE)))
+    slow = _SlowApply(4 * APPLY_REPORT_S, change=lambda: engines.append(dict(SERVING_ENGINE)))
     agent.applier = slow
     publish(server, node_id)
 
@@ -95,7 +83,7 @@ def test_a_change_during_the_apply_is_posted_during_it(server: DevServer, tmp_pa
 def test_an_apply_that_changes_nothing_visible_posts_once_while_it_runs(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    agent, posts = _agent(server, tmp_path, node_id, [dict(ENGINE)])
+    agent, posts = _agent(server, tmp_path, node_id, [dict(SERVING_ENGINE)])
     slow = _SlowApply(4 * APPLY_REPORT_S)
     agent.applier = slow
     publish(server, node_id)
@@ -156,7 +144,7 @@ class _PullingApply:
 def test_a_pull_in_flight_shows_in_the_observation_the_status_and_the_log(
     server: DevServer, tmp_path: Path, node_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    agent, posts = _agent(server, tmp_path, node_id, [dict(ENGINE)])
+    agent, posts = _agent(server, tmp_path, node_id, [dict(SERVING_ENGINE)])
     image = "127.0.0.1:5000/team/vllm@sha256:" + "c" * 64
     pulling = _PullingApply(agent, image)
     agent.applier = pulling

@@ -19,11 +19,9 @@ import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
-from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
-from ansible_collections.meridian.node.plugins.module_utils.trust.verify import verify_desired_state
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, cli, running
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
-from meridian_node_agent.agent_side.control_client import ControlClient, DesiredStateFetch, FetchStatus
+from meridian_node_agent.agent_side.control_client import DesiredStateFetch, FetchStatus
 from meridian_node_agent.agent_side.cycle import SPOOL_FILE, CycleStatus
 from meridian_node_agent.apply.oplog import OpLog
 
@@ -63,14 +61,6 @@ class _Delivering:
         self.real.post_observation(observation)
 
 
-def _fetch_envelope(server: DevServer, node: Node) -> bytes:
-    identity = node.config.identity_dir
-    with ControlClient(server.base_url, identity / "ca.pem", identity / "node.pem", identity / "node.key.pem") as c:
-        fetched = c.fetch_desired_state(node.node_id)
-    assert fetched.envelope is not None
-    return fetched.envelope
-
-
 def test_published_state_is_applied_once_and_unchanged_cycles_run_no_playbook(server: DevServer, node: Node) -> None:
     generation = publish(server, node.node_id)
     agent = node.agent()
@@ -105,7 +95,7 @@ def test_state_for_another_node_is_rejected_and_nothing_changes(
     other = make_node(server, tmp_path / "b", f"{node_id}-other")
     publish(server, other.node_id)
     agent = node.agent()
-    agent.client = _Delivering(agent.client, _fetch_envelope(server, other))
+    agent.client = _Delivering(agent.client, other.fetch_envelope(server))
 
     outcome = agent.cycle()
 
@@ -238,26 +228,8 @@ def test_lapsed_lease_holds_new_applies(server: DevServer, node: Node) -> None:
 
 
 def test_interrupted_apply_is_applied_again_at_start_up(server: DevServer, node: Node) -> None:
-    generation = publish(server, node.node_id)
-    envelope = _fetch_envelope(server, node)
-    verified = verify_desired_state(
-        envelope,
-        load_policy(node.config.policy),
-        node_id=node.node_id,
-        now=datetime.now(UTC),
-        applied=StateStore(node.state_dir).load(),
-    )
     # What a crash mid-apply leaves: the spooled envelope and a 'started' line with no result.
-    (node.state_dir / "spool").mkdir(parents=True)
-    (node.state_dir / SPOOL_FILE).write_bytes(envelope)
-    OpLog(node.state_dir / "oplog.jsonl").append(
-        op="apply",
-        generation=generation,
-        epoch=verified.state.lease_epoch,
-        payload_sha256=verified.payload_sha256,
-        run_ident=f"gen-{generation}-crashed",
-        result="started",
-    )
+    generation, _envelope = node.leave_interrupted_apply(server, "gen-{generation}-crashed")
 
     status = node.agent().run(once=True)
 

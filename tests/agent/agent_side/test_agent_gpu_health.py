@@ -10,7 +10,7 @@ unhealthy with its reason, and the verdict holds after the XID has left the wind
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import ModuleType
@@ -29,11 +29,11 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.policy import 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import E2E_REPOSITORY, engine_spec, make_e2e_node
 from ansible_collections.meridian.node.tests.support.e2e_env import last_observation as kept_observation
-from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
 from ansible_collections.meridian.node.tests.support.instant_apply import instant_success
 from ansible_collections.meridian.node.tests.support.node_env import Node, publish
 from ansible_collections.meridian.node.tests.support.recorded_events import recording_logger
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 from meridian_node_agent.agent_side.observe import Observer
@@ -42,14 +42,6 @@ from meridian_node_agent.cli import main as cli_main
 
 IMAGE = LocalImage(tag=f"{E2E_REPOSITORY}:gpu-health", id="sha256:" + "6a" * 32)
 SUPERVISION = {"settle_seconds": 10, "startup_grace_seconds": 60, "backoff_initial_seconds": 10}
-
-
-class Monotonic:
-    def __init__(self) -> None:
-        self.now = 5000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Wall:
@@ -86,21 +78,13 @@ def _up(name: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def fake() -> Iterator[ModuleType]:
-    module = load_fake_pynvml()
-    module.use_scenario(two_healthy_gpus())
-    yield module
-    module.use_scenario(None)
-
-
 class Running:
     """An agent as ``run`` builds it, cycling on the test's clocks, with what it logged."""
 
     def __init__(self, node: Node, fake: ModuleType) -> None:
         self.node = node
         self.host = Host()
-        self.monotonic = Monotonic()
+        self.monotonic = MonotonicClock(5000.0)
         self.wall = Wall()
         self.log, self.events = recording_logger(f"agent-gpu-health-{node.node_id}")
         policy = load_policy(node.config.policy)

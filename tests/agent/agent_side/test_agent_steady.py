@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
-from ansible_collections.meridian.node.tests.support.node_env import make_node, publish
+from ansible_collections.meridian.node.tests.support.node_env import SERVING_ENGINE, RecordingClient, make_node, publish
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 from meridian_node_agent.agent_side.control_client import (
     ControlClient,
     ControlPlaneRejected,
     ControlPlaneUnavailable,
-    DesiredStateFetch,
 )
 from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.identity import NodeIdentity
@@ -36,50 +35,20 @@ from meridian_node_agent.config import TIMER_JITTER
 _SERVER_KEEP_ALIVE_SECONDS = 5
 
 
-class _Clock:
-    """A monotonic clock that moves only when a test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class _Counting:
-    """The real control client, with the calls an idle cycle makes counted."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-        self.heartbeats = 0
-        self.posted: list[Observation] = []
-
-    def heartbeat(self, node_id: str) -> Lease:
-        self.heartbeats += 1
-        lease: Lease = self.real.heartbeat(node_id)
-        return lease
-
-    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait_s: float = 0) -> DesiredStateFetch:
-        fetched: DesiredStateFetch = self.real.fetch_desired_state(node_id, etag=etag, wait_s=wait_s)
-        return fetched
-
-    def post_observation(self, observation: Observation) -> None:
-        self.real.post_observation(observation)
-        self.posted.append(observation)
-
-
-def _steady_agent(server: DevServer, tmp_path: Path, node_id: str) -> tuple[Agent, _Clock, _Counting, list[Any]]:
+def _steady_agent(
+    server: DevServer, tmp_path: Path, node_id: str
+) -> tuple[Agent, MonotonicClock, RecordingClient, list[Any]]:
     """An agent that applied a published state, on a test clock, with an engine list the test controls."""
     node = make_node(server, tmp_path / "node", node_id)
     publish(server, node_id)
     agent = node.agent()
-    clock = _Clock()
+    clock = MonotonicClock()
     engines: list[Any] = []
     agent.monotonic = clock
     agent.observer = Observer(
         store_path=None, gpu_facts=lambda: {"nvml_available": False}, engines=lambda: list(engines), monotonic=clock
     )
-    counting = _Counting(agent.client)
+    counting = RecordingClient(agent.client)
     agent.client = counting
     assert agent.cycle().outcome == CycleStatus.APPLIED
     # An apply longer than APPLY_REPORT_S also reports while it runs (test_agent_apply_reports.py): keep only the
@@ -115,19 +84,7 @@ def test_changed_observation_is_sent_in_the_cycle_that_sees_the_change(
     agent.cycle()
     assert len(counting.posted) == 1
 
-    engines.append(
-        {
-            "name": "chat",
-            "managed": True,
-            "driver": "vllm",
-            "image": "meridian-node/standin:1",
-            "state": "running",
-            "ready": True,
-            "draining": False,
-            "port": 8123,
-            "served_model_name": "chat",
-        }
-    )
+    engines.append(dict(SERVING_ENGINE))
     clock.now += 1
     agent.cycle()
 

@@ -26,6 +26,7 @@ from ansible_collections.meridian.node.tests.devserver.devserver_process import 
 from ansible_collections.meridian.node.tests.support.instant_apply import instant_success
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node, publish
 from ansible_collections.meridian.node.tests.support.recorded_events import recording_logger
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 from meridian_node_agent.agent_side.control_client import (
     ControlPlaneUnavailable,
     DesiredStateFetch,
@@ -42,24 +43,11 @@ HEARTBEAT_S = 15
 LONG_POLL_S = 30
 
 
-class _Clock:
-    """The agent's monotonic clock: it moves when the loop sleeps or a long-poll would have waited."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 class _Recording:
     """The real control client, each call recorded with the test clock's time; a long-poll is answered at once
     and the clock moved by the wait it asked for, as if the server had held it that long with nothing new."""
 
-    def __init__(self, real: Any, clock: _Clock) -> None:
+    def __init__(self, real: Any, clock: MonotonicClock) -> None:
         self.real = real
         self.clock = clock
         self.heartbeats: list[float] = []
@@ -126,13 +114,16 @@ class _Gpu:
         }
 
 
-def _agent(server: DevServer, tmp_path: Path, node_id: str, **control: int) -> tuple[Node, Agent, _Clock, _Recording]:
+def _agent(
+    server: DevServer, tmp_path: Path, node_id: str, *, long_poll_seconds: int, heartbeat_seconds: int = HEARTBEAT_S
+) -> tuple[Node, Agent, MonotonicClock, _Recording]:
     """A node in observe-only mode (it verifies and reports, no playbook runs) with one published state, on a test
-    clock and a seeded random source; ``control`` sets ``long_poll_seconds`` and ``heartbeat_seconds``."""
+    clock and a seeded random source, long-polling and renewing its lease at these intervals."""
     node = make_node(server, tmp_path / "node", node_id, mode="observe-only")
+    control = {"long_poll_seconds": long_poll_seconds, "heartbeat_seconds": heartbeat_seconds}
     node.configure(control_plane={"url": server.base_url, **control})
     publish(server, node_id)
-    clock = _Clock()
+    clock = MonotonicClock()
     agent = node.agent(sleep=clock.sleep, monotonic=clock, rng=random.Random(27))
     agent.observer = Observer(store_path=None, gpu_facts=_Gpu(), engines=list, monotonic=clock)
     recording = _Recording(agent.client, clock)
@@ -147,7 +138,7 @@ def _gaps(times: list[float]) -> list[float]:
 def test_heartbeats_without_a_long_poll_come_each_interval_within_ten_percent_and_not_in_lockstep(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    _, agent, _, recording = _agent(server, tmp_path, node_id, long_poll_seconds=0, heartbeat_seconds=HEARTBEAT_S)
+    _, agent, _, recording = _agent(server, tmp_path, node_id, long_poll_seconds=0)
 
     assert agent.run(max_cycles=40) == 0
 
@@ -162,9 +153,7 @@ def test_heartbeats_without_a_long_poll_come_each_interval_within_ten_percent_an
 def test_long_polls_end_at_the_jittered_renewal_and_never_ask_more_than_the_setting(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    _, agent, _, recording = _agent(
-        server, tmp_path, node_id, long_poll_seconds=LONG_POLL_S, heartbeat_seconds=HEARTBEAT_S
-    )
+    _, agent, _, recording = _agent(server, tmp_path, node_id, long_poll_seconds=LONG_POLL_S)
 
     assert agent.run(max_cycles=40) == 0
 
@@ -184,7 +173,7 @@ def test_long_polls_end_at_the_jittered_renewal_and_never_ask_more_than_the_sett
 def test_a_long_poll_shorter_than_the_heartbeat_is_jittered_below_its_setting(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    _, agent, _, recording = _agent(server, tmp_path, node_id, long_poll_seconds=4, heartbeat_seconds=HEARTBEAT_S)
+    _, agent, _, recording = _agent(server, tmp_path, node_id, long_poll_seconds=4)
 
     assert agent.run(max_cycles=30) == 0
 
@@ -201,9 +190,7 @@ def test_a_long_poll_shorter_than_the_heartbeat_is_jittered_below_its_setting(
 def test_every_fetch_after_the_first_asks_with_the_etag_it_holds(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    _, agent, _, recording = _agent(
-        server, tmp_path, node_id, long_poll_seconds=LONG_POLL_S, heartbeat_seconds=HEARTBEAT_S
-    )
+    _, agent, _, recording = _agent(server, tmp_path, node_id, long_poll_seconds=LONG_POLL_S)
 
     assert agent.run(max_cycles=5) == 0
 
@@ -215,7 +202,7 @@ def test_every_fetch_after_the_first_asks_with_the_etag_it_holds(
 def test_an_observation_whose_gauges_alone_moved_waits_for_the_jittered_refresh(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    _, agent, _, recording = _agent(server, tmp_path, node_id, long_poll_seconds=0, heartbeat_seconds=HEARTBEAT_S)
+    _, agent, _, recording = _agent(server, tmp_path, node_id, long_poll_seconds=0)
 
     # Half an hour: the GPU is read every 30 s and its utilisation, temperature, power and memory move each time.
     assert agent.run(max_cycles=int(1800 / HEARTBEAT_S)) == 0
@@ -239,7 +226,7 @@ def test_an_observation_whose_gauges_alone_moved_waits_for_the_jittered_refresh(
 def test_a_gpu_verdict_that_turns_is_posted_in_the_cycle_that_reads_it(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    _, agent, clock, recording = _agent(server, tmp_path, node_id, long_poll_seconds=0, heartbeat_seconds=HEARTBEAT_S)
+    _, agent, clock, recording = _agent(server, tmp_path, node_id, long_poll_seconds=0)
     gpu = agent.observer._gpu_facts  # type: ignore[attr-defined]
     assert isinstance(gpu, _Gpu)
     agent.cycle()
@@ -319,7 +306,7 @@ def test_reports_during_an_apply_back_off_while_the_control_plane_is_down(
     agent.observer = Observer(store_path=None, gpu_facts=lambda: {"nvml_available": False}, engines=list)
     backoff = _CountingBackoff(agent.reporter.backoff)
     agent.reporter.backoff = backoff
-    agent.client = _Down(agent.client, _Clock())
+    agent.client = _Down(agent.client, MonotonicClock())
     agent.applier = _SlowApply(backoff.enough)
 
     with pytest.raises(ControlPlaneUnavailable):

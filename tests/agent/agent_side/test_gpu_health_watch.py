@@ -4,30 +4,19 @@ in-process, an operator's clear, and the NVML event set given back when the agen
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import pytest
-
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HOLD_FILE, HealthHolds
-from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
+from ansible_collections.meridian.node.tests.support.fake_nvml import two_healthy_gpus
 from ansible_collections.meridian.node.tests.support.recorded_events import RecordedEvents, recording_logger
 from ansible_collections.meridian.node.tests.support.wall_clock import WallClock
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
 
 START = datetime(2026, 12, 5, 8, 0, tzinfo=UTC)
-
-
-@pytest.fixture
-def fake() -> Iterator[ModuleType]:
-    module = load_fake_pynvml()
-    module.use_scenario(two_healthy_gpus())
-    yield module
-    module.use_scenario(None)
 
 
 def watch(

@@ -30,14 +30,14 @@ from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import col
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import last_observation
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
-from ansible_collections.meridian.node.tests.support.node_env import make_kubernetes_node, make_node
+from ansible_collections.meridian.node.tests.support.node_env import RecordingClient, make_kubernetes_node, make_node
 from ansible_collections.meridian.node.tests.support.podresources_cost import engine_named_tenants, tenant_node
 from ansible_collections.meridian.node.tests.support.podresources_server import (
     KubeletStandIn,
     StandInContainer,
     serving,
 )
-from ansible_collections.meridian.node.tests.support.recorded_events import recording_logger
+from ansible_collections.meridian.node.tests.support.recorded_events import RecordedEvents, recording_logger
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected
 from meridian_node_agent.agent_side.kubernetes_observer import MAX_GPU_CONTAINERS, KubernetesObserver, lighter
 from meridian_node_agent.agent_side.observe import OBSERVATION_MAX_BYTES, ObservationSizeGuard, Observer
@@ -81,25 +81,27 @@ def holders(containers: list[StandInContainer]) -> set[tuple[str, str, str]]:
     }
 
 
-class _Posted:
-    """The real control client, keeping what the agent posted and what the control plane refused."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-        self.posted: list[Observation] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-    def post_observation(self, observation: Observation) -> None:
-        self.posted.append(observation)
-        self.real.post_observation(observation)
-
-
 def _engine_named_node(uuids: list[str]) -> tuple[list[StandInContainer], dict[str, list[str]]]:
     """Issue 38's node: 110 tenant pods of ten containers named like vLLM, holding no GPU, beside one engine per GPU."""
     engines, allocatable = tenant_node(uuids, pods=0)
     return [*engines, *engine_named_tenants()], allocatable
+
+
+def _cycles(
+    server: DevServer, tmp_path: Path, node_id: str, sock: Path, kubelet: KubeletStandIn, *, again: bool = False
+) -> tuple[RecordingClient, RecordedEvents]:
+    """One cycle of a kubernetes-integrated node's agent with ``kubelet`` serving on ``sock`` (``again``: a second,
+    the same observation due again, which is posted and not said twice); what it posted, and its events."""
+    node = make_kubernetes_node(server, tmp_path / "node", node_id, sock)
+    log, events = recording_logger(node_id)
+    with serving(sock, kubelet):
+        agent = node.agent(log=log)
+        agent.client = posted = RecordingClient(agent.client)
+        agent.cycle()
+        if again:
+            agent.reporter.last_posted = None
+            agent.cycle()
+    return posted, events
 
 
 NODES = {
@@ -114,12 +116,7 @@ def test_tenant_pods_are_counted_every_gpu_holder_listed_and_the_control_plane_t
 ) -> None:
     facts = gpu_facts(fake)
     containers, allocatable = NODES[shape](uuids_of(facts))
-    node = make_kubernetes_node(server, tmp_path / "node", node_id, sock)
-    log, events = recording_logger(node_id)
-    with serving(sock, KubeletStandIn(containers, allocatable)):
-        agent = node.agent(log=log)
-        agent.client = posted = _Posted(agent.client)
-        agent.cycle()
+    posted, events = _cycles(server, tmp_path, node_id, sock, KubeletStandIn(containers, allocatable))
 
     sent = posted.posted[-1]
     size = len(sent.model_dump_json().encode())
@@ -212,14 +209,7 @@ def test_an_observation_over_the_limit_sheds_kubernetes_detail_first_says_so_and
     server: DevServer, tmp_path: Path, node_id: str, fake: ModuleType, sock: Path
 ) -> None:
     containers, allocatable = _hoarding_node(uuids_of(gpu_facts(fake)))
-    node = make_kubernetes_node(server, tmp_path / "node", node_id, sock)
-    log, events = recording_logger(node_id)
-    with serving(sock, KubeletStandIn(containers, allocatable)):
-        agent = node.agent(log=log)
-        agent.client = posted = _Posted(agent.client)
-        agent.cycle()
-        agent.reporter.last_posted = None  # due again: the same observation is posted, and not said twice
-        agent.cycle()
+    posted, events = _cycles(server, tmp_path, node_id, sock, KubeletStandIn(containers, allocatable), again=True)
 
     assert len(posted.posted) == 2
     sent = posted.posted[-1]

@@ -22,11 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
 from ansible_collections.meridian.node.plugins.module_utils.gpu import nvml as nvml_seam
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
-from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
-from ansible_collections.meridian.node.plugins.module_utils.trust.verify import verify_desired_state
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.counting_seams import (
     DOCKER_READS,
@@ -37,8 +34,13 @@ from ansible_collections.meridian.node.tests.support.counting_seams import (
 )
 from ansible_collections.meridian.node.tests.support.e2e_env import last_observation
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
-from ansible_collections.meridian.node.tests.support.node_env import Node, make_kubernetes_node, publish
-from ansible_collections.meridian.node.tests.support.path_unit import apply_spooled
+from ansible_collections.meridian.node.tests.support.node_env import (
+    Node,
+    RecordingClient,
+    make_kubernetes_node,
+    publish,
+)
+from ansible_collections.meridian.node.tests.support.path_unit import apply_spooled, write_split_config
 from ansible_collections.meridian.node.tests.support.podresources_server import (
     KubeletStandIn,
     StandInContainer,
@@ -53,11 +55,9 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     write_policy,
 )
 from meridian_node_agent.agent_side.apply_retry import ApplyRetry
-from meridian_node_agent.agent_side.control_client import ControlClient, DesiredStateFetch
 from meridian_node_agent.agent_side.cycle import SPOOL_FILE, CycleStatus
 from meridian_node_agent.agent_side.systemd_applier import SystemdApplier, write_request
 from meridian_node_agent.apply.applier import Applier
-from meridian_node_agent.apply.oplog import OpLog
 from meridian_node_agent.boundary.spool import PUBLIC_DIR, REQUEST_FILE, SPOOL_DIR, read_answer_file
 from meridian_node_agent.cli import main as cli_main
 from meridian_node_agent.config import ConfigError, load_config
@@ -135,26 +135,6 @@ def kubelet(counted: _Counted) -> Iterator[tuple[Path, KubeletStandIn]]:
             yield sock, stand_in
 
 
-class _Recording:
-    """The real control client, keeping what the agent posted."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-        self.posted: list[Observation] = []
-
-    def heartbeat(self, node_id: str) -> Lease:
-        lease: Lease = self.real.heartbeat(node_id)
-        return lease
-
-    def fetch_desired_state(self, node_id: str, etag: str | None = None, wait_s: float = 0) -> DesiredStateFetch:
-        fetched: DesiredStateFetch = self.real.fetch_desired_state(node_id, etag=etag, wait_s=wait_s)
-        return fetched
-
-    def post_observation(self, observation: Observation) -> None:
-        self.posted.append(observation)
-        self.real.post_observation(observation)
-
-
 def _assert_host_untouched(node: Node) -> None:
     assert StateStore(node.state_dir).load().generation == 0
     assert not (node.state_dir / SPOOL_FILE).exists()
@@ -174,7 +154,7 @@ def test_observe_cycles_and_a_published_state_change_nothing_and_report_the_kube
     node = make_kubernetes_node(server, tmp_path / "node", node_id, sock)
     log, events = recording_logger(node_id)
     agent = node.agent(log=log)
-    agent.client = recording = _Recording(agent.client)
+    agent.client = recording = RecordingClient(agent.client)
 
     quiet = agent.cycle()
     generation = publish(server, node.node_id)
@@ -236,20 +216,8 @@ def test_a_restarted_agent_resumes_no_apply_an_earlier_mode_left_unfinished(
     server: DevServer, tmp_path: Path, node_id: str, counted: _Counted, kubelet: tuple[Path, KubeletStandIn]
 ) -> None:
     node = make_kubernetes_node(server, tmp_path / "node", node_id, kubelet[0])
-    generation = publish(server, node.node_id)
-    envelope = _envelope(server, node)
-    verified = _verified(node, envelope)
     # What a managed-host agent killed in the middle of an apply leaves: the spooled envelope, a started run.
-    (node.state_dir / SPOOL_FILE).parent.mkdir(parents=True, exist_ok=True)
-    (node.state_dir / SPOOL_FILE).write_bytes(envelope)
-    OpLog(node.state_dir / "oplog.jsonl").append(
-        op="apply",
-        generation=generation,
-        epoch=verified.state.lease_epoch,
-        payload_sha256=verified.payload_sha256,
-        run_ident=f"gen-{generation}-20261201T120000.000000Z",
-        result="started",
-    )
+    generation, _envelope = node.leave_interrupted_apply(server, "gen-{generation}-20261201T120000.000000Z")
     log, events = recording_logger(node_id)
     agent = node.agent(log=log)
 
@@ -271,8 +239,8 @@ def test_every_door_to_an_apply_stays_shut(
     log, events = recording_logger(node_id)
     agent = node.agent(log=log)
     assert agent.cycle().outcome == CycleStatus.REFUSED
-    envelope = _envelope(server, node)
-    verified = _verified(node, envelope)
+    envelope = node.fetch_envelope(server)
+    verified = node.verify(envelope)
     # A failed apply's retry, as one taken over from the record of a run before the mode changed.
     agent._retry = ApplyRetry(
         envelope=envelope,
@@ -376,18 +344,9 @@ def test_check_config_without_the_kubernetes_extra_names_it(
 def test_the_root_apply_unit_refuses_a_request_from_a_node_in_this_mode(tmp_path: Path) -> None:
     control = make_key()
     policy = write_policy(tmp_path / "etc", control=[control], extra={"agent": {"allowed_modes": [MODE]}})
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "node_id": NODE_ID,
-                "mode": MODE,
-                "policy": str(policy),
-                "state_dir": str(tmp_path / "agent"),
-                "control_plane": {"url": "https://127.0.0.1:9"},
-                "apply": {"via": "systemd", "state_dir": str(tmp_path / "apply")},
-            }
-        )
+    apply = {"via": "systemd", "state_dir": str(tmp_path / "apply")}
+    config = write_split_config(
+        tmp_path / "config.yaml", node_id=NODE_ID, policy=policy, state_dir=tmp_path / "agent", apply=apply, mode=MODE
     )
     # A request the agent of this node would never write (or one written by whoever took its user): well signed.
     ident = "gen-1-20261201T120000.000000Z"
@@ -400,18 +359,3 @@ def test_the_root_apply_unit_refuses_a_request_from_a_node_in_this_mode(tmp_path
     assert answer is not None and answer.request == ident and answer.status == "failed"
     assert f"config mode is {MODE}, which is read-only" in answer.failures[0]
     assert list((tmp_path / "apply" / "journal").iterdir()) == []  # no playbook ran
-
-
-def _envelope(server: DevServer, node: Node) -> bytes:
-    identity = node.config.identity_dir
-    with ControlClient(server.base_url, identity / "ca.pem", identity / "node.pem", identity / "node.key.pem") as c:
-        fetched = c.fetch_desired_state(node.node_id)
-    assert fetched.envelope is not None
-    return fetched.envelope
-
-
-def _verified(node: Node, envelope: bytes) -> Any:
-    policy = load_policy(node.config.policy)
-    return verify_desired_state(
-        envelope, policy, node_id=node.node_id, now=datetime.now(UTC), applied=StateStore(node.state_dir).load()
-    )

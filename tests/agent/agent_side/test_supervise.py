@@ -6,15 +6,8 @@ from typing import Any
 
 import pytest
 
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 from meridian_node_agent.agent_side.supervise import Supervisor
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _engine(
@@ -24,18 +17,18 @@ def _engine(
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> MonotonicClock:
+    return MonotonicClock()
 
 
 @pytest.fixture
-def supervisor(clock: Clock) -> Supervisor:
+def supervisor(clock: MonotonicClock) -> Supervisor:
     watch = Supervisor(settle_s=10, startup_grace_s=300, clock=clock)
     watch.expect(4, ["chat"])
     return watch
 
 
-def _crashed_since_10s(supervisor: Supervisor, clock: Clock) -> list[dict[str, Any]]:
+def _crashed_since_10s(supervisor: Supervisor, clock: MonotonicClock) -> list[dict[str, Any]]:
     """The engine list of a host whose engine ``supervisor`` saw exited 10 s ago (so its first repair is due)."""
     crashed = [_engine(state="exited", ready=False)]
     supervisor.assess(crashed)
@@ -52,7 +45,7 @@ def _crashed_since_10s(supervisor: Supervisor, clock: Clock) -> list[dict[str, A
     ids=["missing", "exited"],
 )
 def test_an_engine_gone_or_stopped_longer_than_the_settle_time_is_drift(
-    supervisor: Supervisor, clock: Clock, observed: list[dict[str, Any]], why: str
+    supervisor: Supervisor, clock: MonotonicClock, observed: list[dict[str, Any]], why: str
 ) -> None:
     assert supervisor.assess(observed) is None  # first seen: Docker's restart policy gets the first go
     clock.now += 9.9
@@ -65,7 +58,7 @@ def test_an_engine_gone_or_stopped_longer_than_the_settle_time_is_drift(
     assert drift.describe() == f"chat: {why}"
 
 
-def test_a_brief_restart_by_docker_is_not_drift(supervisor: Supervisor, clock: Clock) -> None:
+def test_a_brief_restart_by_docker_is_not_drift(supervisor: Supervisor, clock: MonotonicClock) -> None:
     assert supervisor.assess([_engine()]) is None
     assert supervisor.assess([_engine(state="restarting", ready=False)]) is None
     clock.now += 5
@@ -75,7 +68,7 @@ def test_a_brief_restart_by_docker_is_not_drift(supervisor: Supervisor, clock: C
 
 
 def test_losing_readiness_is_drift_after_settling_but_a_slow_first_start_gets_the_startup_grace(
-    supervisor: Supervisor, clock: Clock
+    supervisor: Supervisor, clock: MonotonicClock
 ) -> None:
     loading = [_engine(ready=False)]
     assert supervisor.assess(loading) is None
@@ -94,7 +87,7 @@ def test_losing_readiness_is_drift_after_settling_but_a_slow_first_start_gets_th
     assert drift is not None and drift.engines == (("chat", "lost readiness"),)
 
 
-def test_a_draining_engine_is_left_stopped(supervisor: Supervisor, clock: Clock) -> None:
+def test_a_draining_engine_is_left_stopped(supervisor: Supervisor, clock: MonotonicClock) -> None:
     drained = [_engine(state="exited", ready=False, draining=True)]
     assert supervisor.assess(drained) is None
     clock.now += 3600
@@ -103,7 +96,7 @@ def test_a_draining_engine_is_left_stopped(supervisor: Supervisor, clock: Clock)
 
 
 def test_repairs_of_a_crash_looping_engine_back_off_10s_doubling_to_5_minutes(
-    supervisor: Supervisor, clock: Clock
+    supervisor: Supervisor, clock: MonotonicClock
 ) -> None:
     crashed = _crashed_since_10s(supervisor, clock)
     waits = []
@@ -128,7 +121,7 @@ def test_repairs_of_a_crash_looping_engine_back_off_10s_doubling_to_5_minutes(
 
 
 def test_ten_minutes_healthy_forget_the_backoff_but_a_short_recovery_does_not(
-    supervisor: Supervisor, clock: Clock
+    supervisor: Supervisor, clock: MonotonicClock
 ) -> None:
     crashed, healthy = [_engine(state="exited", ready=False)], [_engine()]
     supervisor.assess(crashed)
@@ -154,7 +147,7 @@ def test_ten_minutes_healthy_forget_the_backoff_but_a_short_recovery_does_not(
     assert supervisor.tracks["chat"].retry_at == clock.now + 10  # back to the first step
 
 
-def test_only_engines_not_backing_off_trigger_a_repair_and_are_named(clock: Clock) -> None:
+def test_only_engines_not_backing_off_trigger_a_repair_and_are_named(clock: MonotonicClock) -> None:
     supervisor = Supervisor(settle_s=0, clock=clock)
     supervisor.expect(7, ["a", "b"])
     first = supervisor.assess([_engine("b")])
@@ -168,7 +161,7 @@ def test_only_engines_not_backing_off_trigger_a_repair_and_are_named(clock: Cloc
 
 
 def test_the_same_generation_again_keeps_the_backoff_and_a_new_one_starts_over(
-    supervisor: Supervisor, clock: Clock
+    supervisor: Supervisor, clock: MonotonicClock
 ) -> None:
     supervisor.assess([])
     clock.now += 10
@@ -182,11 +175,11 @@ def test_the_same_generation_again_keeps_the_backoff_and_a_new_one_starts_over(
     assert supervisor.tracks["chat"].repairs == 0 and supervisor.generation == 5
 
 
-def test_nothing_is_supervised_before_a_state_is_applied(clock: Clock) -> None:
+def test_nothing_is_supervised_before_a_state_is_applied(clock: MonotonicClock) -> None:
     assert Supervisor(clock=clock).assess([]) is None
 
 
-def test_an_engine_changed_by_hand_is_drift_naming_the_settings(supervisor: Supervisor, clock: Clock) -> None:
+def test_an_engine_changed_by_hand_is_drift_naming_the_settings(supervisor: Supervisor, clock: MonotonicClock) -> None:
     changed = [{**_engine(), "drifted": ["restart_policy", "memory"]}]
     assert supervisor.assess(changed) is None  # a replace in progress settles first, like a missing engine
     assert supervisor.status()["chat"]["state"] == "settling"
@@ -200,7 +193,7 @@ def test_an_engine_changed_by_hand_is_drift_naming_the_settings(supervisor: Supe
 
 @pytest.mark.parametrize("drifted", [None, [], ()], ids=["no-digests", "empty-list", "empty-tuple"])
 def test_an_engine_with_no_drifted_settings_or_none_to_compare_is_healthy(
-    supervisor: Supervisor, clock: Clock, drifted: Any
+    supervisor: Supervisor, clock: MonotonicClock, drifted: Any
 ) -> None:
     for _ in range(3):
         assert supervisor.assess([{**_engine(), "drifted": drifted}]) is None
@@ -209,7 +202,7 @@ def test_an_engine_with_no_drifted_settings_or_none_to_compare_is_healthy(
 
 
 def test_status_says_backing_off_and_how_long_the_backoff_is_until_it_is_due(
-    supervisor: Supervisor, clock: Clock
+    supervisor: Supervisor, clock: MonotonicClock
 ) -> None:
     crashed = _crashed_since_10s(supervisor, clock)
     for expected_backoff in (10.0, 20.0):
@@ -263,7 +256,9 @@ def test_engines_on_an_unhealthy_gpu_are_found_by_uuid_index_or_mig_instance() -
     assert trouble["by-mig"] == "on unhealthy GPU GPU-bad (xid-critical)"
 
 
-def test_a_running_engine_on_an_unhealthy_gpu_is_reported_never_repaired(supervisor: Supervisor, clock: Clock) -> None:
+def test_a_running_engine_on_an_unhealthy_gpu_is_reported_never_repaired(
+    supervisor: Supervisor, clock: MonotonicClock
+) -> None:
     trouble = {"chat": "on unhealthy GPU GPU-bad (xid-critical)"}
 
     assert supervisor.assess([_engine()], trouble) is None
@@ -277,7 +272,7 @@ def test_a_running_engine_on_an_unhealthy_gpu_is_reported_never_repaired(supervi
 
 
 def test_a_stopped_engine_on_an_unhealthy_gpu_is_still_repaired_and_a_healed_gpu_clears_the_report(
-    supervisor: Supervisor, clock: Clock
+    supervisor: Supervisor, clock: MonotonicClock
 ) -> None:
     trouble = {"chat": "on unhealthy GPU GPU-bad (xid-critical)"}
     supervisor.assess([_engine(state="exited", ready=False)], trouble)

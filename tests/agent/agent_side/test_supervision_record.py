@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from ansible_collections.meridian.node.tests.support.recorded_events import SeenEvents
 from meridian_node_agent.agent_side.supervise import EngineTrack, Supervisor
 from meridian_node_agent.agent_side.supervision_record import (
     MAX_RECORD_BYTES,
@@ -22,7 +23,6 @@ from meridian_node_agent.agent_side.supervision_record import (
     RememberedState,
     SupervisionRecord,
 )
-from meridian_node_agent.logs import EventLogger
 
 BOOT = "0f4b5a0e-8c1d-4f7e-9a51-3c2d1e0f9b8a"
 OTHER_BOOT = "7d3e2c1b-0a9f-4e8d-b7c6-5a4b3c2d1e0f"
@@ -30,22 +30,8 @@ SHA = "ab" * 32
 FAILED_AT = datetime(2025, 3, 1, 12, 0, 5, 250000, tzinfo=UTC)
 
 
-class Events(EventLogger):
-    """The agent's logger, keeping each event (name and fields) for the test to read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-
-    def _emit(self, level: int, event: str, fields: dict[str, Any]) -> None:
-        self.seen.append((event, fields))
-
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [fields for name, fields in self.seen if name == event]
-
-
-def _record(tmp_path: Path, *, boot: str | None = BOOT, log: Events | None = None) -> SupervisionRecord:
-    return SupervisionRecord(tmp_path, log=log or Events(), boot_id=lambda: boot)
+def _record(tmp_path: Path, *, boot: str | None = BOOT, log: SeenEvents | None = None) -> SupervisionRecord:
+    return SupervisionRecord(tmp_path, log=log or SeenEvents(), boot_id=lambda: boot)
 
 
 def _tracks() -> dict[str, EngineTrack]:
@@ -187,7 +173,7 @@ def test_a_damaged_foreign_or_oversized_record_is_ignored_with_its_reason_and_re
     tmp_path: Path, kind: str
 ) -> None:
     _damage(kind, tmp_path)
-    log = Events()
+    log = SeenEvents()
     record = _record(tmp_path, log=log)
 
     assert record.load(now=240.0) is None  # the counts start over; nothing raised
@@ -212,7 +198,7 @@ def test_a_damaged_foreign_or_oversized_record_is_ignored_with_its_reason_and_re
 
 def test_the_ignored_line_names_what_was_wrong_with_the_value(tmp_path: Path) -> None:
     _damage("negative-count", tmp_path)
-    log = Events()
+    log = SeenEvents()
 
     _record(tmp_path, log=log).load(now=240.0)
 
@@ -233,7 +219,7 @@ def test_a_record_of_another_clock_keeps_its_counts_but_not_its_times(
     tmp_path: Path, boot: str | None, now: float, why: str
 ) -> None:
     _written(tmp_path)
-    log = Events()
+    log = SeenEvents()
 
     remembered = _record(tmp_path, boot=boot, log=log).load(now=now)
 
@@ -269,7 +255,7 @@ def test_a_record_of_this_clock_is_taken_as_it_was_its_backoff_cut_to_the_settin
 
 def test_a_record_too_large_to_write_is_removed_so_no_stale_one_outlives_it(tmp_path: Path) -> None:
     _written(tmp_path)
-    log = Events()
+    log = SeenEvents()
     record = _record(tmp_path, log=log)
     record.load(now=240.0)
     problem = "changed by hand: " + "x" * 1000
@@ -288,7 +274,7 @@ def test_a_record_too_large_to_write_is_removed_so_no_stale_one_outlives_it(tmp_
 
 
 def test_a_record_that_cannot_be_written_is_logged_once_and_never_raises(tmp_path: Path) -> None:
-    log = Events()
+    log = SeenEvents()
     record = SupervisionRecord(tmp_path / "gone", log=log, boot_id=lambda: BOOT)
 
     for _ in range(3):

@@ -21,7 +21,9 @@ import pytest
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import E2E_REPOSITORY, engine_spec, make_e2e_node
 from ansible_collections.meridian.node.tests.support.node_env import Node, publish
+from ansible_collections.meridian.node.tests.support.recorded_events import SeenEvents
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
 from meridian_node_agent.agent_side.metrics import Metrics
 from meridian_node_agent.agent_side.observe import Observer
@@ -82,15 +84,7 @@ TABLE: list[tuple[float, list[dict[str, Any]]]] = [
 Decision = tuple[tuple[tuple[str, str], ...] | None, dict[str, dict[str, Any]]]
 
 
-class Clock:
-    def __init__(self, now: float = 5000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _supervisor(clock: Clock) -> Supervisor:
+def _supervisor(clock: MonotonicClock) -> Supervisor:
     return Supervisor(
         settle_s=10, startup_grace_s=60, backoff_initial_s=10, backoff_max_s=40, healthy_reset_s=60, clock=clock
     )
@@ -104,7 +98,7 @@ def _decide(supervisor: Supervisor, observed: list[dict[str, Any]]) -> Decision:
 
 
 def _one_supervisor_for_the_whole_table() -> list[Decision]:
-    clock = Clock()
+    clock = MonotonicClock(5000.0)
     supervisor = _supervisor(clock)
     supervisor.expect(GENERATION, ENGINES)
     decisions = []
@@ -117,7 +111,7 @@ def _one_supervisor_for_the_whole_table() -> list[Decision]:
 def _a_new_supervisor_for_each_step(
     state_dir: Path, boot: Callable[[], str | None], table: list[tuple[float, list[dict[str, Any]]]] = TABLE
 ) -> list[Decision]:
-    clock = Clock()
+    clock = MonotonicClock(5000.0)
     decisions = []
     for seconds, observed in table:
         clock.now += seconds
@@ -157,7 +151,7 @@ def test_a_new_supervisor_each_cycle_decides_exactly_as_one_long_running_supervi
 
 def test_without_the_record_a_new_supervisor_each_cycle_never_repairs(tmp_path: Path) -> None:
     """What ``run --once`` did before the record: every run saw the killed engine for the first time."""
-    clock = Clock()
+    clock = MonotonicClock(5000.0)
     decisions = []
     for seconds, observed in TABLE[:8]:
         clock.now += seconds
@@ -174,7 +168,7 @@ def test_after_a_reboot_the_repair_count_is_kept_and_the_grace_starts_over(tmp_p
     assert before[7][1]["chat"]["repairs"] == 3
 
     # The host rebooted: a new clock that starts near zero, a new boot id.
-    clock = Clock(now=30.0)
+    clock = MonotonicClock(30.0)
     record = SupervisionRecord(tmp_path, boot_id=lambda: "7d3e2c1b-0a9f-4e8d-b7c6-5a4b3c2d1e0f")
     supervisor = _supervisor(clock)
     supervisor.expect(GENERATION, ENGINES)
@@ -203,17 +197,6 @@ AGENT_SUPERVISION = {
     "healthy_reset_seconds": 60,
 }
 IMAGE = LocalImage(tag=f"{E2E_REPOSITORY}:restarts", id="sha256:" + "5e" * 32)
-
-
-class Events(EventLogger):
-    """The agent's logger, keeping each event (name and fields) for the test to read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-
-    def _emit(self, level: int, event: str, fields: dict[str, Any]) -> None:
-        self.seen.append((event, fields))
 
 
 class Killed(BaseException):
@@ -295,7 +278,14 @@ def _node(server: DevServer, root: Path, node_id: str) -> Node:
     return node
 
 
-def _agent(node: Node, host: Host, clock: Clock, log: EventLogger | None = None) -> tuple[Agent, Outcomes]:
+def _serving_chat(server: DevServer, tmp_path: Path, node_id: str) -> tuple[Node, Host, MonotonicClock]:
+    """A node whose published state runs one engine, ``chat``, which its host shows up; the clock at 5000 s."""
+    node = _node(server, tmp_path / "node", node_id)
+    publish(server, node_id, document={"engines": [engine_spec("chat", IMAGE, 9450)]})
+    return node, Host(engines=UP), MonotonicClock(5000.0)
+
+
+def _agent(node: Node, host: Host, clock: MonotonicClock, log: EventLogger | None = None) -> tuple[Agent, Outcomes]:
     """The agent as ``meridian-node run`` builds it, with the host's engines, its applies and the test's clock."""
     outcomes = Outcomes()
     observer = Observer(
@@ -330,7 +320,7 @@ Script = list[tuple[float, Callable[[Host], None]]]
 
 
 def _long_running(node: Node, script: Script) -> list[Seen]:
-    host, clock = Host(), Clock()
+    host, clock = Host(), MonotonicClock(5000.0)
     agent, _ = _agent(node, host, clock)
     agent.resume_supervision()
     agent.recover()
@@ -343,7 +333,7 @@ def _long_running(node: Node, script: Script) -> list[Seen]:
 
 
 def _once_per_step(node: Node, script: Script) -> list[Seen]:
-    host, clock = Host(), Clock()
+    host, clock = Host(), MonotonicClock(5000.0)
     seen = []
     for seconds, change in script:
         clock.now += seconds
@@ -446,9 +436,7 @@ def test_without_the_record_run_once_never_repairs_a_killed_engine(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
     """The issue as filed: the record removed before each run, four ``run --once`` over 45 s repair nothing."""
-    node = _node(server, tmp_path / "node", node_id)
-    publish(server, node_id, document={"engines": [engine_spec("chat", IMAGE, 9450)]})
-    host, clock = Host(engines=UP), Clock()
+    node, host, clock = _serving_chat(server, tmp_path, node_id)
     agent, _ = _agent(node, host, clock)
     agent.run(once=True)
     host.engines, host.asked = DOWN, []
@@ -464,9 +452,7 @@ def test_without_the_record_run_once_never_repairs_a_killed_engine(
 def test_an_agent_killed_during_a_repair_finds_it_counted_and_backs_off_when_it_starts_again(
     server: DevServer, tmp_path: Path, node_id: str
 ) -> None:
-    node = _node(server, tmp_path / "node", node_id)
-    publish(server, node_id, document={"engines": [engine_spec("chat", IMAGE, 9450)]})
-    host, clock = Host(engines=UP), Clock()
+    node, host, clock = _serving_chat(server, tmp_path, node_id)
 
     def once() -> tuple[Agent, list[CycleStatus]]:
         agent, outcomes = _agent(node, host, clock)
@@ -498,9 +484,7 @@ def test_an_agent_killed_during_a_repair_finds_it_counted_and_backs_off_when_it_
 
 
 def test_a_record_written_for_another_state_is_not_used(server: DevServer, tmp_path: Path, node_id: str) -> None:
-    node = _node(server, tmp_path / "node", node_id)
-    publish(server, node_id, document={"engines": [engine_spec("chat", IMAGE, 9450)]})
-    host, clock = Host(engines=UP), Clock()
+    node, host, clock = _serving_chat(server, tmp_path, node_id)
     agent, _ = _agent(node, host, clock)
     agent.run(once=True)
     stale = {
@@ -509,7 +493,7 @@ def test_a_record_written_for_another_state_is_not_used(server: DevServer, tmp_p
         )
     }
     SupervisionRecord(node.state_dir).save(RememberedState(99, "cd" * 32, stale), None)
-    events = Events()
+    events = SeenEvents()
     clock.now += 1
 
     agent, outcomes = _agent(node, host, clock, log=events)
@@ -524,9 +508,7 @@ def test_a_record_written_for_another_state_is_not_used(server: DevServer, tmp_p
 
 
 def test_an_idle_agent_writes_no_record_per_cycle(server: DevServer, tmp_path: Path, node_id: str) -> None:
-    node = _node(server, tmp_path / "node", node_id)
-    publish(server, node_id, document={"engines": [engine_spec("chat", IMAGE, 9450)]})
-    host, clock = Host(engines=UP), Clock()
+    node, host, clock = _serving_chat(server, tmp_path, node_id)
     agent, _ = _agent(node, host, clock)
     agent.run(once=True)  # applies, and sees the engine ready: one write
     path = node.state_dir / RECORD_FILE

@@ -13,18 +13,11 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TRANSFERS_FILE, TransferReporter
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 from meridian_node_agent.agent_side.transfer_watch import PROGRESS_EVERY_S, TransferWatch
 from meridian_node_agent.logs import EventLogger
 
 IMAGE = "127.0.0.1:5000/team/vllm@sha256:" + "b" * 64
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, dict[str, Any]]]:
@@ -32,16 +25,16 @@ def events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, dict[str, Any]]]
 
 
 @pytest.fixture
-def parts(tmp_path: Path) -> tuple[TransferReporter, TransferWatch, Clock]:
+def parts(tmp_path: Path) -> tuple[TransferReporter, TransferWatch, MonotonicClock]:
     directory = tmp_path / "state"
     directory.mkdir(mode=0o700)
-    clock = Clock()
+    clock = MonotonicClock(50.0)
     writer = TransferReporter(str(directory / TRANSFERS_FILE), clock=clock, wall=lambda: datetime.now(UTC))
     return writer, TransferWatch(directory / TRANSFERS_FILE, EventLogger(), clock), clock
 
 
 def test_a_pull_is_logged_at_its_start_every_ten_seconds_and_at_its_end(
-    parts: tuple[TransferReporter, TransferWatch, Clock], caplog: pytest.LogCaptureFixture
+    parts: tuple[TransferReporter, TransferWatch, MonotonicClock], caplog: pytest.LogCaptureFixture
 ) -> None:
     writer, watch, clock = parts
     with caplog.at_level(logging.INFO, logger="meridian_node_agent"):
@@ -70,7 +63,7 @@ def test_a_pull_is_logged_at_its_start_every_ten_seconds_and_at_its_end(
 
 
 def test_what_is_shown_changes_at_a_start_an_end_and_at_most_every_ten_seconds_between(
-    parts: tuple[TransferReporter, TransferWatch, Clock],
+    parts: tuple[TransferReporter, TransferWatch, MonotonicClock],
 ) -> None:
     writer, watch, clock = parts
     writer.start("image", IMAGE)
@@ -85,7 +78,7 @@ def test_what_is_shown_changes_at_a_start_an_end_and_at_most_every_ten_seconds_b
 
 
 def test_clear_ends_what_the_apply_left_in_flight(
-    parts: tuple[TransferReporter, TransferWatch, Clock], caplog: pytest.LogCaptureFixture
+    parts: tuple[TransferReporter, TransferWatch, MonotonicClock], caplog: pytest.LogCaptureFixture
 ) -> None:
     writer, watch, _clock = parts
     writer.start("artifact", "tiny 1.0: model.gguf", 10)
@@ -101,7 +94,7 @@ def test_a_damaged_file_is_logged_once_and_reads_as_nothing_in_flight(
 ) -> None:
     path = tmp_path / TRANSFERS_FILE
     path.write_text('{"format": 1, "transfers": "everything"}')
-    watch = TransferWatch(path, EventLogger(), Clock())
+    watch = TransferWatch(path, EventLogger(), MonotonicClock(50.0))
     with caplog.at_level(logging.INFO, logger="meridian_node_agent"):
         watch.poll()
         watch.poll()

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import ModuleType
@@ -16,7 +15,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.placement im
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HealthHolds
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
-from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
+from ansible_collections.meridian.node.tests.support.fake_nvml import two_healthy_gpus
 from ansible_collections.meridian.node.tests.support.node_env import make_node
 from ansible_collections.meridian.node.tests.support.wall_clock import WallClock
 from meridian_node_agent.agent_side.gpu_health import GpuHealthWatch
@@ -28,14 +27,6 @@ from meridian_node_agent.root_side.root_dir import read_request
 
 START = datetime(2026, 12, 5, 8, 0, tzinfo=UTC)
 GPU1 = "GPU-a1b2c301-51d0-4e7a-9c3f-6b0e2d4f1a01"
-
-
-@pytest.fixture
-def fake() -> Iterator[ModuleType]:
-    module = load_fake_pynvml()
-    module.use_scenario(two_healthy_gpus())
-    yield module
-    module.use_scenario(None)
 
 
 @pytest.fixture

@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.tests.support.e2e_fixtures import prefix  # noqa: F401
-from ansible_collections.meridian.node.tests.support.engine_harness import BIND, PORTS, SERVER, free_port
+from ansible_collections.meridian.node.tests.support.engine_harness import (
+    BIND,
+    PORTS,
+    SERVER,
+    issue_25_engine,
+)
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     NODE_ID,
@@ -53,15 +58,7 @@ def test_a_signed_one_character_secret_reaches_the_engine_and_no_journal_file(
         },
     )
     name = f"{prefix}-aud-tgi"
-    engine = {
-        "name": name,
-        "driver": "vllm",
-        "image": vllm.pinned,
-        "model": {"name": "tiny"},
-        "port": free_port(),
-        "env": {"MODE": "tgi", "FLAG": "1"},
-        "secret_env": {"HF_TOKEN": SECRET},
-    }
+    engine = issue_25_engine(vllm, name, secret_env={"HF_TOKEN": SECRET})
     payload = current_state(1, engines=[engine])
     applier = Applier(state_dir=tmp_path / "state", node_id=NODE_ID, policy_path=str(policy))
 

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import mark_draining
 from ansible_collections.meridian.node.tests.support.engine_harness import BIND, SERVER, free_port
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
+from ansible_collections.meridian.node.tests.support.recorded_events import SeenEvents
 from meridian_node_agent.agent_side.observe import InventoryEngines, Observer
 from meridian_node_agent.agent_side.supervise import Drift, Supervisor
 from meridian_node_agent.agent_side.systemd_applier import write_request
@@ -42,7 +42,6 @@ from meridian_node_agent.boundary.engines_file import (
 )
 from meridian_node_agent.boundary.spool import PUBLIC_DIR, SPOOL_DIR, read_answer_file
 from meridian_node_agent.config import AgentConfig, load_config
-from meridian_node_agent.logs import EventLogger
 from meridian_node_agent.root_side.apply_unit import answer_requests
 from meridian_node_agent.root_side.root_dir import RootDir, prepare_root_dir
 
@@ -76,15 +75,6 @@ def _document(state_dir: Path) -> dict[str, Any]:
     path = _write(state_dir, _engine())
     document: dict[str, Any] = json.loads(path.read_text())
     return document
-
-
-class _Events(EventLogger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-
-    def _emit(self, level: int, event: str, fields: dict[str, Any]) -> None:
-        self.seen.append((event, fields))
 
 
 def test_inventory_round_trips_and_is_written_world_readable(tmp_path: Path) -> None:
@@ -233,7 +223,7 @@ def test_oversized_not_json_missing_and_symlinked_inventories_are_refused(tmp_pa
 
 
 def test_source_reports_no_engines_and_logs_once_for_a_missing_or_broken_inventory(tmp_path: Path) -> None:
-    events = _Events()
+    events = SeenEvents()
     source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=0, log=events)
 
     assert source() == [] and source() == []
@@ -250,7 +240,7 @@ def test_source_reports_no_engines_and_logs_once_for_a_missing_or_broken_invento
 
 def test_root_rewriting_the_same_engines_every_interval_is_read_quietly(tmp_path: Path) -> None:
     # Root's observe timer replaces the file every 30 s: the agent re-reads it (a new inode) and logs only a change.
-    events = _Events()
+    events = SeenEvents()
     source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=0, log=events)
     for engine in (_engine(), _engine(), _engine(drifted=("cpus",)), _engine(drifted=("cpus",))):
         _write(tmp_path / PUBLIC_DIR, engine)
@@ -346,7 +336,7 @@ def test_unreadable_draining_marks_make_no_engine_ready(tmp_path: Path, standin:
     _write(tmp_path / PUBLIC_DIR, _engine("chat", port=standin))
     (tmp_path / "draining").mkdir()
     (tmp_path / "draining" / "chat.json").write_text("not json")
-    events = _Events()
+    events = SeenEvents()
     source = InventoryEngines(root_dir=tmp_path, node_id=NODE, refresh_s=0, log=events)
 
     assert [(e["name"], e["ready"]) for e in source()] == [("chat", False)]
@@ -355,17 +345,8 @@ def test_unreadable_draining_marks_make_no_engine_ready(tmp_path: Path, standin:
 
 def _root_config(root: Path, *, images: list[str]) -> AgentConfig:
     extra = {"images": {"allowed_repositories": images, "require_digest": True}} if images else {}
-    policy = write_policy(root / "etc", control=[make_key()], extra=extra)
-    config = {
-        "node_id": NODE,
-        "mode": "observe-only",  # root refuses every request: the quickest 'failed' apply there is
-        "policy": str(policy),
-        "state_dir": str(root / "state"),
-        "control_plane": {"url": "https://127.0.0.1:9"},
-        "apply": {"via": "systemd", "state_dir": str(root / "apply")},
-    }
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
-    return load_config(root / "config.yaml")
+    # observe-only: root refuses every request, the quickest 'failed' apply there is
+    return load_config(write_node_config(root, node_id=NODE, mode="observe-only", policy_extra=extra))
 
 
 def _root(config: AgentConfig) -> RootDir:

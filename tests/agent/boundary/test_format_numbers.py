@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from ansible_collections.meridian.node.tests.support.recorded_events import SeenEvents
 from meridian_node_agent.agent_side.supervision_record import SupervisionRecord
 from meridian_node_agent.boundary.outcomes import OutcomesError, parse_outcomes
 from meridian_node_agent.boundary.spool import ApplyAnswer, ApplyRequest
-from meridian_node_agent.logs import EventLogger
 
 RUN = "gen-7-20261205T071500.000000Z"
 NOT_ONE = ["1.0", "1e0", "true"]
@@ -66,15 +66,6 @@ def test_roots_outcomes_file_names_format_1_only_as_an_integer(tmp_path: Path, l
         parse_outcomes(_with_format(document, "format", literal), path=path, node_id="gpu-node-01")
 
 
-class _Events(EventLogger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, dict[str, object]]] = []
-
-    def _emit(self, level: int, event: str, fields: dict[str, object]) -> None:
-        self.seen.append((event, fields))
-
-
 @pytest.mark.parametrize("literal", ["1.0", "1e0"])
 def test_a_supervision_record_of_version_1_point_0_is_ignored_as_malformed(tmp_path: Path, literal: str) -> None:
     boot = "0f4b5a0e-8c1d-4f7e-9a51-3c2d1e0f9b8a"
@@ -84,7 +75,7 @@ def test_a_supervision_record_of_version_1_point_0_is_ignored_as_malformed(tmp_p
     assert document["version"] == 1
     path.write_bytes(_with_format(document, "version", literal))
 
-    events = _Events()
+    events = SeenEvents()
     assert SupervisionRecord(tmp_path, boot_id=lambda: boot, log=events).load(0.0) is None
     [(event, fields)] = [seen for seen in events.seen if seen[0] != "supervision-record-rebased"]
     assert fields["reason"] == "malformed", (event, fields)

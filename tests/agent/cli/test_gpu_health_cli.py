@@ -14,13 +14,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.gpu import nvml as nvml_seam
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HealthHolds
 from ansible_collections.meridian.node.tests.support.fake_nvml import FAKES, load_fake_pynvml, two_healthy_gpus
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
 from meridian_node_agent.cli import main as cli_main
 
 FAILED_ROWS = {"remapped_rows": {"correctable": 0, "uncorrectable": 3, "pending": False, "failure": True}}
@@ -37,17 +36,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
 
 
 def _config(root: Path, *, via: str = "systemd") -> Path:
-    policy = write_policy(root / "etc", control=[make_key()])
-    config = {
-        "node_id": "gpu-node-7",
-        "mode": "managed-host",
-        "policy": str(policy),
-        "state_dir": str(root / "state"),
-        "control_plane": {"url": "https://127.0.0.1:9"},
-        "apply": {"via": via, "state_dir": str(root / "apply")},
-    }
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
-    return root / "config.yaml"
+    return write_node_config(root, node_id="gpu-node-7", via=via)
 
 
 def _hold_gpu1(fake: ModuleType, holds_dir: Path) -> dict[str, Any]:
@@ -58,6 +47,14 @@ def _hold_gpu1(fake: ModuleType, holds_dir: Path) -> dict[str, Any]:
     fake.use_scenario(two_healthy_gpus())
     health: dict[str, Any] = facts["gpus"][1]["health"]
     return health
+
+
+@pytest.fixture
+def gpu1_held(tmp_path: Path, fake: ModuleType) -> Path:
+    """The config of a node that applies through systemd, GPU 1 held in root's directory (``_hold_gpu1``)."""
+    config = _config(tmp_path)
+    _hold_gpu1(fake, tmp_path / "apply")
+    return config
 
 
 def test_show_reads_the_gpus_now_as_placement_judges_them(
@@ -82,11 +79,8 @@ def test_show_reads_the_gpus_now_as_placement_judges_them(
     assert lines[3].startswith("held, not on this host now: GPU 5 GPU-gone (held since ")
 
 
-def test_show_json_is_one_document(tmp_path: Path, fake: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
-    config = _config(tmp_path)
-    _hold_gpu1(fake, tmp_path / "apply")
-
-    assert cli_main(["--config", str(config), "gpu-health", "show", "--json"]) == 0
+def test_show_json_is_one_document(tmp_path: Path, gpu1_held: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["--config", str(gpu1_held), "gpu-health", "show", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
 
     assert document["nvml_available"] is True and document["holds_error"] is None
@@ -98,12 +92,9 @@ def test_show_json_is_one_document(tmp_path: Path, fake: ModuleType, capsys: pyt
 
 @pytest.mark.parametrize("which", [UUID1, "1", "00000000:43:00.0"], ids=["uuid", "index", "pci-bus-id"])
 def test_clear_by_uuid_index_or_pci_bus_id_says_what_it_cleared(
-    tmp_path: Path, fake: ModuleType, capsys: pytest.CaptureFixture[str], which: str
+    tmp_path: Path, gpu1_held: Path, capsys: pytest.CaptureFixture[str], which: str
 ) -> None:
-    config = _config(tmp_path)
-    _hold_gpu1(fake, tmp_path / "apply")
-
-    assert cli_main(["--config", str(config), "gpu-health", "clear", which]) == 0
+    assert cli_main(["--config", str(gpu1_held), "gpu-health", "clear", which]) == 0
     out = capsys.readouterr().out
 
     assert out.startswith(f"cleared GPU 1 {UUID1} (held since ")
@@ -124,24 +115,18 @@ def test_clear_in_process_works_on_the_agents_own_directory(
 
 
 def test_clearing_a_gpu_that_is_not_held_changes_nothing(
-    tmp_path: Path, fake: ModuleType, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, gpu1_held: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = _config(tmp_path)
-    _hold_gpu1(fake, tmp_path / "apply")
-
-    assert cli_main(["--config", str(config), "gpu-health", "clear", "0"]) == 0
+    assert cli_main(["--config", str(gpu1_held), "gpu-health", "clear", "0"]) == 0
 
     assert capsys.readouterr().out.startswith("GPU 0 is not held in ")
     assert list(HealthHolds(tmp_path / "apply").all()) == [UUID1]
 
 
 def test_clearing_an_unknown_gpu_names_the_gpus_there_are(
-    tmp_path: Path, fake: ModuleType, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, gpu1_held: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = _config(tmp_path)
-    _hold_gpu1(fake, tmp_path / "apply")
-
-    assert cli_main(["--config", str(config), "gpu-health", "clear", "7"]) == 1
+    assert cli_main(["--config", str(gpu1_held), "gpu-health", "clear", "7"]) == 1
 
     err = capsys.readouterr().err
     assert "no GPU '7' on this host to clear: name one by uuid, index or PCI bus id" in err

@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
 from meridian_node_agent.boundary.engine_logs_file import EngineLogTail, KeptRun, write_log_tail
 from meridian_node_agent.boundary.engines_file import Inventory, InventoryEngine, write_inventory
 from meridian_node_agent.cli import main as cli_main
@@ -22,19 +21,10 @@ AT = "2026-12-05T07:00:00Z"
 
 
 def _config(root: Path, via: str) -> Path:
-    policy = write_policy(root / "etc", control=[make_key()])
-    config = {
-        "node_id": NODE,
-        "mode": "managed-host",
-        "policy": str(policy),
-        "state_dir": str(root / "state"),
-        "control_plane": {"url": "https://127.0.0.1:9"},
-        "apply": {"via": via, "state_dir": str(root / "apply")},
-    }
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    config = write_node_config(root, node_id=NODE, via=via)
     (root / "state").mkdir()
     (root / "apply" / "public").mkdir(parents=True)
-    return root / "config.yaml"
+    return config
 
 
 def _run(container: str, lines: list[str], *, state: str = "restarting", reason: str | None = "exit 3") -> KeptRun:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     LABEL_INSTANCE,
@@ -28,8 +27,8 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     DockerEngine,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
+from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 from meridian_node_agent.collectors.engine_log_keeper import keep_engine_logs
 
 pytestmark = pytest.mark.docker
@@ -62,16 +61,7 @@ def kept(tmp_path: Path, docker_client: Any, standin_base_image: LocalImage, pre
     node, engine = f"{prefix}-node", f"{prefix}-chat"
     state = tmp_path / "state"
     state.mkdir()
-    policy = write_policy(tmp_path / "etc", control=[make_key()])
-    config = {
-        "node_id": node,
-        "mode": "managed-host",
-        "policy": str(policy),
-        "state_dir": str(state),
-        "control_plane": {"url": "https://127.0.0.1:9"},
-        "apply": {"via": "in-process", "state_dir": str(tmp_path / "apply")},
-    }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    config = write_node_config(tmp_path, node_id=node, via="in-process")
     container = docker_client.containers.run(
         standin_base_image.id,
         [_printing([line for line, _shown in PRINTED])],
@@ -89,7 +79,7 @@ def kept(tmp_path: Path, docker_client: Any, standin_base_image: LocalImage, pre
         read_at="2026-12-05T07:00:00Z",
     )
     assert list(kept.tails) == [engine] and not kept.problems
-    return tmp_path / "config.yaml", engine
+    return config, engine
 
 
 def _command(config: Path, *args: str) -> list[str]:

@@ -17,10 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.tests.support.fake_nvml import FAKES, two_healthy_gpus
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
 
 HANG_GUARD_S = 30
 MEMORY_LIMIT = 4 * 1024**3
@@ -34,19 +33,9 @@ FORBIDDEN = {chr(code) for code in [*range(0x00, 0x09), *range(0x0B, 0x20), *ran
 
 
 def _config(root: Path, *, via: str = "systemd") -> Path:
-    policy = write_policy(root / "etc", control=[make_key()])
-    config = {
-        "node_id": "gpu-node-planted",
-        "mode": "managed-host",
-        "policy": str(policy),
-        "state_dir": str(root / "state"),
-        "control_plane": {"url": "https://127.0.0.1:9"},
-        "apply": {"via": via, "state_dir": str(root / "apply")},
-    }
     (root / "state" / "identity").mkdir(parents=True)
     (root / "apply").mkdir()
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
-    return root / "config.yaml"
+    return write_node_config(root, node_id="gpu-node-planted", via=via)
 
 
 def _limit_memory() -> None:

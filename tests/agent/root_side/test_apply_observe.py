@@ -15,12 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApiError
+from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
 from ansible_collections.meridian.node.tests.support.systemd_units import UNITS
 from ansible_collections.meridian.node.tests.support.systemd_units import read_unit as _unit
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 from meridian_node_agent.boundary.engines_file import INVENTORY_FILE, file_identity, read_inventory
 from meridian_node_agent.cli import build_parser
 from meridian_node_agent.config import DEFAULT_CONFIG_PATH, Apply
@@ -34,17 +33,7 @@ TIMER, SERVICE = "meridian-node-apply-observe.timer", "meridian-node-apply-obser
 
 def _config(root: Path, *, images: list[str], via: str = "systemd") -> Path:
     extra = {"images": {"allowed_repositories": images, "require_digest": True}} if images else {}
-    policy = write_policy(root / "etc", control=[make_key()], extra=extra)
-    config = {
-        "node_id": NODE,
-        "mode": "managed-host",
-        "policy": str(policy),
-        "state_dir": str(root / "state"),
-        "control_plane": {"url": "https://127.0.0.1:9"},
-        "apply": {"via": via, "state_dir": str(root / "apply")},
-    }
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
-    return root / "config.yaml"
+    return write_node_config(root, node_id=NODE, via=via, policy_extra=extra)
 
 
 def _args(config: Path) -> argparse.Namespace:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     LABEL_INSTANCE,
@@ -28,9 +27,9 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.docker.log_scrub import REDACTED
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_OWNER
 from ansible_collections.meridian.node.tests.support.e2e_env import standin_policy
+from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
 from ansible_collections.meridian.node.tests.support.shared_tmp import reachable_tmp_dir
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 from meridian_node_agent.agent_side.observe import InventoryEngines, Observer
 from meridian_node_agent.boundary.engine_logs_file import (
     LOG_FILE_MODE,
@@ -79,17 +78,7 @@ def host() -> Iterator[Host]:
         state = root / "state"
         state.mkdir(0o750)
         os.chown(state, -1, AGENT_GID)  # root's public/ takes the group of the agent's directory
-        policy = write_policy(root / "etc", control=[make_key()], extra=standin_policy())
-        config = {
-            "node_id": NODE,
-            "mode": "managed-host",
-            "policy": str(policy),
-            "state_dir": str(state),
-            "control_plane": {"url": "https://127.0.0.1:9"},
-            "apply": {"via": "systemd", "state_dir": str(root / "apply")},
-        }
-        (root / "config.yaml").write_text(yaml.safe_dump(config))
-        yield Host(root, root / "config.yaml")
+        yield Host(root, write_node_config(root, node_id=NODE, policy_extra=standin_policy()))
 
 
 def _observe(host: Host) -> int:
@@ -127,6 +116,16 @@ def _crash_looping(client: Any, image: LocalImage, name: str) -> Any:
     _wait(container, "a second crash", lambda attrs: attrs.get("RestartCount", 0) >= 1)
     _wait(container, "the second run's crash line", lambda _attrs: container.logs().count(b"fatal: CUDA") >= 2)
     return container
+
+
+@pytest.fixture
+def crash_loop_kept(host: Host, docker_client: Any, image: LocalImage, prefix: str) -> str:
+    """The name of a crash-looping engine of this node (``<prefix>-chat``) whose tail one run of root's observe
+    unit kept."""
+    name = f"{prefix}-chat"
+    _crash_looping(docker_client, image, name)
+    assert _observe(host) == 0
+    return name
 
 
 def _files_under(path: Path) -> list[Path]:
@@ -230,11 +229,9 @@ def _as_nobody(groups: list[int], action: Any) -> tuple[int, str]:
 
 
 def test_meridian_node_logs_prints_the_tail_to_the_agents_group_and_no_one_else(
-    host: Host, docker_client: Any, image: LocalImage, prefix: str
+    host: Host, crash_loop_kept: str
 ) -> None:
-    name = f"{prefix}-chat"
-    _crash_looping(docker_client, image, name)
-    assert _observe(host) == 0
+    name = crash_loop_kept
     argv = ["--config", str(host.config), "logs", name]
 
     status, out = _as_nobody([AGENT_GID], lambda: cli_main(argv))
@@ -259,12 +256,8 @@ def _try_writing(paths: list[Path]) -> int:
     return 0
 
 
-def test_the_agents_group_can_neither_change_nor_add_a_kept_log(
-    host: Host, docker_client: Any, image: LocalImage, prefix: str
-) -> None:
-    name = f"{prefix}-chat"
-    _crash_looping(docker_client, image, name)
-    assert _observe(host) == 0
+def test_the_agents_group_can_neither_change_nor_add_a_kept_log(host: Host, crash_loop_kept: str) -> None:
+    name = crash_loop_kept
 
     status, out = _as_nobody([AGENT_GID], lambda: _try_writing([host.logs / f"{name}.json", host.logs / "x.json"]))
 
@@ -272,11 +265,9 @@ def test_the_agents_group_can_neither_change_nor_add_a_kept_log(
 
 
 def test_root_refuses_a_logs_directory_redirected_into_the_agents_and_writes_nothing_there(
-    host: Host, docker_client: Any, image: LocalImage, prefix: str
+    host: Host, crash_loop_kept: str
 ) -> None:
-    name = f"{prefix}-chat"
-    _crash_looping(docker_client, image, name)
-    assert _observe(host) == 0
+    name = crash_loop_kept
     agents = host.root / "state"
     # What a compromised agent would want root to follow: its own directory, where it could read or swap files.
     (host.logs / f"{name}.json").unlink()
@@ -289,12 +280,8 @@ def test_root_refuses_a_logs_directory_redirected_into_the_agents_and_writes_not
     assert host.logs.is_symlink()
 
 
-def test_a_symlink_planted_where_roots_tail_goes_is_replaced_not_followed(
-    host: Host, docker_client: Any, image: LocalImage, prefix: str
-) -> None:
-    name = f"{prefix}-chat"
-    _crash_looping(docker_client, image, name)
-    assert _observe(host) == 0
+def test_a_symlink_planted_where_roots_tail_goes_is_replaced_not_followed(host: Host, crash_loop_kept: str) -> None:
+    name = crash_loop_kept
     victim = host.root / "etc" / "shadow-like"
     victim.write_text("root's own secret\n")
     planted = host.logs / f"{name}.json"

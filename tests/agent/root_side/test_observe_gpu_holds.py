@@ -12,11 +12,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HOLD_FILE, HealthHolds
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
 from meridian_node_agent.boundary.engines_file import INVENTORY_FILE
 from meridian_node_agent.cli import build_parser
 from meridian_node_agent.root_side.observe_unit import cmd_observe_engines
@@ -34,17 +33,7 @@ def fake() -> Iterator[ModuleType]:
 
 
 def _config(root: Path) -> Path:
-    policy = write_policy(root / "etc", control=[make_key()])
-    config = {
-        "node_id": NODE,
-        "mode": "managed-host",
-        "policy": str(policy),
-        "state_dir": str(root / "state"),
-        "control_plane": {"url": "https://127.0.0.1:9"},
-        "apply": {"via": "systemd", "state_dir": str(root / "apply")},
-    }
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
-    return root / "config.yaml"
+    return write_node_config(root, node_id=NODE)
 
 
 def _args(config: Path) -> argparse.Namespace:

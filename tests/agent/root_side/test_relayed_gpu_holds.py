@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +20,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import with_held_verdicts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HOLD_FILE, HealthHolds
-from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml, two_healthy_gpus
+from ansible_collections.meridian.node.tests.support.fake_nvml import two_healthy_gpus
 from ansible_collections.meridian.node.tests.support.instant_apply import instant_success
 from ansible_collections.meridian.node.tests.support.path_unit import write_split_config
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
@@ -50,14 +49,6 @@ GPU1 = "GPU-a1b2c301-51d0-4e7a-9c3f-6b0e2d4f1a01"
 FORGED = "GPU-00000000-0000-4000-8000-000000000000"
 FAILED_ROWS = {"remapped_rows": {"correctable": 0, "uncorrectable": 3, "pending": False, "failure": True}}
 CONTROL = make_key()
-
-
-@pytest.fixture
-def fake() -> Iterator[ModuleType]:
-    module = load_fake_pynvml()
-    module.use_scenario(two_healthy_gpus())
-    yield module
-    module.use_scenario(None)
 
 
 def report(uuid: str = GPU1, *xids: int, seen_at: datetime = NOW - timedelta(minutes=2)) -> GpuReport:

@@ -19,10 +19,10 @@ import pytest
 
 from ansible_collections.meridian.node.tests.collection.modules.test_engine_set import (
     SECRET,
-    engine,
     failing_then_good,
     signed_policy_host,
 )
+from ansible_collections.meridian.node.tests.support.e2e_env import engine_spec
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     VENV_BIN,
     Host,
@@ -62,11 +62,11 @@ def test_engines_form_converges_refuses_and_masks_alike_both_ways(host: Host, vl
     ports = free_ports(2)
     params = {
         "engines": [
-            engine(vllm, f"{prefix}-a", ports[0], secret_env={"API_TOKEN": SECRET}),
-            engine(vllm, f"{prefix}-b", ports[1]),
+            engine_spec(f"{prefix}-a", vllm, ports[0], secret_env={"API_TOKEN": SECRET}),
+            engine_spec(f"{prefix}-b", vllm, ports[1]),
         ]
     }
-    unpinned = {"engines": [{**engine(vllm, f"{prefix}-c", ports[0]), "image": "meridian-node/standin:latest"}]}
+    unpinned = {"engines": [{**engine_spec(f"{prefix}-c", vllm, ports[0]), "image": "meridian-node/standin:latest"}]}
     steps: list[tuple[str, dict[str, Any], bool]] = [
         ("check", params, True),
         ("apply", params, False),

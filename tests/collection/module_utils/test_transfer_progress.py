@@ -24,20 +24,13 @@ from ansible_collections.meridian.node.plugins.module_utils._transfer_progress i
     TransferReporter,
     read_transfers,
 )
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 
 IMAGE = "127.0.0.1:5000/team/vllm@sha256:" + "a" * 64
 WALL = datetime(2026, 12, 5, 10, 0, 0, tzinfo=UTC)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def reporter(directory: Path, clock: Clock) -> TransferReporter:
+def reporter(directory: Path, clock: MonotonicClock) -> TransferReporter:
     directory.mkdir(mode=0o750, exist_ok=True)
     directory.chmod(0o750)
     return TransferReporter(str(directory / TRANSFERS_FILE), clock=clock, wall=lambda: WALL)
@@ -48,7 +41,7 @@ def on_disk(directory: Path) -> list[tuple[str, int, int | None]]:
 
 
 def test_a_start_is_written_at_once_progress_at_most_once_a_second_and_an_end_at_once(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = MonotonicClock(100.0)
     progress = reporter(tmp_path / "public", clock)
     progress.start("image", IMAGE)
     assert on_disk(tmp_path / "public") == [(IMAGE, 0, None)]
@@ -75,7 +68,7 @@ def test_the_file_is_0640_with_the_directorys_group_and_a_planted_symlink_is_rep
     victim = tmp_path / "victim"
     victim.write_text("keep")
     (directory / TRANSFERS_FILE).symlink_to(victim)
-    progress = TransferReporter(str(directory / TRANSFERS_FILE), clock=Clock(), wall=lambda: WALL)
+    progress = TransferReporter(str(directory / TRANSFERS_FILE), clock=MonotonicClock(100.0), wall=lambda: WALL)
     progress.start("artifact", "tiny 1.0: model.gguf", 4096)
     info = (directory / TRANSFERS_FILE).lstat()
     assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o640 and info.st_gid == 4242
@@ -114,7 +107,7 @@ def test_a_directory_others_could_write_in_gets_no_progress_and_says_why(
 ) -> None:
     directory = tmp_path / "public"
     prepare(directory)
-    progress = TransferReporter(str(directory / TRANSFERS_FILE), clock=Clock(), wall=lambda: WALL)
+    progress = TransferReporter(str(directory / TRANSFERS_FILE), clock=MonotonicClock(100.0), wall=lambda: WALL)
     progress.start("image", IMAGE)
     progress.advance(IMAGE, 5)
     progress.end_all()
@@ -124,7 +117,7 @@ def test_a_directory_others_could_write_in_gets_no_progress_and_says_why(
 
 
 def test_without_a_path_nothing_is_written_and_nothing_is_wrong(tmp_path: Path) -> None:
-    progress = TransferReporter(None, clock=Clock())
+    progress = TransferReporter(None, clock=MonotonicClock(100.0))
     progress.start("image", IMAGE)
     progress.advance(IMAGE, 5)
     progress.end(IMAGE)
@@ -132,7 +125,7 @@ def test_without_a_path_nothing_is_written_and_nothing_is_wrong(tmp_path: Path) 
 
 
 def test_end_all_ends_what_a_failed_run_left_in_flight(tmp_path: Path) -> None:
-    progress = reporter(tmp_path / "public", Clock())
+    progress = reporter(tmp_path / "public", MonotonicClock(100.0))
     progress.start("artifact", "a 1: x")
     progress.start("artifact", "a 1: y")
     assert len(on_disk(tmp_path / "public")) == 2
@@ -219,7 +212,7 @@ def test_a_symlink_at_the_name_is_refused_not_followed(tmp_path: Path) -> None:
 
 
 def test_what_the_writer_writes_the_reader_reads_back(tmp_path: Path) -> None:
-    progress = reporter(tmp_path / "public", Clock())
+    progress = reporter(tmp_path / "public", MonotonicClock(100.0))
     progress.start("image", IMAGE, None)
     assert read_transfers(str(tmp_path / "public" / TRANSFERS_FILE)) == [
         Transfer("image", IMAGE, 0, None, "2026-12-05T10:00:00Z", "2026-12-05T10:00:00Z")

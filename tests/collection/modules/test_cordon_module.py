@@ -23,18 +23,15 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.cordon impor
 from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file import read_cordon
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import read_mark
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_SPEC
-from ansible_collections.meridian.node.tests.support.engine_harness import SERVER, Host, free_port
-from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
+from ansible_collections.meridian.node.tests.support.engine_harness import Host, engine_images, free_port
+from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def images(docker_client: Any, standin_base_image: LocalImage) -> dict[str, LocalImage]:
-    return {
-        driver: ensure_engine_image(docker_client, standin_base_image, SERVER, engine=driver)
-        for driver in ("vllm", "ollama")
-    }
+    return engine_images(docker_client, standin_base_image, ("vllm", "ollama"))
 
 
 def start(host: Host, images: dict[str, LocalImage], name: str, driver: str) -> dict[str, Any]:

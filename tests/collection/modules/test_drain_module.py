@@ -7,11 +7,9 @@ carries the test's random prefix and is removed afterwards, pass or fail.
 
 from __future__ import annotations
 
-import json
-import secrets
 import threading
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,68 +17,29 @@ import pytest
 
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
-    SERVER,
     Host,
+    engine_images,
     free_port,
     hold_requests,
-    run_playbook,
     watch_mark,
 )
-from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
+from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 Step = tuple[str, str, Mapping[str, Any], bool]  # label, module, params, check_mode
 
 
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-dr-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
-        container.remove(force=True)
-
-
 @pytest.fixture(scope="module")
 def images(docker_client: Any, standin_base_image: LocalImage) -> dict[str, LocalImage]:
-    return {
-        driver: ensure_engine_image(docker_client, standin_base_image, SERVER, engine=driver)
-        for driver in ("vllm", "ollama")
-    }
-
-
-@pytest.fixture
-def host(tmp_path: Path, docker_client: Any) -> Host:
-    return Host(tmp_path, docker_client)
+    return engine_images(docker_client, standin_base_image, ("vllm", "ollama"))
 
 
 def play(host: Host, steps: Sequence[Step]) -> dict[str, Any]:
     """Run the steps in one ansible-playbook; every step's registered result by label."""
-    out = host.root / f"results-{secrets.token_hex(4)}.json"
-    tasks: list[dict[str, Any]] = [
-        {
-            "name": label,
-            f"meridian.node.{module}": dict(params),
-            "check_mode": check,
-            "register": f"step_{index}",
-            "ignore_errors": True,
-        }
-        for index, (label, module, params, check) in enumerate(steps)
-    ]
-    collected = ", ".join(f"{json.dumps(label)}: step_{index}" for index, (label, *_rest) in enumerate(steps))
-    tasks.append(
-        {
-            "name": "save the results",
-            "ansible.builtin.copy": {"content": "{{ {" + collected + "} | to_json }}", "dest": str(out)},
-            "check_mode": False,
-        }
-    )
-    playbook = host.root / "drain-play.yml"
-    playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
-    proc = run_playbook(playbook, temp_dir=host.root / "ansible-tmp")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    results: dict[str, Any] = json.loads(out.read_text())
-    return results
+    return host.play_steps(
+        [(label, f"meridian.node.{module}", params, check) for label, module, params, check in steps]
+    )[0]
 
 
 def start_engine(host: Host, images: dict[str, LocalImage], name: str, driver: str) -> dict[str, Any]:

@@ -22,8 +22,9 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.engines.set import SetOptions, converge_set
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_run import run_engine_set
-from ansible_collections.meridian.node.tests.collection.modules.test_engine_image_pull import engine, pull_host
+from ansible_collections.meridian.node.tests.collection.modules.test_engine_image_pull import pull_host
 from ansible_collections.meridian.node.tests.support.engine_harness import Host, free_port, run_foreign_engine
+from ansible_collections.meridian.node.tests.support.image_archives import engine
 from ansible_collections.meridian.node.tests.support.registry import Registry, pushed_image, running_registry
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 
@@ -86,7 +87,7 @@ def test_our_pulled_image_waits_out_the_grace_then_goes_and_check_mode_predicts_
 ) -> None:
     with pushed_image(docker_client, registry, vllm.id, prefix) as image:
         pull_host(host, [f"{registry.host}/{prefix}"], prune_grace_seconds=3600)
-        spec = [engine(image.pinned, f"{prefix}-a", free_port())]
+        spec = [engine(f"{prefix}-a", image.pinned, free_port())]
         first = steps(
             host, prefix, [("apply", spec, False), ("drop check", [], True), ("drop", [], False), ("again", [], False)]
         )
@@ -128,7 +129,7 @@ def test_prune_never_touches_an_operators_image_another_tag_of_ours_or_an_image_
         operator_image(docker_client, vllm.id, f"{prefix}-operator:mine") as operators,
     ):
         pull_host(host, [f"{registry.host}/{prefix}", f"{registry.host}/{prefix}-b"], prune_grace_seconds=0)
-        spec = [engine(tagged.pinned, f"{prefix}-a", free_port()), engine(used.pinned, f"{prefix}-b", free_port())]
+        spec = [engine(f"{prefix}-a", tagged.pinned, free_port()), engine(f"{prefix}-b", used.pinned, free_port())]
         steps(host, prefix, [("apply", spec, False)])
         # An operator tags our image too (in another repository: untagging the last tag of a pulled image's own
         # repository makes Docker drop its digest reference with it, and the image).
@@ -167,7 +168,7 @@ def test_the_grace_counts_from_the_first_prune_that_found_it_unused_on_the_wall_
 ) -> None:
     with pushed_image(docker_client, registry, vllm.id, prefix) as image:
         pull_host(host, [f"{registry.host}/{prefix}"], prune_grace_seconds=100)
-        _run(host, [engine(image.pinned, f"{prefix}-a", free_port())], prefix, now=500)
+        _run(host, [engine(f"{prefix}-a", image.pinned, free_port())], prefix, now=500)
         assert _run(host, [], prefix, now=1000)["images"]["waiting"][0]["seconds_left"] == 100
         before = _run(host, [], prefix, now=1099)
         assert before["images"]["waiting"][0]["seconds_left"] == 1 and before["changed"] is False
@@ -184,7 +185,7 @@ def test_an_image_used_again_inside_the_grace_starts_it_over(
 ) -> None:
     with pushed_image(docker_client, registry, vllm.id, prefix) as image:
         pull_host(host, [f"{registry.host}/{prefix}"], prune_grace_seconds=100)
-        spec = [engine(image.pinned, f"{prefix}-a", free_port())]
+        spec = [engine(f"{prefix}-a", image.pinned, free_port())]
         _run(host, spec, prefix, now=500)
         _run(host, [], prefix, now=1000)
         again = _run(host, spec, prefix, now=1050)
@@ -199,7 +200,7 @@ def test_a_damaged_record_fails_the_prune_by_name_and_removes_nothing(
 ) -> None:
     with pushed_image(docker_client, registry, vllm.id, prefix) as image:
         pull_host(host, [f"{registry.host}/{prefix}"], prune_grace_seconds=0)
-        _run(host, [engine(image.pinned, f"{prefix}-a", free_port())], prefix, now=500)
+        _run(host, [engine(f"{prefix}-a", image.pinned, free_port())], prefix, now=500)
         (host.state_dir / "images.json").write_text("{not json")
         results = steps(host, prefix, [("drop", [], False)])
         assert results["drop"]["failed"] is True

@@ -28,6 +28,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TRANSFERS_FILE, read_transfers
 from ansible_collections.meridian.node.plugins.module_utils.engines.image_record import read_image_record
 from ansible_collections.meridian.node.tests.support.engine_harness import BIND, PORTS, REPO, VENV_BIN, Host, free_port
+from ansible_collections.meridian.node.tests.support.image_archives import engine
 from ansible_collections.meridian.node.tests.support.registry import (
     PushedImage,
     Registry,
@@ -72,17 +73,6 @@ def pull_host(host: Host, repositories: Sequence[str], **images: Any) -> Host:
     return host
 
 
-def engine(image: str, name: str, port: int) -> dict[str, Any]:
-    return {
-        "name": name,
-        "driver": "vllm",
-        "image": image,
-        "model": {"name": "tiny"},
-        "served_model_name": "tiny-chat",
-        "port": port,
-    }
-
-
 def set_steps(
     host: Host, steps: Sequence[tuple[str, Sequence[Mapping[str, Any]], bool]], owner: str, verbosity: str = ""
 ) -> tuple[dict[str, Any], str]:
@@ -107,7 +97,7 @@ def test_engine_only_in_the_registry_is_pulled_by_digest_verified_ready_and_a_re
 ) -> None:
     with pushed_image(docker_client, registry, vllm.id, prefix, blob_bytes=4 * 1024 * 1024) as image:
         pull_host(host, [f"{registry.host}/{prefix}"])
-        spec = [engine(image.pinned, f"{prefix}-a", free_port())]
+        spec = [engine(f"{prefix}-a", image.pinned, free_port())]
         results, output = set_steps(
             host,
             [("check", spec, True), ("apply", spec, False), ("again", spec, False), ("again check", spec, True)],
@@ -140,7 +130,7 @@ def test_engine_instance_pulls_in_its_own_run_and_not_again(
 ) -> None:
     with pushed_image(docker_client, registry, vllm.id, prefix) as image:
         pull_host(host, [f"{registry.host}/{prefix}"])
-        spec = host.params(**engine(image.pinned, f"{prefix}-i", free_port()), owner=prefix)
+        spec = host.params(**engine(f"{prefix}-i", image.pinned, free_port()), owner=prefix)
         results = host.play([("check", spec, True), ("apply", spec, False), ("again", spec, False)])
         assert results["check"]["image_pull"]["would_pull"] is True
         assert results["apply"]["image_pull"]["pulled"] is True and results["apply"]["ready"] is True
@@ -162,7 +152,7 @@ def test_the_registry_serving_another_image_under_the_same_tag_is_never_used(
         assert moved.digest != pinned.digest
         pull_host(host, [f"{registry.host}/{prefix}"])
         results, _output = set_steps(
-            host, [("apply", [engine(pinned.pinned, f"{prefix}-t", free_port())], False)], owner=prefix
+            host, [("apply", [engine(f"{prefix}-t", pinned.pinned, free_port())], False)], owner=prefix
         )
         assert results["apply"]["engines"][f"{prefix}-t"]["ready"] is True
         assert host.container(f"{prefix}-t").image.id == pinned.id
@@ -173,7 +163,7 @@ def test_the_registry_serving_another_image_under_the_same_tag_is_never_used(
 
 def _serving_engine(host: Host, image: PushedImage, name: str, owner: str) -> tuple[int, str]:
     port = free_port()
-    results, _output = set_steps(host, [("old", [engine(image.pinned, name, port)], False)], owner=owner)
+    results, _output = set_steps(host, [("old", [engine(name, image.pinned, port)], False)], owner=owner)
     assert results["old"]["engines"][name]["ready"] is True, results["old"]
     return port, str(host.container(name).id)
 
@@ -188,7 +178,7 @@ def test_a_digest_the_registry_lacks_fails_clearly_and_the_old_engine_keeps_serv
         absent = f"{image.repository}@sha256:{'0' * 64}"
         results, _output = set_steps(
             host,
-            [("check", [engine(absent, name, port)], True), ("apply", [engine(absent, name, port)], False)],
+            [("check", [engine(name, absent, port)], True), ("apply", [engine(name, absent, port)], False)],
             prefix,
         )
         for label in ("check", "apply"):
@@ -213,7 +203,7 @@ def test_a_stalled_pull_is_cancelled_within_the_bound_and_the_old_engine_keeps_s
         name = f"{prefix}-s"
         port, old_id = _serving_engine(host, old, name, prefix)
         stalling = big.pinned_via(proxy.host)
-        results, _output = set_steps(host, [("apply", [engine(stalling, name, port)], False)], prefix)
+        results, _output = set_steps(host, [("apply", [engine(name, stalling, port)], False)], prefix)
         failed = results["apply"]
         assert failed["check"] == "image-pull-stalled", failed
         pull = failed["engines"][name]["image_pull"]
@@ -240,7 +230,7 @@ def test_a_registry_paused_before_it_answers_is_a_stall_and_the_old_engine_keeps
         port, old_id = _serving_engine(host, old, name, prefix)
         paused.process.send_signal(signal.SIGSTOP)
         try:
-            results, _output = set_steps(host, [("apply", [engine(new.pinned, name, port)], False)], prefix)
+            results, _output = set_steps(host, [("apply", [engine(name, new.pinned, port)], False)], prefix)
         finally:
             paused.process.send_signal(signal.SIGCONT)
         failed = results["apply"]
@@ -257,7 +247,7 @@ def test_a_pull_below_the_disk_floor_is_refused_before_it_starts(
     # Policy arithmetic: a floor no disk here has, against the real free space of Docker's data-root.
     with pushed_image(docker_client, registry, vllm.id, prefix) as image:
         pull_host(host, [f"{registry.host}/{prefix}"], min_free_bytes="1000000T")
-        spec = [engine(image.pinned, f"{prefix}-f", free_port())]
+        spec = [engine(f"{prefix}-f", image.pinned, free_port())]
         results, _output = set_steps(host, [("check", spec, True), ("apply", spec, False)], prefix)
         for label in ("check", "apply"):
             failed = results[label]
@@ -287,7 +277,7 @@ def test_registry_credentials_come_from_the_policy_file_and_never_show(
     with pushed_image(docker_client, auth_registry, vllm.id, prefix) as image:
         auth = _auth_file(tmp_path / "registry-auth.json", auth_registry)
         pull_host(host, [f"{auth_registry.host}/{prefix}"], registry_auth_file=str(auth))
-        spec = [engine(image.pinned, f"{prefix}-c", free_port())]
+        spec = [engine(f"{prefix}-c", image.pinned, free_port())]
         results, output = set_steps(host, [("check", spec, True), ("apply", spec, False)], prefix, verbosity="-vvv")
         assert results["apply"]["engines"][f"{prefix}-c"]["image_pull"]["pulled"] is True
         assert results["apply"]["engines"][f"{prefix}-c"]["ready"] is True
@@ -341,7 +331,7 @@ def test_a_credentials_file_root_cannot_vouch_for_is_refused_with_nothing_pulled
             _auth_file(auth, auth_registry)
             os.chown(auth, 1000, 1000)
         pull_host(host, [f"{auth_registry.host}/{prefix}"], registry_auth_file=str(auth))
-        spec = [engine(image.pinned, f"{prefix}-r", free_port())]
+        spec = [engine(f"{prefix}-r", image.pinned, free_port())]
         results, output = set_steps(host, [("apply", spec, False)], prefix)
         failed = results["apply"]
         assert failed["check"] == "registry-auth", failed
@@ -356,7 +346,7 @@ def test_a_registry_that_wants_credentials_without_them_fails_as_a_pull(
     with pushed_image(docker_client, auth_registry, vllm.id, prefix) as image:
         pull_host(host, [f"{auth_registry.host}/{prefix}"])
         results, _output = set_steps(
-            host, [("apply", [engine(image.pinned, f"{prefix}-n", free_port())], False)], prefix
+            host, [("apply", [engine(f"{prefix}-n", image.pinned, free_port())], False)], prefix
         )
         assert results["apply"]["check"] == "image-pull", results["apply"]
         assert "no basic auth credentials" in results["apply"]["msg"]
@@ -378,7 +368,7 @@ def test_a_pull_in_flight_writes_its_bytes_to_the_progress_file_and_leaves_nothi
             "policy": str(host.policy),
             "state_dir": str(host.state_dir),
             "owner": prefix,
-            "engines": [engine(pulling, f"{prefix}-g", free_port())],
+            "engines": [engine(f"{prefix}-g", pulling, free_port())],
             "progress_file": str(progress),
         }
         outcome: dict[str, Any] = {}
@@ -421,7 +411,7 @@ def test_pull_never_refuses_a_missing_image_without_asking_the_registry_and_chan
             "state_dir": str(host.state_dir),
             "owner": prefix,
             "pull": "never",
-            "engines": [engine(image.pinned, name, free_port())],
+            "engines": [engine(name, image.pinned, free_port())],
         }
         stopped.process.send_signal(signal.SIGSTOP)
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +35,6 @@ from ansible_collections.meridian.node.tests.support.standin_image import LocalI
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
-
-
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-info-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
-        container.remove(force=True)
 
 
 def _snapshot(client: Any, prefix: str) -> dict[str, tuple[str, str]]:

@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,14 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.labels impor
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
     PORTS,
-    SERVER,
     Host,
+    engine_images,
     free_port,
     free_ports,
     hold_requests,
     watch_mark,
 )
-from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
+from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 # Only used as a secret_env value: no_log masks every occurrence of it in the output, so it must be unusual.
@@ -40,25 +40,11 @@ SECRET = "tok-5e3c7a9f-not-for-labels"
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 
-@pytest.fixture
-def prefix(docker_client: Any) -> Iterator[str]:
-    name = f"mn-ei-{secrets.token_hex(3)}"
-    yield name
-    for container in docker_client.containers.list(all=True, filters={"name": name}):
-        container.remove(force=True)
-
-
 @pytest.fixture(scope="module")
 def images(docker_client: Any, standin_base_image: LocalImage) -> dict[str, LocalImage]:
-    return {
-        driver: ensure_engine_image(docker_client, standin_base_image, SERVER, engine=driver)
-        for driver in ("vllm", "llamacpp", "tgi", "sglang", "ollama", "lmdeploy", "openai")
-    }
-
-
-@pytest.fixture
-def host(tmp_path: Path, docker_client: Any) -> Host:
-    return Host(tmp_path, docker_client)
+    return engine_images(
+        docker_client, standin_base_image, ("vllm", "llamacpp", "tgi", "sglang", "ollama", "lmdeploy", "openai")
+    )
 
 
 # A running engine's replace with replace_beside and room on the host: the new one beside the old, which drains

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.tests.support.engine_harness import Host, free_port
+from ansible_collections.meridian.node.tests.support.engine_harness import Host, issue_25_engine
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -42,14 +42,7 @@ def test_one_character_secret_never_shows_and_plain_env_is_printed_whole(
     host: Host, vllm: LocalImage, prefix: str
 ) -> None:
     name = f"{prefix}-aud-tgi"
-    spec = {
-        "name": name,
-        "driver": "vllm",
-        "image": vllm.pinned,
-        "model": {"name": "tiny"},
-        "port": free_port(),
-        "env": {"MODE": "tgi", "FLAG": "1"},
-    }
+    spec = issue_25_engine(vllm, name)
     first = {"engines": [{**spec, "secret_env": {"HF_TOKEN": SECRET}}]}
     second = {"engines": [{**spec, "secret_env": {"HF_TOKEN": CHANGED}}]}
     results, output = steps(

@@ -23,6 +23,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.labels impor
 from ansible_collections.meridian.node.plugins.module_utils.trust.applied_state import StateStore
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.plugins.module_utils.trust.verify import verify_artifact_manifest
+from ansible_collections.meridian.node.tests.support.e2e_env import engine_spec
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
     PORTS,
@@ -47,18 +48,6 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 SECRET = "tok-93b1e6d2-engine-set-secret"
 # An engine kept loading (a plain env value: shown whole, never masked).
 LOADING_FOREVER = {"STANDIN_LOAD_SECONDS": "86400"}
-
-
-def engine(image: LocalImage, name: str, port: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "driver": "vllm",
-        "image": image.pinned,
-        "model": {"name": "tiny"},
-        "served_model_name": "tiny-chat",
-        "port": port,
-        **extra,
-    }
 
 
 def play(
@@ -114,7 +103,8 @@ def test_three_engines_created_in_one_run_all_ready_then_no_op(host: Host, vllm:
     names = [f"{prefix}-{i}" for i in range(3)]
     params = {
         "engines": [
-            engine(vllm, name, port, secret_env={"API_TOKEN": SECRET}) for name, port in zip(names, ports, strict=True)
+            engine_spec(name, vllm, port, secret_env={"API_TOKEN": SECRET})
+            for name, port in zip(names, ports, strict=True)
         ]
     }
 
@@ -147,7 +137,7 @@ def test_changed_spec_replaces_drain_first_and_the_unchanged_engine_is_kept(
     host: Host, vllm: LocalImage, prefix: str
 ) -> None:
     ports = free_ports(2)
-    changing, kept = engine(vllm, f"{prefix}-a", ports[0]), engine(vllm, f"{prefix}-b", ports[1])
+    changing, kept = engine_spec(f"{prefix}-a", vllm, ports[0]), engine_spec(f"{prefix}-b", vllm, ports[1])
     first, _ = play(host, [("apply", {"engines": [changing, kept]}, False)])
     kept_id = first["apply"]["engines"][kept["name"]]["container"]["id"]
     # vLLM aborts requests in flight on SIGTERM: only the drain keeps these alive through the replacement.
@@ -184,10 +174,10 @@ def test_two_engines_swapping_ports_retire_together_then_start_on_each_others_po
 ) -> None:
     ports = free_ports(2)
     a, b = f"{prefix}-a", f"{prefix}-b"
-    play(host, [("apply", {"engines": [engine(vllm, a, ports[0]), engine(vllm, b, ports[1])]}, False)])
+    play(host, [("apply", {"engines": [engine_spec(a, vllm, ports[0]), engine_spec(b, vllm, ports[1])]}, False)])
 
     since = datetime.now(UTC)
-    swapped = {"engines": [engine(vllm, a, ports[1]), engine(vllm, b, ports[0])]}
+    swapped = {"engines": [engine_spec(a, vllm, ports[1]), engine_spec(b, vllm, ports[0])]}
     results, _ = play(host, [("apply", swapped, False), ("again", swapped, False)])
     seen = events(docker_client, since, [a, b, f"{a}.OLD", f"{b}.OLD"])
 
@@ -219,14 +209,16 @@ def test_dropped_engine_holding_a_wanted_port_is_pruned_before_the_new_one_start
     old, spare, kept = f"{prefix}-old", f"{prefix}-spare", f"{prefix}-kept"
     new = f"{prefix}-new"
     owned = {"owner": "ops", "prune": True}
-    before = [engine(vllm, old, ports[0]), engine(vllm, spare, ports[1]), engine(vllm, kept, ports[2])]
+    before = [engine_spec(old, vllm, ports[0]), engine_spec(spare, vllm, ports[1]), engine_spec(kept, vllm, ports[2])]
     play(host, [("apply", {"engines": before, **owned}, False)])
     # Another owner's engine and an engine of ours without an owner: never pruned.
     stranger = f"{prefix}-theirs"
-    play(host, [("apply", {"engines": [engine(vllm, stranger, free_ports(1)[0])], "owner": "someone-else"}, False)])
+    play(
+        host, [("apply", {"engines": [engine_spec(stranger, vllm, free_ports(1)[0])], "owner": "someone-else"}, False)]
+    )
 
     since = datetime.now(UTC)
-    after = [engine(vllm, new, ports[0]), engine(vllm, kept, ports[2])]
+    after = [engine_spec(new, vllm, ports[0]), engine_spec(kept, vllm, ports[2])]
     results, _ = play(
         host, [("check", {"engines": after, **owned}, True), ("apply", {"engines": after, **owned}, False)]
     )
@@ -247,7 +239,7 @@ def test_dropped_engine_holding_a_wanted_port_is_pruned_before_the_new_one_start
 
 def test_prune_needs_an_owner(host: Host, vllm: LocalImage, prefix: str) -> None:
     results, _ = play(
-        host, [("apply", {"engines": [engine(vllm, f"{prefix}-x", free_ports(1)[0])], "prune": True}, False)]
+        host, [("apply", {"engines": [engine_spec(f"{prefix}-x", vllm, free_ports(1)[0])], "prune": True}, False)]
     )
     assert results["apply"]["failed"] is True
     assert "prune: true needs owner" in results["apply"]["msg"]
@@ -263,8 +255,8 @@ def test_engine_that_never_gets_ready_fails_the_module_naming_it_while_the_other
     ports = free_ports(3)
     never = f"{prefix}-never"
     good = [f"{prefix}-good-{i}" for i in range(2)]
-    specs = [engine(vllm, name, port) for name, port in zip(good, ports[:2], strict=True)]
-    specs.append(engine(vllm, never, ports[2], env=LOADING_FOREVER, ready_timeout=3))
+    specs = [engine_spec(name, vllm, port) for name, port in zip(good, ports[:2], strict=True)]
+    specs.append(engine_spec(never, vllm, ports[2], env=LOADING_FOREVER, ready_timeout=3))
     results, _ = play(host, [("apply", {"engines": specs}, False)])
 
     apply = results["apply"]
@@ -289,7 +281,8 @@ def test_foreign_container_with_a_listed_name_fails_before_any_change(
     ports = free_ports(2)
     other = f"{prefix}-other"
     results, _ = play(
-        host, [("apply", {"engines": [engine(vllm, other, ports[0]), engine(vllm, foreign, ports[1])]}, False)]
+        host,
+        [("apply", {"engines": [engine_spec(other, vllm, ports[0]), engine_spec(foreign, vllm, ports[1])]}, False)],
     )
 
     apply = results["apply"]
@@ -306,7 +299,14 @@ def test_two_new_engines_asking_for_one_port_are_refused_before_any_change(
 ) -> None:
     port = free_ports(1)[0]
     results, _ = play(
-        host, [("apply", {"engines": [engine(vllm, f"{prefix}-a", port), engine(vllm, f"{prefix}-b", port)]}, False)]
+        host,
+        [
+            (
+                "apply",
+                {"engines": [engine_spec(f"{prefix}-a", vllm, port), engine_spec(f"{prefix}-b", vllm, port)]},
+                False,
+            )
+        ],
     )
     assert results["apply"]["failed"] is True
     assert results["apply"]["check"] == "placement-port"
@@ -320,7 +320,9 @@ def test_two_new_engines_that_do_not_fit_one_gpu_together_are_both_refused_befor
     # GPU 7 of the scenario has 81559 MiB free: either engine alone fits, both together do not.
     ports = free_ports(2)
     names = [f"{prefix}-a", f"{prefix}-b"]
-    specs = [engine(vllm, name, port, gpus=["7"], min_vram_mib=50000) for name, port in zip(names, ports, strict=True)]
+    specs = [
+        engine_spec(name, vllm, port, gpus=["7"], min_vram_mib=50000) for name, port in zip(names, ports, strict=True)
+    ]
     results, _ = play(
         host, [("check", {"engines": specs}, True), ("apply", {"engines": specs}, False)], nvml="eight-gpus"
     )
@@ -376,7 +378,7 @@ def failing_then_good(tmp_path: Path, key: Any, vllm: LocalImage, prefix: str) -
     their secret_env; 2 lists only the one that serves. (served, never, generation 1's file, generation 2's file)."""
     ports = free_ports(2)
     served, never = f"{prefix}-served", f"{prefix}-never"
-    wanted = engine(vllm, served, ports[0], secret_env={"HF_TOKEN": SECRET})
+    wanted = engine_spec(served, vllm, ports[0], secret_env={"HF_TOKEN": SECRET})
     failing = signed_state(
         tmp_path / "gen1.json",
         key,
@@ -385,7 +387,7 @@ def failing_then_good(tmp_path: Path, key: Any, vllm: LocalImage, prefix: str) -
         [
             wanted,
             {
-                **engine(vllm, never, ports[1], env=LOADING_FOREVER, secret_env={"OTHER": SECRET}),
+                **engine_spec(never, vllm, ports[1], env=LOADING_FOREVER, secret_env={"OTHER": SECRET}),
                 "ready_timeout_seconds": 3,
             },
         ],
@@ -463,7 +465,7 @@ def test_envelope_whose_artifact_is_not_promoted_is_refused_before_any_change_an
         issued_at=format_rfc3339(now - timedelta(minutes=1)),
         expires_at=format_rfc3339(now + timedelta(hours=1)),
         artifacts=[{"name": "m", "version": "1.0.0", "manifest": manifest_envelope}],
-        engines=[engine(vllm, name, free_ports(1)[0])],
+        engines=[engine_spec(name, vllm, free_ports(1)[0])],
     )
     path = tmp_path / "state.json"
     path.write_bytes(signed("desired-state", payload, [key]))
@@ -486,7 +488,7 @@ def test_refused_envelope_changes_nothing(tmp_path: Path, docker_client: Any, vl
     key, stranger = make_key(), make_key()
     host = Host(tmp_path, docker_client)
     host.policy = write_policy(tmp_path / "signed-policy", control=[key], extra={"store": {"path": str(host.store)}})
-    path = signed_state(tmp_path / "state.json", stranger, 1, [engine(vllm, f"{prefix}-x", free_ports(1)[0])])
+    path = signed_state(tmp_path / "state.json", stranger, 1, [engine_spec(f"{prefix}-x", vllm, free_ports(1)[0])])
     results, _ = play(host, [("apply", {"envelope": str(path), "node_id": NODE_ID, "record": True}, False)])
     assert results["apply"]["failed"] is True
     assert results["apply"]["rejection"]
@@ -495,7 +497,7 @@ def test_refused_envelope_changes_nothing(tmp_path: Path, docker_client: Any, vl
 
 def test_parallel_one_still_converges_every_engine(host: Host, vllm: LocalImage, prefix: str) -> None:
     ports = free_ports(2)
-    specs = [engine(vllm, f"{prefix}-{i}", port) for i, port in enumerate(ports)]
+    specs = [engine_spec(f"{prefix}-{i}", vllm, port) for i, port in enumerate(ports)]
     results, _ = play(host, [("apply", {"engines": specs, "parallel": 1}, False)])
     assert not results["apply"].get("failed"), results["apply"].get("msg")
     assert all(results["apply"]["engines"][spec["name"]]["ready"] is True for spec in specs)

@@ -8,11 +8,14 @@ and the diff shows the rest whole. Real ansible-playbook, real Docker Engine; ch
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.tests.support.engine_harness import Host, free_port, run_playbook
+from ansible_collections.meridian.node.tests.support.engine_harness import (
+    Host,
+    issue_25_engine,
+    run_playbook,
+)
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -24,15 +27,7 @@ def test_check_diff_of_the_role_previews_the_engine_and_hides_only_its_secret(
     host: Host, vllm: LocalImage, prefix: str
 ) -> None:
     name = f"{prefix}-aud-tgi"
-    engine: dict[str, Any] = {
-        "name": name,
-        "driver": "vllm",
-        "image": vllm.pinned,
-        "model": {"name": "tiny"},
-        "port": free_port(),
-        "env": {"MODE": "tgi", "FLAG": "1"},
-        "secret_env": {"HF_TOKEN": SECRET},
-    }
+    engine = issue_25_engine(vllm, name, secret_env={"HF_TOKEN": SECRET})
     variables = {
         "engines_policy": str(host.policy),
         "engines_state_dir": str(host.state_dir),

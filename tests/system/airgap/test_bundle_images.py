@@ -45,6 +45,7 @@ from ansible_collections.meridian.node.tests.support.image_archives import (
     engine,
     image_bundle,
     layer_tar,
+    own_repository,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import current_state
@@ -142,11 +143,8 @@ def _outcome(node: AirGapNode, bundle: Path, *, check: bool = False) -> dict[str
 @pytest.fixture
 def bundled_repository(docker_client: Any) -> Iterator[str]:
     """A repository name of this test's own; every image tagged in it is removed afterwards."""
-    repository = f"meridian-test/h26-bundle-{secrets.token_hex(4)}"
-    yield repository
-    for found in docker_client.images.list(name=repository):
-        for tag in found.tags:
-            docker_client.images.remove(tag)
+    with own_repository(docker_client, "h26-bundle") as repository:
+        yield repository
 
 
 def _synthetic(token: str) -> ImageParts:

@@ -18,6 +18,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils.contracts import parse_rfc3339
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import (
+    QUICK_SUPERVISION,
     E2ENode,
     container_named,
     engine_spec,
@@ -31,7 +32,6 @@ from meridian_node_agent.cli import main as cli_main
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-BACKOFF = {"settle_seconds": 1, "startup_grace_seconds": 60, "backoff_initial_seconds": 2, "backoff_max_seconds": 8}
 ATTEMPTS = 3  # enough to see the wait grow twice
 LIVENESS_S = 180.0
 
@@ -40,7 +40,9 @@ def _allowed_attempts(window: float) -> int:
     """Attempts the backoff lets start within ``window`` seconds of the first, if applies took no time."""
     attempts, at, failures = 1, 0.0, 1
     while True:
-        at += min(BACKOFF["backoff_max_seconds"], BACKOFF["backoff_initial_seconds"] * 2 ** (failures - 1))
+        at += min(
+            QUICK_SUPERVISION["backoff_max_seconds"], QUICK_SUPERVISION["backoff_initial_seconds"] * 2 ** (failures - 1)
+        )
         if at > window:
             return attempts
         attempts, failures = attempts + 1, failures + 1
@@ -55,7 +57,7 @@ def test_an_engine_whose_command_exits_at_once_is_retried_on_a_growing_backoff_s
     docker_client: Any,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    node.node.configure(supervision=BACKOFF)
+    node.node.configure(supervision=QUICK_SUPERVISION)
     config_path = node.node.config_path
     name = f"{prefix}-crash"
     # The stand-in refuses to play an engine it does not know and exits 1 before it listens: a bad image or

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import (
+    QUICK_SUPERVISION,
     E2ENode,
     applied,
     container_named,
@@ -29,7 +30,6 @@ from meridian_node_agent.agent_side.metrics import Metrics
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-SUPERVISION = {"settle_seconds": 1, "startup_grace_seconds": 60, "backoff_initial_seconds": 2, "backoff_max_seconds": 8}
 LIVENESS_CYCLES = 200  # about a minute of cycles: a bound on a hung test, not a timing assertion
 
 
@@ -46,7 +46,7 @@ def test_an_engine_is_shown_ready_then_stopped_then_repaired(
     server: DevServer, tmp_path: Any, node_id: str, image: LocalImage, prefix: str, docker_client: Any
 ) -> None:
     node: E2ENode = make_e2e_node(server, tmp_path / "node", node_id)
-    node.node.configure(supervision=SUPERVISION)
+    node.node.configure(supervision=QUICK_SUPERVISION)
     name = f"{prefix}-chat"
     publish(server, node_id, document={"engines": [engine_spec(name, image, free_engine_port())]})
     port = free_port()

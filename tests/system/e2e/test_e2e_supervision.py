@@ -17,6 +17,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.e2e_env import (
     PORT_RANGE,
+    QUICK_SUPERVISION,
     E2ENode,
     applied,
     container_named,
@@ -34,12 +35,10 @@ from meridian_node_agent.cli import main as cli_main
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-SUPERVISION = {"settle_seconds": 1, "startup_grace_seconds": 60, "backoff_initial_seconds": 2, "backoff_max_seconds": 8}
-
 
 def _supervised(server: DevServer, root: Any, node_id: str) -> E2ENode:
     node = make_e2e_node(server, root, node_id)
-    node.node.configure(supervision=SUPERVISION)
+    node.node.configure(supervision=QUICK_SUPERVISION)
     return node
 
 
@@ -116,7 +115,7 @@ def test_a_drained_engine_stays_stopped_until_the_next_generation(
     assert container is not None
     container.stop(timeout=5)
 
-    deadline = time.monotonic() + 4 * SUPERVISION["settle_seconds"] + 2
+    deadline = time.monotonic() + 4 * QUICK_SUPERVISION["settle_seconds"] + 2
     outcomes = []
     while time.monotonic() < deadline:
         outcomes.append(agent.cycle().outcome)

@@ -266,15 +266,24 @@ def test_llamacpp_without_the_metrics_flag_refuses_metrics(tmp_path: Path) -> No
 # -- SIGTERM ------------------------------------------------------------------------------------------------
 
 
+def _sigterm_with_requests_in_flight(
+    standin: Standin, count: int, seconds: float
+) -> tuple[list[threading.Thread], list[Any]]:
+    """Once ``standin`` is ready, ``count`` requests (each lasting ``seconds``) held in flight, then its SIGTERM;
+    the requests' threads and results."""
+    wait_ready(standin)
+    threads, results = run_in_threads(count, lambda: standin.complete(seconds=seconds))
+    wait_for(f"{count} requests in flight", lambda: standin.hook_in_flight() == count)
+    standin.process.send_signal(signal.SIGTERM)
+    return threads, results
+
+
 @pytest.mark.parametrize(
     "engine", [e for e in ENGINES if get_driver(e).facts.sigterm is SigtermBehaviour.FINISHES_IN_FLIGHT]
 )
 def test_sigterm_finishes_requests_in_flight_and_takes_no_new_work(engine: str, start: Callable[..., Standin]) -> None:
     standin = start(engine)
-    wait_ready(standin)
-    threads, results = run_in_threads(3, lambda: standin.complete(seconds=HELD_S))
-    wait_for("3 requests in flight", lambda: standin.hook_in_flight() == 3)
-    standin.process.send_signal(signal.SIGTERM)
+    threads, results = _sigterm_with_requests_in_flight(standin, 3, HELD_S)
     if engine == "sglang":
         # SGLang keeps serving while it drains: readiness fails and new requests are turned away.
         wait_for("sglang to report draining", lambda: standin.probe()[1].ready is False)
@@ -294,11 +303,8 @@ def test_sigterm_finishes_requests_in_flight_and_takes_no_new_work(engine: str, 
 )
 def test_sigterm_aborts_requests_in_flight(engine: str, start: Callable[..., Standin]) -> None:
     standin = start(engine)
-    wait_ready(standin)
     # Held far longer than the test waits for the exit: an engine that finished them would fail exit_code().
-    threads, results = run_in_threads(3, lambda: standin.complete(seconds=HELD_S))
-    wait_for("3 requests in flight", lambda: standin.hook_in_flight() == 3)
-    standin.process.send_signal(signal.SIGTERM)
+    threads, results = _sigterm_with_requests_in_flight(standin, 3, HELD_S)
     assert standin.exit_code() == 0
     for thread in threads:
         thread.join(timeout=DEADLINE_S)
@@ -311,10 +317,7 @@ def test_sigterm_aborts_requests_in_flight(engine: str, start: Callable[..., Sta
 )
 def test_sigterm_leaves_requests_in_flight_unanswered_until_killed(engine: str, start: Callable[..., Standin]) -> None:
     standin = start(engine)
-    wait_ready(standin)
-    threads, results = run_in_threads(2, lambda: standin.complete(seconds=0.5))
-    wait_for("2 requests in flight", lambda: standin.hook_in_flight() == 2)
-    standin.process.send_signal(signal.SIGTERM)
+    threads, results = _sigterm_with_requests_in_flight(standin, 2, 0.5)
     wait_for(f"{engine} to stop accepting connections", lambda: standin.probe()[0] is None)
     time.sleep(1.0)  # twice what the requests needed: they are held, not finished
     assert standin.process.poll() is None and results == [], "answered or exited with requests in flight"

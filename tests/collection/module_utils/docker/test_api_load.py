@@ -13,7 +13,12 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi, DockerApiError
-from ansible_collections.meridian.node.tests.support.image_archives import ImageParts, archive, layer_tar
+from ansible_collections.meridian.node.tests.support.image_archives import (
+    ImageParts,
+    archive,
+    layer_tar,
+    own_repository,
+)
 
 pytestmark = pytest.mark.docker
 
@@ -25,11 +30,8 @@ def api(docker_client: Any) -> DockerApi:
 
 @pytest.fixture
 def repository(docker_client: Any) -> Iterator[str]:
-    name = f"meridian-test/h26-api-{secrets.token_hex(4)}"
-    yield name
-    for image in docker_client.images.list(name=name):
-        for tag in image.tags:
-            docker_client.images.remove(tag)
+    with own_repository(docker_client, "h26-api") as name:
+        yield name
 
 
 def _chunks(data: bytes, size: int = 1000) -> Iterator[bytes]:

@@ -33,6 +33,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.image_pull im
     registry_of,
     split_pinned,
 )
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 
 DIGEST = "sha256:" + "ab" * 32
 REPO = "registry.example:5000/engines/vllm"
@@ -47,19 +48,11 @@ def downloading(layer: str, current: int, total: int = 1000) -> bytes:
     return line(status="Downloading", id=layer, progressDetail={"current": current, "total": total})
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class FakeStream:
     """What the engine streams: each item is bytes that arrive, or None for a read that waited its whole
     timeout (the clock moves by it)."""
 
-    def __init__(self, items: Sequence[bytes | None], clock: Clock) -> None:
+    def __init__(self, items: Sequence[bytes | None], clock: MonotonicClock) -> None:
         self._items = list(items)
         self._clock = clock
         self.closed = False
@@ -102,7 +95,13 @@ class FakeApi:
 
 
 def puller(
-    api: FakeApi, clock: Clock, *, stall_s: float = 10, floor: int = 0, free: int = 10**12, auth: str | None = None
+    api: FakeApi,
+    clock: MonotonicClock,
+    *,
+    stall_s: float = 10,
+    floor: int = 0,
+    free: int = 10**12,
+    auth: str | None = None,
 ) -> ImagePuller:
     return ImagePuller(
         api,
@@ -117,7 +116,7 @@ def puller(
 
 
 def test_a_pull_by_digest_reports_the_bytes_of_every_layer_and_is_verified() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     stream = FakeStream(
         [downloading("l1", 400), downloading("l2", 100), line(status="Download complete", id="l1"), b""], clock
     )
@@ -130,7 +129,7 @@ def test_a_pull_by_digest_reports_the_bytes_of_every_layer_and_is_verified() -> 
 
 @pytest.mark.parametrize("reference", [f"{REPO}:latest", REPO, f"{REPO}@sha256:short"])
 def test_a_tag_is_never_pulled(reference: str) -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     api = FakeApi(FakeStream([], clock))
     with pytest.raises(ImagePullError) as info:
         puller(api, clock).pull(reference)
@@ -143,7 +142,7 @@ def test_a_tag_beside_the_digest_is_dropped_and_the_digest_pulled() -> None:
 
 
 def test_a_repository_the_policy_does_not_allow_is_not_pulled() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     api = FakeApi(FakeStream([], clock))
     with pytest.raises(ImagePullError) as info:
         puller(api, clock).pull(f"evil.example/x@{DIGEST}")
@@ -152,7 +151,7 @@ def test_a_repository_the_policy_does_not_allow_is_not_pulled() -> None:
 
 
 def test_an_image_whose_digests_do_not_hold_the_pin_after_the_pull_is_refused() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     api = FakeApi(FakeStream([downloading("l1", 10)], clock), repo_digests=[f"{REPO}@sha256:{'cd' * 32}"])
     with pytest.raises(ImagePullError) as info:
         puller(api, clock).pull(PINNED)
@@ -160,7 +159,7 @@ def test_an_image_whose_digests_do_not_hold_the_pin_after_the_pull_is_refused() 
 
 
 def test_the_engines_error_in_the_stream_fails_the_pull_with_its_words() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     api = FakeApi(FakeStream([line(error="manifest unknown", errorDetail={"message": "manifest unknown"})], clock))
     with pytest.raises(ImagePullError) as info:
         puller(api, clock).pull(PINNED)
@@ -168,7 +167,7 @@ def test_the_engines_error_in_the_stream_fails_the_pull_with_its_words() -> None
 
 
 def test_a_docker_hub_pin_is_verified_against_the_familiar_name_docker_shows() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     api = FakeApi(FakeStream([], clock), repo_digests=[f"vllm/vllm-openai@{DIGEST}"])
     hub = ImagePuller(api, PullLimits(), allowed=lambda ref: None, clock=clock)
     assert hub.pull(f"docker.io/vllm/vllm-openai@{DIGEST}").bytes == 0
@@ -178,7 +177,7 @@ def test_a_docker_hub_pin_is_verified_against_the_familiar_name_docker_shows() -
 
 
 def test_a_pull_whose_bytes_stop_moving_is_cancelled_at_the_bound_with_the_bytes_done() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     stream = FakeStream([downloading("l1", 300), *([None] * 100)], clock)
     with pytest.raises(ImagePullError) as info:
         puller(FakeApi(stream), clock, stall_s=5).pull(PINNED)
@@ -190,7 +189,7 @@ def test_a_pull_whose_bytes_stop_moving_is_cancelled_at_the_bound_with_the_bytes
 
 
 def test_a_registry_that_hangs_before_the_first_byte_is_a_stall_too() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
 
     class Hanging(FakeApi):
         def open_pull(
@@ -207,7 +206,7 @@ def test_a_registry_that_hangs_before_the_first_byte_is_a_stall_too() -> None:
 
 
 def test_a_slow_pull_that_keeps_moving_is_not_stalled() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     # Four seconds of silence between progress messages, ten times, under a five-second bound.
     items: list[bytes | None] = []
     for step in range(10):
@@ -232,14 +231,14 @@ def test_progress_split_anywhere_across_reads_is_read_whole() -> None:
 
 
 def test_a_progress_line_that_is_not_json_fails_the_pull() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     with pytest.raises(ImagePullError) as info:
         puller(FakeApi(FakeStream([b"<html>\n"], clock)), clock).pull(PINNED)
     assert info.value.check == "image-pull"
 
 
 def test_a_transport_failure_mid_pull_is_a_failed_pull() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
 
     class Broken(FakeStream):
         def read(self, timeout_s: float) -> bytes | None:
@@ -254,7 +253,7 @@ def test_a_transport_failure_mid_pull_is_a_failed_pull() -> None:
 
 
 def test_a_pull_below_the_floor_is_refused_before_it_starts_with_both_figures() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     api = FakeApi(FakeStream([], clock), root="/srv/docker")
     with pytest.raises(ImagePullError) as info:
         puller(api, clock, floor=5_000, free=4_000).pull(PINNED)
@@ -265,7 +264,7 @@ def test_a_pull_below_the_floor_is_refused_before_it_starts_with_both_figures() 
 
 
 def test_check_mode_refuses_below_the_floor_too() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     with pytest.raises(ImagePullError) as info:
         puller(FakeApi(FakeStream([], clock)), clock, floor=5_000, free=4_000).forecast(PINNED)
     assert info.value.check == "disk-low"
@@ -287,7 +286,7 @@ def test_disk_floor_arithmetic(free: int, floor: int, size: int | None, refused:
 
 
 def test_a_data_root_this_host_cannot_measure_is_refused_not_guessed() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
 
     def unreadable(path: str) -> int:
         raise FileNotFoundError(2, "No such file or directory")
@@ -303,7 +302,7 @@ def test_a_data_root_this_host_cannot_measure_is_refused_not_guessed() -> None:
 
 
 def test_check_mode_asks_the_registry_and_pulls_nothing() -> None:
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     api = FakeApi(FakeStream([], clock))
     forecast = puller(api, clock).forecast(PINNED).as_result()
     assert forecast["would_pull"] is True and forecast["registry"] == "registry.example:5000"
@@ -351,7 +350,7 @@ def auth_file(tmp_path: Path) -> Iterator[Path]:
 def test_credentials_are_read_per_registry_and_sent_only_as_the_header(auth_file: Path) -> None:
     found = read_registry_auth(str(auth_file))
     assert found["docker.io"] == {"username": "alice", "password": "pa:ss"}
-    clock = Clock()
+    clock = MonotonicClock(0.0)
     api = FakeApi(FakeStream([], clock))
     puller(api, clock, auth=str(auth_file)).pull(PINNED)
     header = api.pulls[0][2]

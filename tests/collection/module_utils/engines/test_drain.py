@@ -21,6 +21,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drain import
     wait_until_idle,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import get_driver
+from ansible_collections.meridian.node.tests.support.wall_clock import MonotonicClock
 
 
 def vllm_metrics(running: float, waiting: float) -> tuple[int, str]:
@@ -65,22 +66,9 @@ class ScriptedMetrics:
         self.server.server_close()
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> MonotonicClock:
+    return MonotonicClock()
 
 
 @pytest.fixture
@@ -98,7 +86,7 @@ def serve(servers: list[ScriptedMetrics], answers: list[tuple[int, str]]) -> Scr
 
 
 def test_drain_waits_until_running_and_waiting_both_reach_zero(
-    clock: FakeClock, metrics: list[ScriptedMetrics]
+    clock: MonotonicClock, metrics: list[ScriptedMetrics]
 ) -> None:
     server = serve(metrics, [vllm_metrics(4, 4), vllm_metrics(3, 0), vllm_metrics(0, 1), vllm_metrics(0, 0)])
     outcome = wait_until_idle(
@@ -112,7 +100,7 @@ def test_drain_waits_until_running_and_waiting_both_reach_zero(
     assert outcome.waited_s == pytest.approx(0.75)
 
 
-def test_drain_timeout_reports_what_is_still_in_flight(clock: FakeClock, metrics: list[ScriptedMetrics]) -> None:
+def test_drain_timeout_reports_what_is_still_in_flight(clock: MonotonicClock, metrics: list[ScriptedMetrics]) -> None:
     server = serve(metrics, [vllm_metrics(2, 1)])
     outcome = wait_until_idle(
         get_driver("vllm"), ("127.0.0.1", server.port), timeout_s=3, grace_s=5, sleep=clock.sleep, clock=clock
@@ -124,7 +112,9 @@ def test_drain_timeout_reports_what_is_still_in_flight(clock: FakeClock, metrics
     assert outcome.waited_s >= 3
 
 
-def test_metrics_that_fail_or_are_garbage_never_count_as_idle(clock: FakeClock, metrics: list[ScriptedMetrics]) -> None:
+def test_metrics_that_fail_or_are_garbage_never_count_as_idle(
+    clock: MonotonicClock, metrics: list[ScriptedMetrics]
+) -> None:
     server = serve(metrics, [(500, "boom"), (200, "this is {not prometheus"), (200, "other_metric 0\n")])
     outcome = wait_until_idle(
         get_driver("vllm"), ("127.0.0.1", server.port), timeout_s=2, grace_s=5, sleep=clock.sleep, clock=clock
@@ -136,7 +126,7 @@ def test_metrics_that_fail_or_are_garbage_never_count_as_idle(clock: FakeClock, 
     assert outcome.in_flight() == {"running": None, "waiting": None}
 
 
-def test_nothing_answering_on_the_metrics_port_is_not_idle(clock: FakeClock) -> None:
+def test_nothing_answering_on_the_metrics_port_is_not_idle(clock: MonotonicClock) -> None:
     outcome = wait_until_idle(
         get_driver("vllm"), ("127.0.0.1", 1), timeout_s=1, grace_s=5, sleep=clock.sleep, clock=clock
     )
@@ -145,7 +135,9 @@ def test_nothing_answering_on_the_metrics_port_is_not_idle(clock: FakeClock) -> 
     assert outcome.describe() == "its metrics did not answer"
 
 
-def test_engine_without_metrics_waits_grace_and_never_asks(clock: FakeClock, metrics: list[ScriptedMetrics]) -> None:
+def test_engine_without_metrics_waits_grace_and_never_asks(
+    clock: MonotonicClock, metrics: list[ScriptedMetrics]
+) -> None:
     server = serve(metrics, [vllm_metrics(9, 9)])
     outcome = wait_until_idle(
         get_driver("ollama"), ("127.0.0.1", server.port), timeout_s=60, grace_s=7, sleep=clock.sleep, clock=clock
@@ -158,7 +150,7 @@ def test_engine_without_metrics_waits_grace_and_never_asks(clock: FakeClock, met
     assert outcome.in_flight() is None
 
 
-def test_grace_is_capped_by_the_timeout(clock: FakeClock) -> None:
+def test_grace_is_capped_by_the_timeout(clock: MonotonicClock) -> None:
     outcome = wait_until_idle(get_driver("ollama"), None, timeout_s=2, grace_s=30, sleep=clock.sleep, clock=clock)
 
     assert clock.sleeps == [2]

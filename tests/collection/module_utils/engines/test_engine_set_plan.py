@@ -244,41 +244,37 @@ def options(tmp_path: Path) -> SetOptions:
     return SetOptions(policy_path=str(policy), state_dir=str(tmp_path / "state"))
 
 
-def test_every_refused_engine_is_named_and_docker_only_listed(options: SetOptions) -> None:
+def _refused(specs: list[dict[str, Any]], options: SetOptions) -> tuple[EngineSetError, _ListOnly]:
+    """The refusal of converging ``specs`` (it must refuse), and what Docker was asked meanwhile."""
     api = _ListOnly()
-    specs = [spec("fine", 9001), spec("far", 9500), spec("tgi", 9002, driver="tgi")]
-
     with pytest.raises(EngineSetError) as caught:
         converge_set(specs, options, check_mode=False, engine=DockerEngine(cast(DockerApi, api)))
+    return caught.value, api
 
-    message = str(caught.value)
+
+def test_every_refused_engine_is_named_and_docker_only_listed(options: SetOptions) -> None:
+    refused, api = _refused([spec("fine", 9001), spec("far", 9500), spec("tgi", 9002, driver="tgi")], options)
+
+    message = str(refused)
     assert message.startswith("nothing was changed")
     assert "engine 'far' (check policy-port)" in message
     assert "engine 'tgi' (check policy-driver)" in message
     assert "'fine'" not in message
-    assert caught.value.result["check"] == "engines"
-    assert set(caught.value.result["engines"]) == {"far", "tgi"}
+    assert refused.result["check"] == "engines"
+    assert set(refused.result["engines"]) == {"far", "tgi"}
     assert api.calls == ["containers"]
 
 
 def test_two_engines_on_one_port_are_refused_before_any_change(options: SetOptions) -> None:
-    api = _ListOnly()
-    with pytest.raises(EngineSetError) as caught:
-        converge_set(
-            [spec("a", 9001), spec("b", 9001)], options, check_mode=False, engine=DockerEngine(cast(DockerApi, api))
-        )
+    refused, _api = _refused([spec("a", 9001), spec("b", 9001)], options)
 
-    assert caught.value.result["check"] == "placement-port"
-    assert "engines ['a', 'b'] all ask for port 9001" in str(caught.value)
+    assert refused.result["check"] == "placement-port"
+    assert "engines ['a', 'b'] all ask for port 9001" in str(refused)
 
 
 def test_a_name_listed_twice_is_refused_before_docker_is_asked(options: SetOptions) -> None:
-    api = _ListOnly()
-    with pytest.raises(EngineSetError) as caught:
-        converge_set(
-            [spec("a", 9001), spec("a", 9002)], options, check_mode=False, engine=DockerEngine(cast(DockerApi, api))
-        )
-    assert caught.value.result["check"] == "spec"
+    refused, api = _refused([spec("a", 9001), spec("a", 9002)], options)
+    assert refused.result["check"] == "spec"
     assert api.calls == []
 
 

@@ -1,4 +1,5 @@
-"""The fake pynvml (tests/support/fakes/pynvml.py), loaded once per module and reset after each test."""
+"""The fake pynvml (tests/support/fakes/pynvml.py), loaded once per module and reset after each test; and
+``gpu_count``, the real NVML's (tests/support/real_nvml.py), for the tests that need a real GPU."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import ModuleType
 import pytest
 
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
+from ansible_collections.meridian.node.tests.support.real_nvml import gpu_count  # noqa: F401
 
 
 @pytest.fixture(scope="module")

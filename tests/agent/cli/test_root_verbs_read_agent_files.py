@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from collections.abc import Callable
@@ -38,10 +37,6 @@ def _config(root: Path, *, via: str = "systemd") -> Path:
     return write_node_config(root, node_id="gpu-node-planted", via=via)
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-
-
 def meridian_node(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
     """The real program, on the fake pynvml, as its own process; a hang fails the test."""
     script = Path(sys.executable).parent / "meridian-node"
@@ -53,13 +48,16 @@ def meridian_node(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[byt
         "PYTHONPATH": os.pathsep.join(filter(None, [str(FAKES), os.environ.get("PYTHONPATH")])),
         "MERIDIAN_FAKE_NVML_SCENARIO": str(scenario),
     }
+    # The limit is set by util-linux's prlimit rather than a preexec_fn: Python code run between fork and exec in
+    # this process, which earlier tests left with gRPC's threads and fork handlers, could crash the child (it did,
+    # on a loaded machine); without a preexec_fn the child is spawned without running them.
+    limited = ["prlimit", f"--as={MEMORY_LIMIT}", "--"]
     try:
         return subprocess.run(
-            [*command, "--config", str(tmp_path / "config.yaml"), *args],
+            [*limited, *command, "--config", str(tmp_path / "config.yaml"), *args],
             capture_output=True,
             timeout=HANG_GUARD_S,
             env=env,
-            preexec_fn=_limit_memory,
             check=False,
         )
     except subprocess.TimeoutExpired:

@@ -54,21 +54,32 @@ MU_MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "_fileutil.py": ("_errors.py",),
     "_lockfile.py": ("_errors.py",),
     "_plain_checks.py": ("_errors.py",),
-    "_pydantic_stub.py": ("_errors.py",),  # what contracts/ stands on where a host lacks pydantic
+    "_pydantic_stub.py": ("_errors.py",),  # what contract_models/ stands on where a host lacks pydantic
     "_strict_yaml.py": ("_errors.py", "_fileutil.py"),
     "_transfer_progress.py": ("_errors.py", "_fileutil.py"),
     "engine_rules.py": ("_errors.py", "_module.py", "_plain_checks.py"),  # _module: the paths no engine mounts
-    "contracts/": ("_compat.py", "_errors.py", "_plain_checks.py", "_pydantic_stub.py", "engine_rules.py"),
+    # contract_models/ holds the wire models by family; contracts.py is their one face, what everyone imports.
+    "contract_models/": ("_compat.py", "_errors.py", "_plain_checks.py", "_pydantic_stub.py", "engine_rules.py"),
+    "contracts.py": ("_errors.py", "contract_models/", "engine_rules.py"),
     # The low rooms never reach into engines/ or artifacts/.
     "docker/": MU_HELPERS,
     "gpu/": MU_HELPERS,
-    "trust/": (*MU_HELPERS, "contracts/", "engine_rules.py"),
-    "artifacts/": (*MU_HELPERS, "contracts/", "trust/"),
+    "trust/": (*MU_HELPERS, "contracts.py", "contract_models/", "engine_rules.py"),
+    "artifacts/": (*MU_HELPERS, "contracts.py", "contract_models/", "trust/"),
     # engines/ takes only artifacts/layout of artifacts/ (rule_module_utils_rooms, ARGS_MAY_IMPORT).
-    "engines/": (*MU_HELPERS, "contracts/", "engine_rules.py", "trust/", "docker/", "gpu/", "artifacts/"),
+    "engines/": (
+        *MU_HELPERS,
+        "contracts.py",
+        "contract_models/",
+        "engine_rules.py",
+        "trust/",
+        "docker/",
+        "gpu/",
+        "artifacts/",
+    ),
     # A bundle is read, staged and written above trust/, artifacts/ and docker/; its engines converge through the
     # playbook it carries, so airgap/ never imports engines/, and no room of module_utils imports airgap/.
-    "airgap/": (*MU_HELPERS, "contracts/", "trust/", "artifacts/", "docker/"),
+    "airgap/": (*MU_HELPERS, "contracts.py", "contract_models/", "trust/", "artifacts/", "docker/"),
 }
 # The agent: the top files at the bottom, the formats both sides share (boundary/) above them, then what runs.
 AGENT_MAY_IMPORT: dict[str, tuple[str, ...]] = {
@@ -106,8 +117,15 @@ AGENT_MU_MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "terminal_text.py": (),
     "errors.py": ("_errors.py",),
     "logs.py": (),
-    "config.py": ("_errors.py", "_module.py", "_strict_yaml.py", "contracts/", "trust/"),  # _module: the directories
-    "boundary/": (*MU_HELPERS, "contracts/", "engine_rules.py", "trust/"),
+    "config.py": (
+        "_errors.py",
+        "_module.py",
+        "_strict_yaml.py",
+        "contracts.py",
+        "contract_models/",
+        "trust/",
+    ),  # _module: the directories
+    "boundary/": (*MU_HELPERS, "contracts.py", "contract_models/", "engine_rules.py", "trust/"),
 }
 # engines/ takes only artifacts/layout of artifacts/, but for these files: a module's *_args file is its
 # composition root, and engine_set's hands the store's "held as signed" check to engines/set_run.py.
@@ -160,7 +178,7 @@ THIRD_PARTY: tuple[tuple[str, str, str], ...] = (
     (f"{M}/*_args.py", "ansible", "missing_required_lib: a module's message for a package the host lacks"),
     (f"{M}/artifacts/fetch.py", "ansible", "open_url: Ansible's TLS, proxy and redirect handling for downloads"),
     (
-        f"{M}/contracts/base.py",
+        f"{M}/contract_models/base.py",
         "pydantic",
         "the wire models' base (requirements: pydantic; _pydantic_stub.py without it)",
     ),
@@ -340,7 +358,7 @@ def _ours(sources: Mapping[str, Source], name: str) -> str | None:
 
 
 def _unit(source: Source) -> tuple[str, str]:
-    """Which side and which room or top file: ("mu", "engines/"), ("mu", "contracts/"), ("agent",
+    """Which side and which room or top file: ("mu", "engines/"), ("mu", "contracts.py"), ("agent",
     "boundary/"), ("agent", "config.py"), ("agent", "__init__.py"), ("plugins", "modules/")."""
     parts = source.path.with_suffix("").parts
     if parts[:2] == ("plugins", "module_utils"):
@@ -805,7 +823,7 @@ def _new_file(path: str) -> str:
 PLANTED: list[tuple[Rule, dict[str, str], str]] = [
     (
         rule_plugins_never_import_the_agent,
-        {f"{M}/contracts/base.py": "import meridian_node_agent.config\n"},
+        {f"{M}/contract_models/base.py": "import meridian_node_agent.config\n"},
         "the agent",
     ),
     (
@@ -864,11 +882,15 @@ PLANTED: list[tuple[Rule, dict[str, str], str]] = [
         {f"{A}/terminal_text.py": "from meridian_node_agent import errors\n"},
         "terminal_text.py imports",
     ),
-    (rule_agent_rooms, {f"{A}/errors.py": f"from {MU}.contracts import NodeId\n"}, "contracts/ is not its"),
+    (rule_agent_rooms, {f"{A}/errors.py": f"from {MU}.contracts import NodeId\n"}, "contracts.py is not its"),
     # 9. module_utils' top files have a layer, and a new top file (or room) is given one.
     (rule_module_utils_rooms, {f"{M}/_errors.py": f"from {MU}.contracts import JsonError\n"}, "_errors.py imports"),
     (rule_module_utils_rooms, {f"{M}/_fileutil.py": f"from {MU}.trust import dsse\n"}, "_fileutil.py imports"),
-    (rule_module_utils_rooms, {f"{M}/contracts/state.py": f"from {MU}.gpu import nvml\n"}, "contracts/ imports"),
+    (
+        rule_module_utils_rooms,
+        {f"{M}/contract_models/state.py": f"from {MU}.gpu import nvml\n"},
+        "contract_models/ imports",
+    ),
     (rule_every_unit_has_a_layer, {_new_file(f"{M}/_stray.py"): "X = 1\n", _new_file(f"{A}/stray.py"): ""}, "stray"),
     # 10. airgap/ has its rule: it never imports engines/, and no room of module_utils imports it.
     (rule_module_utils_rooms, {f"{M}/airgap/bundle_stage.py": f"from {MU}.engines import set\n"}, "airgap/ imports"),

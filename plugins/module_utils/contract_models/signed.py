@@ -11,7 +11,7 @@ from typing import Annotated, Any, TypeVar
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import short_repr
-from ansible_collections.meridian.node.plugins.module_utils.contracts.base import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.base import (
     AfterValidator,
     BaseModel,
     Field,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts.base import Field, StrictModel, UtcTimestamp
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.base import Field, StrictModel, UtcTimestamp
 
 __all__ = [
     "ComputeProcess",

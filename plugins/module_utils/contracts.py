@@ -28,7 +28,7 @@ This package is their one face: import from ``contracts``, not from its files.
 
 from __future__ import annotations
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts.base import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.base import (
     API_VERSION,
     INT64_MAX,
     PYDANTIC_IMPORT_ERROR,
@@ -45,25 +45,25 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts.base impor
     parse_rfc3339,
     require_pydantic,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.bundle import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.bundle import (
     BUNDLE_ENVELOPE_NAME,
     BUNDLE_TOP_DIRECTORIES,
     Bundle,
     BundleFile,
     bundle_path_key,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.enrollment import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.enrollment import (
     CertificateRenewalRequest,
     EnrollmentRequest,
     EnrollmentResponse,
     Lease,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.gpu_facts import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.gpu_facts import (
     GpuFacts,
     GpuHealth,
     HealthVerdict,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.observation import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.observation import (
     OBSERVED_LOG_LINE_CHARS,
     OBSERVED_LOG_LINES,
     Capacity,
@@ -76,7 +76,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts.observatio
     ServingProjection,
     TransferObservation,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.signed import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.signed import (
     CANONICAL_BASE64,
     MAX_SIGNATURES,
     Envelope,
@@ -85,7 +85,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts.signed imp
     parse_document,
     read_json,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.state import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.state import (
     ArtifactManifest,
     ArtifactRef,
     DesiredState,

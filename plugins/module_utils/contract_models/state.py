@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts.base import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.base import (
     INT64_MAX,
     AfterValidator,
     Driver,
@@ -21,7 +21,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts.base impor
     model_validator,
     refuse_file_and_directory,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.signed import Envelope
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.signed import Envelope
 from ansible_collections.meridian.node.plugins.module_utils.engine_rules import (
     IMAGE_REFERENCE,
     MAX_LABELS,

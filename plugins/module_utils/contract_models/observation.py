@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts.base import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.base import (
     INT64_MAX,
     Driver,
     Field,
@@ -14,8 +14,8 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts.base impor
     StrictModel,
     UtcTimestamp,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.gpu_facts import GpuFacts, HealthVerdict
-from ansible_collections.meridian.node.plugins.module_utils.contracts.state import Cordon
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.gpu_facts import GpuFacts, HealthVerdict
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.state import Cordon
 
 __all__ = [
     "OBSERVED_LOG_LINES",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import unicodedata
 from typing import Annotated, Literal
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts.base import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.base import (
     INT64_MAX,
     AfterValidator,
     Field,
@@ -21,7 +21,7 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts.base impor
     model_validator,
     refuse_file_and_directory,
 )
-from ansible_collections.meridian.node.plugins.module_utils.contracts.signed import Envelope
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.signed import Envelope
 
 __all__ = ["BUNDLE_ENVELOPE_NAME", "BUNDLE_TOP_DIRECTORIES", "Bundle", "BundleFile", "BundlePath", "bundle_path_key"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts.base import (
+from ansible_collections.meridian.node.plugins.module_utils.contract_models.base import (
     INT64_MAX,
     Field,
     NodeId,

@@ -247,7 +247,7 @@ class StrictModel(BaseModel):
 
     # defer_build: a module that imports the contracts but validates one kind (or none) should not pay
     # for building every schema at import; each model builds on first use.
-    # strict: no coercion, in JSON and in Python (see the package's docstring, contracts/__init__.py).
+    # strict: no coercion, in JSON and in Python (see contracts.py's docstring).
     model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False, defer_build=True, strict=True)
 
 

@@ -94,17 +94,18 @@ class EngineFacts:
     """The documented behaviour of one engine (sources: docs/ENGINE_DRIVERS.md)."""
 
     container_port: int
-    health_path: str
     loading: str
-    model_list_path: str
-    metrics_path: str | None
     running_metric: str | None
     waiting_metric: str | None
-    metrics_flag: str | None
     sigterm: SigtermBehaviour
     sigterm_detail: str
-    stop_signal: str
     stop_timeout_s: int
+    # What most engines document; a driver names only where its engine differs.
+    health_path: str = "/health"
+    model_list_path: str = "/v1/models"
+    metrics_path: str | None = "/metrics"
+    metrics_flag: str | None = None
+    stop_signal: str = "SIGTERM"
 
     @property
     def has_metrics(self) -> bool:
@@ -205,6 +206,13 @@ class Driver:
     # commonly use. ``name_is_a_hint`` False: the driver's name says nothing about which engine runs.
     also_named: ClassVar[tuple[tuple[str, ...], ...]] = ()
     name_is_a_hint: ClassVar[bool] = True
+    # The engine's flags for the address and port it listens on and the model name it serves under, which the
+    # driver sets (``_serving_args``); a served-name flag of None: the engine serves under the model's name.
+    host_flag: ClassVar[str] = "--host"
+    port_flag: ClassVar[str] = "--port"
+    served_name_flag: ClassVar[str | None] = "--served-model-name"
+    # How a 503 from the health path reads, where it means one thing for this engine; None: the generic reading.
+    answer_503: ClassVar[ProbeVerdict | None] = None
 
     @classmethod
     def recognized_by(cls) -> tuple[tuple[str, ...], ...]:
@@ -227,7 +235,12 @@ class Driver:
         """
         self._check_spec(spec, model_dir)
         model = self._model_reference(spec, model_files)
-        command = [*self._base_command(spec, model), *self._parallel_args(spec), *spec.args]
+        command = [
+            *self._base_command(spec, model),
+            *self._metrics_args(spec),
+            *self._parallel_args(spec),
+            *spec.args,
+        ]
         environment = self._environment(spec)
         mounts: tuple[Mount, ...] = ()
         if spec.model.artifact is not None and model_dir is not None:
@@ -282,6 +295,8 @@ class Driver:
         return {}
 
     def _not_ready(self, status: int, body: str) -> ProbeVerdict:
+        if status == 503 and self.answer_503 is not None:
+            return self.answer_503
         return ProbeVerdict(
             ready=False,
             loading=False,
@@ -311,6 +326,18 @@ class Driver:
                     f"engine {spec.name!r}: {option} sets {', '.join(reserved)}, which the {self.name} driver "
                     f"owns (GPUs are chosen with 'gpus', the port with 'port'); remove it from {option}"
                 )
+
+    def _serving_args(self, spec: ParsedEngineSpec) -> list[str]:
+        # Every interface inside the container, the engine's own port, and the name clients ask for.
+        args = [self.host_flag, _ALL_INTERFACES, self.port_flag, str(self.facts.container_port)]
+        if self.served_name_flag is not None:
+            args += [self.served_name_flag, self.served_name(spec)]
+        return args
+
+    def _metrics_args(self, spec: ParsedEngineSpec) -> list[str]:
+        # Drain reads the gauges: an engine that publishes them only behind a flag gets it, once.
+        flag = self.facts.metrics_flag
+        return [flag] if flag is not None and flag not in spec.args else []
 
     def _parallel_args(self, spec: ParsedEngineSpec) -> list[str]:
         # Several whole GPUs mean one model split across them; MIG devices are never combined this way.
@@ -348,45 +375,28 @@ class VllmDriver(Driver):
     name = "vllm"
     facts = EngineFacts(
         container_port=8000,
-        health_path="/health",
         loading="vLLM binds its port before loading but only listens once the engine is built",
-        model_list_path="/v1/models",
-        metrics_path="/metrics",
         running_metric="vllm:num_requests_running",
         waiting_metric="vllm:num_requests_waiting",
-        metrics_flag=None,
         sigterm=SigtermBehaviour.ABORTS_IN_FLIGHT,
         sigterm_detail=(
             "default --shutdown-timeout 0 aborts every request in flight; recent releases wait up to "
             "--shutdown-timeout seconds when it is set"
         ),
-        stop_signal="SIGTERM",
         stop_timeout_s=30,
     )
     owned_flags = ("--host", "--port", "--model", "--served-model-name")
     tensor_parallel_flags = ("--tensor-parallel-size", "-tp")
+    answer_503 = ProbeVerdict(
+        ready=False, loading=False, detail="GET /health answered 503: the engine is dead or draining"
+    )
     # "--ipc=host or --shm-size": PyTorch shares tensor-parallel data through /dev/shm; 10 GiB as in vLLM's
     # examples/online_serving/run_cluster.sh (--shm-size 10.24g).
     default_shm_size_mib = 10240
 
     def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # The vllm/vllm-openai image's entrypoint is `vllm serve`, which takes the model positionally.
-        return [
-            str(model),
-            "--host",
-            _ALL_INTERFACES,
-            "--port",
-            str(self.facts.container_port),
-            "--served-model-name",
-            self.served_name(spec),
-        ]
-
-    def _not_ready(self, status: int, body: str) -> ProbeVerdict:
-        if status == 503:
-            return ProbeVerdict(
-                ready=False, loading=False, detail="GET /health answered 503: the engine is dead or draining"
-            )
-        return super()._not_ready(status, body)
+        return [str(model), *self._serving_args(spec)]
 
 
 class TgiDriver(Driver):
@@ -394,51 +404,41 @@ class TgiDriver(Driver):
     also_named = (("text", "generation", "inference"),)
     facts = EngineFacts(
         container_port=80,
-        health_path="/health",
         loading="the launcher starts the router only after every shard has loaded the model",
-        model_list_path="/v1/models",
-        metrics_path="/metrics",
         running_metric="tgi_batch_current_size",
         waiting_metric="tgi_queue_size",
-        metrics_flag=None,
         sigterm=SigtermBehaviour.FINISHES_IN_FLIGHT,
         sigterm_detail=(
             "the router stops accepting and finishes requests in flight (axum graceful shutdown); the "
             "launcher kills it after --graceful-termination-timeout (default 90 s)"
         ),
-        stop_signal="SIGTERM",
         stop_timeout_s=120,
     )
     owned_flags = ("--hostname", "--port", "-p", "--model-id")
+    host_flag = "--hostname"
+    # TGI serves one model under its model id; it has no separate served-name flag.
+    served_name_flag = None
     tensor_parallel_flags = ("--num-shard", "--sharded")
     # The README's "A note on Shared Memory": NCCL may fall back to host memory between shards; --shm-size 1g.
     default_shm_size_mib = 1024
+    answer_503 = ProbeVerdict(
+        ready=False,
+        loading=False,
+        detail="GET /health answered 503: the shards did not answer the router's health check",
+    )
 
     def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
-        # TGI serves one model under its model id; it has no separate served-name flag.
-        return ["--model-id", str(model), "--hostname", _ALL_INTERFACES, "--port", str(self.facts.container_port)]
+        return ["--model-id", str(model), *self._serving_args(spec)]
 
     def served_name(self, spec: ParsedEngineSpec) -> str:
         return MODEL_MOUNT_PATH if spec.model.artifact is not None else str(spec.model.name)
-
-    def _not_ready(self, status: int, body: str) -> ProbeVerdict:
-        if status == 503:
-            return ProbeVerdict(
-                ready=False,
-                loading=False,
-                detail="GET /health answered 503: the shards did not answer the router's health check",
-            )
-        return super()._not_ready(status, body)
 
 
 class SGLangDriver(Driver):
     name = "sglang"
     facts = EngineFacts(
         container_port=30000,
-        health_path="/health",
         loading="the HTTP server starts after the model loads, then /health answers 503 until warm-up ends",
-        model_list_path="/v1/models",
-        metrics_path="/metrics",
         running_metric="sglang:num_running_reqs",
         waiting_metric="sglang:num_queue_reqs",
         metrics_flag="--enable-metrics",
@@ -447,40 +447,20 @@ class SGLangDriver(Driver):
             "the tokenizer manager's SIGTERM watchdog answers /health with 503 and waits until no request "
             "is left, then exits (SGL_FORCE_SHUTDOWN=1 exits at once)"
         ),
-        stop_signal="SIGTERM",
         stop_timeout_s=60,
     )
     owned_flags = ("--host", "--port", "--model-path", "--served-model-name")
     tensor_parallel_flags = ("--tp-size", "--tp", "--tensor-parallel-size")
     # The install docs run the image with --shm-size 32g (and --ipc=host, which the host policy gates).
     default_shm_size_mib = 32768
+    answer_503 = ProbeVerdict(
+        ready=False,
+        loading=True,
+        detail="GET /health answered 503: starting (warm-up not done), unhealthy or shutting down",
+    )
 
     def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
-        command = [
-            "python3",
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(model),
-            "--host",
-            _ALL_INTERFACES,
-            "--port",
-            str(self.facts.container_port),
-            "--served-model-name",
-            self.served_name(spec),
-        ]
-        if "--enable-metrics" not in spec.args:
-            command.append("--enable-metrics")
-        return command
-
-    def _not_ready(self, status: int, body: str) -> ProbeVerdict:
-        if status == 503:
-            return ProbeVerdict(
-                ready=False,
-                loading=True,
-                detail="GET /health answered 503: starting (warm-up not done), unhealthy or shutting down",
-            )
-        return super()._not_ready(status, body)
+        return ["python3", "-m", "sglang.launch_server", "--model-path", str(model), *self._serving_args(spec)]
 
 
 class OllamaDriver(Driver):
@@ -493,10 +473,8 @@ class OllamaDriver(Driver):
         metrics_path=None,
         running_metric=None,
         waiting_metric=None,
-        metrics_flag=None,
         sigterm=SigtermBehaviour.ABORTS_IN_FLIGHT,
         sigterm_detail="SIGTERM closes the HTTP server at once (http.Server.Close) and unloads the runners",
-        stop_signal="SIGTERM",
         stop_timeout_s=30,
     )
     reserved_env = ("NVIDIA_VISIBLE_DEVICES", "OLLAMA_HOST", "OLLAMA_MODELS")
@@ -520,10 +498,7 @@ class LlamaCppDriver(Driver):
     also_named = (("llama", "cpp"), ("llama", "server"))
     facts = EngineFacts(
         container_port=8080,
-        health_path="/health",
         loading='/health answers 503 {"error": {"message": "Loading model"}} while the model loads',
-        model_list_path="/v1/models",
-        metrics_path="/metrics",
         running_metric="llamacpp:requests_processing",
         waiting_metric="llamacpp:requests_deferred",
         metrics_flag="--metrics",
@@ -534,11 +509,11 @@ class LlamaCppDriver(Driver):
             "never answered and the process does not exit until the SIGKILL after the stop timeout (exit 137; "
             "clients get an empty reply); idle, it exits 0 at once"
         ),
-        stop_signal="SIGTERM",
         # Idle it exits in well under a second; with work in flight waiting longer finishes nothing.
         stop_timeout_s=5,
     )
     owned_flags = ("--host", "--port", "-m", "--model", "-hf", "-hfr", "--hf-repo", "-a", "--alias")
+    served_name_flag = "--alias"
 
     def _model_reference(self, spec: ParsedEngineSpec, model_files: Sequence[str]) -> str | None:
         if spec.model.artifact is None:
@@ -548,18 +523,7 @@ class LlamaCppDriver(Driver):
     def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # The llama.cpp server image's entrypoint is /app/llama-server.
         source = ["-m", str(model)] if spec.model.artifact is not None else ["-hf", str(model)]
-        command = [
-            *source,
-            "--host",
-            _ALL_INTERFACES,
-            "--port",
-            str(self.facts.container_port),
-            "--alias",
-            self.served_name(spec),
-        ]
-        if "--metrics" not in spec.args:
-            command.append("--metrics")
-        return command
+        return [*source, *self._serving_args(spec)]
 
     def _not_ready(self, status: int, body: str) -> ProbeVerdict:
         if status == 503 and "loading model" in body.lower():
@@ -588,19 +552,17 @@ class LmDeployDriver(Driver):
     name = "lmdeploy"
     facts = EngineFacts(
         container_port=23333,
-        health_path="/health",
         loading="the pipeline (and the model) is built before uvicorn starts listening",
-        model_list_path="/v1/models",
-        metrics_path="/metrics",
         running_metric="lmdeploy:num_requests_running",
         waiting_metric="lmdeploy:num_requests_waiting",
-        metrics_flag=None,
         sigterm=SigtermBehaviour.FINISHES_IN_FLIGHT,
         sigterm_detail="uvicorn's graceful shutdown: stop accepting, wait for requests in flight, then exit",
-        stop_signal="SIGTERM",
         stop_timeout_s=60,
     )
     owned_flags = ("--server-name", "--server-port", "--model-name")
+    host_flag = "--server-name"
+    port_flag = "--server-port"
+    served_name_flag = "--model-name"
     tensor_parallel_flags = ("--tp",)
     # The docs run the image with --ipc=host, which the host policy gates; a private 10 GiB /dev/shm (our
     # size, vLLM's) instead.
@@ -608,18 +570,7 @@ class LmDeployDriver(Driver):
 
     def _base_command(self, spec: ParsedEngineSpec, model: str | None) -> list[str]:
         # The openmmlab/lmdeploy image has no entrypoint: the command is the whole launcher.
-        return [
-            "lmdeploy",
-            "serve",
-            "api_server",
-            str(model),
-            "--server-name",
-            _ALL_INTERFACES,
-            "--server-port",
-            str(self.facts.container_port),
-            "--model-name",
-            self.served_name(spec),
-        ]
+        return ["lmdeploy", "serve", "api_server", str(model), *self._serving_args(spec)]
 
     def _not_ready(self, status: int, body: str) -> ProbeVerdict:
         if status == 503:
@@ -653,14 +604,11 @@ class OpenAIDriver(Driver):
             container_port=container_port or self.default_port,
             health_path=health_path or "/v1/models",
             loading="an OpenAI-compatible server is ready when its health path answers 200",
-            model_list_path="/v1/models",
             metrics_path="/metrics" if metrics else None,
             running_metric=running_metric,
             waiting_metric=waiting_metric,
-            metrics_flag=None,
             sigterm=SigtermBehaviour.ABORTS_IN_FLIGHT,
             sigterm_detail="unknown for a generic server: assume requests in flight are lost and drain first",
-            stop_signal="SIGTERM",
             stop_timeout_s=30,
         )
 

@@ -37,6 +37,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
     config_hash,
     port_bind_problem,
 )
+from ansible_collections.meridian.node.tests.support.public_api import assert_all_is_the_public_api
 from ansible_collections.meridian.node.tests.support.standin_image import (
     LocalImage,
     ensure_base_image,
@@ -486,43 +487,10 @@ def test_missing_image_creates_nothing(engine: DockerEngine, http_image: LocalIm
     assert engine.find(name) is None
 
 
-def test_public_api_is_exactly_what_the_engine_modules_use() -> None:
+def test_all_is_the_public_api_with_the_settings_and_info_it_re_exports() -> None:
     from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
 
-    assert sorted(docker_engine.__all__) == sorted(
-        [
-            "IPC_MODES",
-            "LABEL_CONFIG_HASH",
-            "LABEL_DRIVER",
-            "LABEL_HOST_PORT",
-            "LABEL_INSTANCE",
-            "LABEL_OWNED",
-            "LABEL_SETTINGS",
-            "RESERVED_LABELS",
-            "RESTART_POLICIES",
-            "BindMount",
-            "ContainerInfo",
-            "ContainerNotFoundError",
-            "ContainerSettings",
-            "DockerEngine",
-            "DockerEngineError",
-            "DockerUnavailableError",
-            "EngineInspection",
-            "ExitInfo",
-            "ForeignContainerError",
-            "ImageInfo",
-            "ImageNotFoundError",
-            "NvidiaRuntimeMissingError",
-            "Placement",
-            "PortBinding",
-            "PublishedPort",
-            "UnsafeImageError",
-            "config_hash",
-            "address_overlaps",
-            "port_bind_problem",
-        ]
-    )
-    assert all(hasattr(docker_engine, name) for name in docker_engine.__all__)
+    assert_all_is_the_public_api(docker_engine)
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.prometheus_text import MetricsFormatError
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec, parse_engine_spec
+from ansible_collections.meridian.node.tests.support.public_api import assert_all_is_the_public_api
 
 IMAGE = "registry.example/engines/x@sha256:" + "a" * 64
 MODEL_DIR = "/var/lib/meridian/store/artifacts/llama/1.0.0"
@@ -80,28 +81,8 @@ def test_unknown_driver_is_refused_naming_the_allowed_ones() -> None:
         assert name in message
 
 
-def test_public_api_is_pinned() -> None:
-    assert set(engine_drivers.__all__) == {
-        "DRIVERS",
-        "MODEL_MOUNT_PATH",
-        "Driver",
-        "DriverError",
-        "EngineFacts",
-        "InFlight",
-        "LaunchSettings",
-        "LlamaCppDriver",
-        "LmDeployDriver",
-        "Mount",
-        "OllamaDriver",
-        "OpenAIDriver",
-        "ProbeVerdict",
-        "SGLangDriver",
-        "SigtermBehaviour",
-        "TgiDriver",
-        "VllmDriver",
-        "get_driver",
-        "in_flight",
-    }
+def test_all_is_the_public_api() -> None:
+    assert_all_is_the_public_api(engine_drivers)
 
 
 # -- the engines' facts (docs/ENGINE_DRIVERS.md says where each comes from) ------------------------------

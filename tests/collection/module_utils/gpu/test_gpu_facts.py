@@ -18,6 +18,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuFacts
 from ansible_collections.meridian.node.plugins.module_utils.gpu import nvml as seam
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
+from ansible_collections.meridian.node.tests.support.public_api import assert_all_is_the_public_api
 
 REPO = Path(__file__).resolve().parents[4]
 FAKES = REPO / "tests" / "support" / "fakes"
@@ -330,21 +331,11 @@ def test_cuda_version_text(value: int, text: str | None) -> None:
     assert seam.cuda_version_text(value) == text
 
 
-def test_public_api_is_pinned() -> None:
+def test_all_is_the_public_api() -> None:
     from ansible_collections.meridian.node.plugins.module_utils.gpu import facts as gpu_inventory
 
-    assert sorted(seam.__all__) == sorted(
-        [
-            "PYNVML_IMPORT_ERROR",
-            "NvmlSession",
-            "NvmlUnavailable",
-            "active_nvlinks",
-            "cuda_version_text",
-            "error_name",
-            "nvml_session",
-        ]
-    )
-    assert sorted(gpu_inventory.__all__) == ["MIB", "collect_gpu_facts", "unavailable_facts"]
+    assert_all_is_the_public_api(seam)
+    assert_all_is_the_public_api(gpu_inventory)
 
 
 def test_fake_shares_the_real_constants_and_error_classes(fake: ModuleType) -> None:

@@ -27,6 +27,7 @@ from ansible_collections.meridian.node.plugins.module_utils.gpu.feature_labels i
     read_machine_type,
     sanitise,
 )
+from ansible_collections.meridian.node.tests.support.public_api import assert_all_is_the_public_api
 
 GOLDEN = Path(__file__).resolve().parent / "golden_labels"
 SCENARIOS = Path(__file__).resolve().parents[3] / "support" / "fakes" / "nvml_scenarios"
@@ -256,13 +257,5 @@ def test_every_golden_file_has_its_scenario() -> None:
     assert sorted(path.stem for path in GOLDEN.glob("*.json")) == scenario_names()
 
 
-def test_public_api_is_pinned() -> None:
-    assert sorted(feature_labels.__all__) == [
-        "DMI_PRODUCT_NAME",
-        "MIG_ATTRIBUTE_LABELS",
-        "architecture_family",
-        "gfd_labels",
-        "mig_strategy",
-        "read_machine_type",
-        "sanitise",
-    ]
+def test_all_is_the_public_api() -> None:
+    assert_all_is_the_public_api(feature_labels)

@@ -26,7 +26,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,21 +86,16 @@ class StateStore:
 
     def record_applied(self, generation: int, epoch: int, payload_sha256: str) -> AppliedState:
         """Record that ``generation`` (issued under lease ``epoch``, body hash ``payload_sha256``) was applied."""
-        _check_generation(generation)
-        _check_epoch(epoch)
-        _check_sha256(payload_sha256)
-        with self._locked():
-            current = self._read()
-            self._refuse_below(current, generation, payload_sha256, "record")
+
+        def applied(current: AppliedState) -> AppliedState:
             # ``epoch`` is the one the apply was decided under. A higher epoch seen since (a lease renewed while
             # the playbook ran) stays: the record must say this generation runs, and the epoch never goes down.
             accepted = current.accepted
             if accepted is not None and accepted.generation <= generation:
                 accepted = None  # the one accepted is now the one applied
-            new = AppliedState(generation, max(epoch, current.epoch), payload_sha256, accepted)
-            if new != current:
-                self._write(new)
-            return new
+            return AppliedState(generation, max(epoch, current.epoch), payload_sha256, accepted)
+
+        return self._record(generation, epoch, payload_sha256, "record", applied)
 
     def record_accepted(self, generation: int, epoch: int, payload_sha256: str) -> AppliedState:
         """Record, before its apply starts, that ``generation`` (``epoch``, ``payload_sha256``) is being applied.
@@ -109,53 +104,72 @@ class StateStore:
         same bytes stays acceptable (a retry, a repair). A generation below the floor, or the floor with other
         bytes, raises ``StateStoreError``: the decision was overtaken, and the apply must not start.
         """
+
+        def accepted(current: AppliedState) -> AppliedState:
+            floor = current.accepted
+            # The applied generation again (a repair), or the one already accepted (a retry): the floor is there
+            # already; only a higher epoch is news.
+            if generation > current.accepted_generation:
+                floor = AcceptedState(generation, epoch, payload_sha256)
+            return AppliedState(current.generation, max(epoch, current.epoch), current.payload_sha256, floor)
+
+        return self._record(generation, epoch, payload_sha256, "accept", accepted)
+
+    def _record(
+        self,
+        generation: int,
+        epoch: int,
+        payload_sha256: str,
+        what: str,
+        update: Callable[[AppliedState], AppliedState],
+    ) -> AppliedState:
+        # Both recordings: check the values, then under the lock refuse what would go below the record, and write
+        # what ``update`` makes of it only when that differs.
         _check_generation(generation)
         _check_epoch(epoch)
         _check_sha256(payload_sha256)
         with self._locked():
             current = self._read()
-            self._refuse_below(current, generation, payload_sha256, "accept")
-            if generation <= current.accepted_generation:
-                # The applied generation again (a repair), or the one already accepted (a retry): the floor is
-                # there already; only a higher epoch is news.
-                new = AppliedState(
-                    current.generation, max(epoch, current.epoch), current.payload_sha256, current.accepted
-                )
-            else:
-                new = AppliedState(
-                    current.generation,
-                    max(epoch, current.epoch),
-                    current.payload_sha256,
-                    AcceptedState(generation, epoch, payload_sha256),
-                )
+            self._refuse_below(current, generation, payload_sha256, what)
+            new = update(current)
             if new != current:
                 self._write(new)
             return new
 
     def _refuse_below(self, current: AppliedState, generation: int, payload_sha256: str, what: str) -> None:
-        if generation < current.generation:
-            raise StateStoreError(
-                f"refusing to {what} generation {generation}: generation {current.generation} is already "
-                f"applied ({self.path}) and the applied generation never goes down"
+        # The generation applied, then the one accepted since: neither is undercut, nor reused with other content.
+        # (generation, its sha256, what became of it, how it was written down, the rule a lower one breaks)
+        marks = [
+            (
+                current.generation,
+                current.payload_sha256,
+                "is already applied",
+                "recorded",
+                "the applied generation never goes down",
             )
-        if generation == current.generation and payload_sha256 != current.payload_sha256:
-            raise StateStoreError(
-                f"refusing to {what} generation {generation} with sha256 {payload_sha256}: it was recorded "
-                f"with sha256 {current.payload_sha256} ({self.path}); a generation is never reused"
-            )
+        ]
         accepted = current.accepted
-        if accepted is None:
-            return
-        if generation < accepted.generation:
-            raise StateStoreError(
-                f"refusing to {what} generation {generation}: generation {accepted.generation} was accepted "
-                f"since ({self.path}), and nothing below the generation accepted is applied again"
+        if accepted is not None:
+            marks.append(
+                (
+                    accepted.generation,
+                    accepted.payload_sha256,
+                    "was accepted since",
+                    "accepted",
+                    "nothing below the generation accepted is applied again",
+                )
             )
-        if generation == accepted.generation and payload_sha256 != accepted.payload_sha256:
-            raise StateStoreError(
-                f"refusing to {what} generation {generation} with sha256 {payload_sha256}: it was accepted "
-                f"with sha256 {accepted.payload_sha256} ({self.path}); a generation is never reused"
-            )
+        for marked, marked_sha256, became, written, rule in marks:
+            if generation < marked:
+                raise StateStoreError(
+                    f"refusing to {what} generation {generation}: generation {marked} {became} ({self.path}), "
+                    f"and {rule}"
+                )
+            if generation == marked and payload_sha256 != marked_sha256:
+                raise StateStoreError(
+                    f"refusing to {what} generation {generation} with sha256 {payload_sha256}: it was {written} "
+                    f"with sha256 {marked_sha256} ({self.path}); a generation is never reused"
+                )
 
     def observe_epoch(self, epoch: int) -> AppliedState:
         """Raise the highest epoch seen (a lease renewal saw it); lower than recorded is refused."""

@@ -9,6 +9,10 @@ privilege boundary wrote) is read. It is opened without following a symlink (unl
 blocking (a FIFO cannot hang the reader), refused unless it is a regular file, and never read past the
 cap; every refusal is a ``CappedReadError`` whose ``reason`` says which, and whose message names the file
 and what to do.
+
+``read_json_record``, ``write_json_record``, ``remove_json_record``: the host's small public JSON records (the
+cordon, the draining marks) that root writes and the unprivileged agent reads, each failure raised as the
+caller's own error with its fix.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import json
 import os
 import stat
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 
@@ -31,6 +37,9 @@ __all__ = [
     "file_kind",
     "fsync_directory",
     "read_capped",
+    "read_json_record",
+    "remove_json_record",
+    "write_json_record",
 ]
 
 
@@ -240,3 +249,49 @@ def file_kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "directory"
     return "regular file" if stat.S_ISREG(mode) else "special file"
+
+
+def read_json_record(
+    path: str, max_bytes: int, *, what: str, fix: str, error: Callable[[str], Exception]
+) -> dict[str, Any] | None:
+    """The JSON object in the small file ``path`` (read with ``read_capped``), or None when there is no file.
+
+    A refused read, a file that is not JSON, or JSON that is not an object raises ``error(message)``, the
+    message naming the file (``what``: "draining mark") and ending in ``fix`` ("remove it or run undrain").
+    """
+    try:
+        data = read_capped(path, max_bytes, what=what)
+    except CappedFileMissingError:
+        return None
+    except CappedReadError as exc:
+        raise error(f"{exc}; {fix}") from exc
+    try:
+        document: Any = json.loads(data)
+    except ValueError as exc:
+        raise error(f"{what} {path} is not JSON ({exc}); {fix}") from exc
+    if not isinstance(document, dict):
+        kind = "null" if document is None else type(document).__name__
+        raise error(f"{what} {path} must be an object, not a JSON {kind}; {fix}")
+    return document
+
+
+def write_json_record(path: str, document: dict[str, Any], *, what: str, error: Callable[[str], Exception]) -> None:
+    """Write ``document`` to ``path`` as one line of sorted JSON, atomically and world-readable (0644: the agent
+    runs unprivileged), making its directory (0755) where missing; a failure raises ``error`` naming the file."""
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        atomic_write(path, json.dumps(document, sort_keys=True).encode("utf-8") + b"\n", mode=0o644)
+    except OSError as exc:
+        raise error(f"cannot write {what} {path}: {exc.strerror or exc}") from exc
+
+
+def remove_json_record(path: str, *, what: str, error: Callable[[str], Exception]) -> bool:
+    """Remove ``path`` durably (its directory flushed); False when there was none. A failure raises ``error``."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise error(f"cannot remove {what} {path}: {exc.strerror or exc}") from exc
+    fsync_directory(os.path.dirname(path))
+    return True

@@ -15,7 +15,6 @@ reading them together: the union of the GPUs, a node cordon if any is one, drain
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +24,9 @@ from typing import Any
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    CappedFileMissingError,
-    CappedReadError,
-    atomic_write,
-    fsync_directory,
-    read_capped,
+    read_json_record,
+    remove_json_record,
+    write_json_record,
 )
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import CordonPolicy
 
@@ -49,6 +46,8 @@ __all__ = [
 CORDON_FILE = "cordon.json"
 _MAX_BYTES = 64 * 1024
 _MAX_ENTRIES = 256
+_WHAT = "cordon file"
+_FIX = "remove it or run meridian.node.cordon with state=absent"
 
 
 class CordonStateError(MeridianError, ValueError):
@@ -103,14 +102,9 @@ def _path(state_dir: str) -> str:
 def read_cordon(state_dir: str) -> HostCordon | None:
     """The host's cordon, or None when there is none."""
     path = _path(state_dir)
-    try:
-        # Only ever written by atomic_write: a symlink or a FIFO in its place is not ours.
-        data = read_capped(path, _MAX_BYTES, what="cordon file")
-    except CappedFileMissingError:
-        return None
-    except CappedReadError as exc:
-        raise CordonStateError(f"{exc}; remove it or run meridian.node.cordon with state=absent") from exc
-    return _parse(path, data)
+    # Only ever written by atomic_write: a symlink or a FIFO in its place is not ours.
+    document = read_json_record(path, _MAX_BYTES, what=_WHAT, fix=_FIX, error=CordonStateError)
+    return None if document is None else _parse(path, document)
 
 
 def _strings(value: Any) -> bool:
@@ -121,16 +115,9 @@ def _strings(value: Any) -> bool:
     )
 
 
-def _parse(path: str, data: bytes) -> HostCordon:
-    try:
-        document: Any = json.loads(data)
-    except ValueError as exc:
-        raise CordonStateError(
-            f"cordon file {path} is not JSON ({exc}); remove it or run meridian.node.cordon with state=absent"
-        ) from exc
+def _parse(path: str, document: dict[str, Any]) -> HostCordon:
     if (
-        not isinstance(document, dict)
-        or set(document) != {"gpus", "drain", "reason", "since", "held"}
+        set(document) != {"gpus", "drain", "reason", "since", "held"}
         or not _strings(document["gpus"])
         or not isinstance(document["drain"], bool)
         or not (document["reason"] is None or isinstance(document["reason"], str))
@@ -139,8 +126,7 @@ def _parse(path: str, data: bytes) -> HostCordon:
     ):
         raise CordonStateError(
             f"cordon file {path} must be an object with exactly gpus (list of ids), drain (bool), reason, since "
-            "(string or null) and held (list of engine names); remove it or run meridian.node.cordon with "
-            "state=absent"
+            f"(string or null) and held (list of engine names); {_FIX}"
         )
     return HostCordon(
         gpus=tuple(document["gpus"]),
@@ -154,12 +140,7 @@ def _parse(path: str, data: bytes) -> HostCordon:
 def write_cordon(state_dir: str, cordon: HostCordon) -> HostCordon:
     """Write ``cordon`` (``since`` filled in when it has none); returns what was written."""
     written = cordon if cordon.since else HostCordon(**{**_fields(cordon), "since": _now()})
-    path = _path(state_dir)
-    try:
-        os.makedirs(state_dir, mode=0o755, exist_ok=True)
-        atomic_write(path, json.dumps(written.as_dict(), sort_keys=True).encode("utf-8") + b"\n", mode=0o644)
-    except OSError as exc:
-        raise CordonStateError(f"cannot write cordon file {path}: {exc.strerror or exc}") from exc
+    write_json_record(_path(state_dir), written.as_dict(), what=_WHAT, error=CordonStateError)
     return written
 
 
@@ -176,15 +157,7 @@ def _fields(cordon: HostCordon) -> dict[str, Any]:
 
 def remove_cordon(state_dir: str) -> bool:
     """Lift the host's cordon; returns whether there was one."""
-    path = _path(state_dir)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise CordonStateError(f"cannot remove cordon file {path}: {exc.strerror or exc}") from exc
-    fsync_directory(state_dir)
-    return True
+    return remove_json_record(_path(state_dir), what=_WHAT, error=CordonStateError)
 
 
 def cordoned_gpu_keys(ids: Sequence[str], gpu_facts: Mapping[str, Any] | None) -> set[str]:

@@ -16,7 +16,6 @@ unprivileged and must read marks written by root.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -26,11 +25,9 @@ from typing import Any
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    CappedFileMissingError,
-    CappedReadError,
-    atomic_write,
-    fsync_directory,
-    read_capped,
+    read_json_record,
+    remove_json_record,
+    write_json_record,
 )
 
 __all__ = [
@@ -48,6 +45,8 @@ DRAINING_DIR = "draining"
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$")
 _SUFFIX = ".json"
 _MAX_MARK_BYTES = 64 * 1024
+_WHAT = "draining mark"
+_FIX = "remove it or run undrain"
 
 
 class DrainStateError(MeridianError, ValueError):
@@ -87,31 +86,21 @@ def _mark_path(state_dir: str, name: str) -> str:
 def read_mark(state_dir: str, name: str) -> DrainMark | None:
     """The mark of engine ``name``, or None when it is not draining."""
     path = _mark_path(state_dir, name)
-    try:
-        # Marks are only ever written by atomic_write: a symlink or a FIFO in their place is not ours.
-        data = read_capped(path, _MAX_MARK_BYTES, what="draining mark")
-    except CappedFileMissingError:
-        return None
-    except CappedReadError as exc:
-        raise DrainStateError(str(exc)) from exc
-    return _parse(path, data, name)
+    # Marks are only ever written by atomic_write: a symlink or a FIFO in their place is not ours.
+    document = read_json_record(path, _MAX_MARK_BYTES, what=_WHAT, fix=_FIX, error=DrainStateError)
+    return None if document is None else _parse(path, document, name)
 
 
-def _parse(path: str, data: bytes, name: str) -> DrainMark:
-    try:
-        document: Any = json.loads(data)
-    except ValueError as exc:
-        raise DrainStateError(f"draining mark {path} is not JSON ({exc}); remove it or run undrain") from exc
+def _parse(path: str, document: dict[str, Any], name: str) -> DrainMark:
     if (
-        not isinstance(document, dict)
-        or document.get("name") != name
+        document.get("name") != name
         or not isinstance(document.get("since"), str)
         or not isinstance(document.get("reason"), str)
         or not _optional_port(document.get("port"))
     ):
         raise DrainStateError(
             f"draining mark {path} must be an object with name {name!r}, since and reason strings (and "
-            "optionally a port, 1-65535); remove it or run undrain"
+            f"optionally a port, 1-65535); {_FIX}"
         )
     return DrainMark(name=name, since=document["since"], reason=document["reason"], port=document.get("port"))
 
@@ -133,27 +122,13 @@ def mark_draining(
     if existing is not None and (existing.port is None or existing.port == port):
         return existing, False
     mark = DrainMark(name=name, since=now or _now(), reason=reason, port=port)
-    path = _mark_path(state_dir, name)
-    directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-        atomic_write(path, json.dumps(mark.as_dict(), sort_keys=True).encode("utf-8") + b"\n", mode=0o644)
-    except OSError as exc:
-        raise DrainStateError(f"cannot write draining mark {path}: {exc.strerror or exc}") from exc
+    write_json_record(_mark_path(state_dir, name), mark.as_dict(), what=_WHAT, error=DrainStateError)
     return mark, True
 
 
 def clear_draining(state_dir: str, name: str) -> bool:
     """Remove the mark of ``name``; returns whether there was one."""
-    path = _mark_path(state_dir, name)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise DrainStateError(f"cannot remove draining mark {path}: {exc.strerror or exc}") from exc
-    fsync_directory(os.path.dirname(path))
-    return True
+    return remove_json_record(_mark_path(state_dir, name), what=_WHAT, error=DrainStateError)
 
 
 def list_draining(state_dir: str) -> list[DrainMark]:

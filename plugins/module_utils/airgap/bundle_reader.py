@@ -37,12 +37,13 @@ to the attack surface for no gain (docs/AIR_GAP.md).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Optional
@@ -166,6 +167,17 @@ def unpack_bundle(
 # --- reading ---------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _medium(path: str) -> Iterator[None]:
+    # Scratch errors are already BundleRefused; an OSError left is the bundle's own medium failing.
+    try:
+        yield
+    except OSError as exc:
+        raise BundleRefused(
+            BundleProblem.UNREADABLE, f"reading {path} failed: {exc.strerror or exc} - check the medium, copy it again"
+        ) from None
+
+
 def _read(
     path: str,
     policy: Policy,
@@ -175,25 +187,7 @@ def _read(
     applied: trust.AppliedState,
     work: Optional[str],
 ) -> _ReadResult:
-    try:
-        return _read_checked(path, policy, node_id=node_id, now=now, applied=applied, work=work)
-    except OSError as exc:
-        # Scratch errors are already BundleRefused; what is left is the bundle's own medium failing.
-        raise BundleRefused(
-            BundleProblem.UNREADABLE, f"reading {path} failed: {exc.strerror or exc} - check the medium, copy it again"
-        ) from None
-
-
-def _read_checked(
-    path: str,
-    policy: Policy,
-    *,
-    node_id: str,
-    now: datetime,
-    applied: trust.AppliedState,
-    work: Optional[str],
-) -> _ReadResult:
-    with open_regular(path) as (handle, size):
+    with _medium(path), open_regular(path) as (handle, size):
         tar = open_tar(handle, path)
         verified = _read_envelope(tar, handle, path, policy, node_id=node_id, now=now, applied=applied)
         listing = {entry.path: entry for entry in verified.bundle.files}

@@ -362,20 +362,26 @@ def _docker_manifest(
             ImageArchiveProblem.MALFORMED, f"{member} has no manifest.json: it is not a docker save archive"
         )
     entries = _load_json(documents["manifest.json"], f"{member}: manifest.json")
-    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
-        raise ImageArchiveRefused(ImageArchiveProblem.MALFORMED, f"{member}: manifest.json is not a list of objects")
-    if len(entries) != 1:
-        raise ImageArchiveRefused(
-            ImageArchiveProblem.EXTRA,
-            f"{member}: manifest.json names {len(entries)} images: an archive carries exactly one, the one pinned",
-        )
-    entry = entries[0]
+    entry = _the_one(entries, f"{member}: manifest.json", "images")
     config = _blob_hex(entry.get("Config"), blobs, f"{member}: manifest.json Config")
     layers = entry.get("Layers")
     if not isinstance(layers, list):
         raise ImageArchiveRefused(ImageArchiveProblem.MALFORMED, f"{member}: manifest.json Layers is not a list")
     hexes = [_blob_hex(path, blobs, f"{member}: manifest.json Layers[{n}]") for n, path in enumerate(layers)]
     return config, hexes
+
+
+def _the_one(items: Any, where: str, noun: str) -> dict[str, Any]:
+    # manifest.json and index.json each list the archive's images: exactly one, the one pinned.
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ImageArchiveRefused(ImageArchiveProblem.MALFORMED, f"{where} holds no list of {noun}")
+    if len(items) != 1:
+        raise ImageArchiveRefused(
+            ImageArchiveProblem.EXTRA,
+            f"{where} names {len(items)} {noun}: an archive carries exactly one image, the one pinned",
+        )
+    one: dict[str, Any] = items[0]
+    return one
 
 
 def _check_diff_ids(config: Any, layers: Sequence[str], member: str) -> None:
@@ -407,14 +413,7 @@ def _oci_index(
         return None
     index = _load_json(documents["index.json"], f"{member}: index.json")
     manifests = index.get("manifests") if isinstance(index, dict) else None
-    if not isinstance(manifests, list) or not all(isinstance(item, dict) for item in manifests):
-        raise ImageArchiveRefused(ImageArchiveProblem.MALFORMED, f"{member}: index.json has no list of manifests")
-    if len(manifests) != 1:
-        raise ImageArchiveRefused(
-            ImageArchiveProblem.EXTRA,
-            f"{member}: index.json names {len(manifests)} manifests: an archive carries exactly one image",
-        )
-    digest = manifests[0].get("digest")
+    digest = _the_one(manifests, f"{member}: index.json", "manifests").get("digest")
     path = f"blobs/sha256/{digest[7:]}" if isinstance(digest, str) and digest.startswith("sha256:") else digest
     hex_ = _blob_hex(path, blobs, f"{member}: index.json's manifest")
     manifest = _load_json(_read_blob(handle, blobs[hex_], member), f"{member}: manifest blob sha256:{hex_}")

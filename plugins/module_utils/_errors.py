@@ -9,8 +9,28 @@ that means "anything meridian.node refused" catches one class, and a shell never
 
 from __future__ import annotations
 
-__all__ = ["MeridianError"]
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MeridianError", "ResultError"]
 
 
 class MeridianError(Exception):
     """Something meridian.node refused or could not do; the message says what and how to fix it."""
+
+
+class ResultError(MeridianError):
+    """A module's run that failed part-way: ``result`` is what it returns beside ``msg`` (what was done so far),
+    ``check`` the host or policy check that refused, where one did."""
+
+    def __init__(self, message: str, result: Mapping[str, Any] | None = None, *, check: str | None = None) -> None:
+        super().__init__(message)
+        self.result = dict(result or {})
+        self.check = check
+
+    def failure(self) -> dict[str, Any]:
+        """The module's failed result: what was done so far, ``failed``, ``msg``, and ``check`` where set."""
+        failed = {**self.result, "failed": True, "msg": str(self)}
+        if self.check is not None:
+            failed["check"] = self.check
+        return failed

@@ -4,13 +4,17 @@
 and the options of how both run (``RUN_OPTIONS``).
 
 One copy, so that an option added to an engine reaches both modules with the same type, default and no_log.
+``run_on_docker`` is how each engine module's outcome reaches the host's Docker Engine and reports a failure.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from ansible_collections.meridian.node.plugins.module_utils._errors import ResultError
 from ansible_collections.meridian.node.plugins.module_utils._module import HOST_ARGS
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, DockerEngineError
 from ansible_collections.meridian.node.plugins.module_utils.engine_rules import DRIVERS
 
 # What a present, started or stopped engine cannot be built without.
@@ -73,3 +77,18 @@ RUN_OPTIONS: dict[str, Any] = {
     "progress_file": {"type": "path"},
     "pull": {"type": "str", "choices": ["missing", "never"], "default": "missing"},
 }
+
+
+def run_on_docker(act: Callable[[DockerEngine], dict[str, Any]]) -> dict[str, Any]:
+    """``act``'s result with the host's Docker Engine, closed afterwards. A Docker Engine that cannot be reached
+    fails the run with check ``docker``; a ``ResultError`` fails it with what was done so far."""
+    try:
+        engine = DockerEngine.from_env()
+    except DockerEngineError as exc:
+        return {"failed": True, "msg": str(exc), "check": "docker"}
+    try:
+        return act(engine)
+    except ResultError as exc:
+        return exc.failure()
+    finally:
+        engine.close()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._errors import ResultError
 from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_STATE_DIR
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     ContainerInfo,
@@ -63,12 +63,8 @@ __all__ = [
 CORDON_REASON_PREFIX = "cordoned"
 
 
-class CordonError(MeridianError):
+class CordonError(ResultError):
     """The cordon could not be put in force or lifted; ``result`` says what was done so far."""
-
-    def __init__(self, message: str, result: Mapping[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.result = dict(result or {})
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._module import STATE_DIR_ARGS
-from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
-from ansible_collections.meridian.node.plugins.module_utils.engines.cordon import (
-    CordonError,
-    CordonOptions,
-    cordon_host,
-)
+from ansible_collections.meridian.node.plugins.module_utils.engines.args import run_on_docker
+from ansible_collections.meridian.node.plugins.module_utils.engines.cordon import CordonOptions, cordon_host
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "state": {"type": "str", "default": "present", "choices": ["present", "absent"]},
@@ -50,13 +46,6 @@ def cordon_outcome(params: Mapping[str, Any], *, check_mode: bool) -> dict[str, 
         force=params["force"],
         state_dir=params["state_dir"],
     )
-    try:
-        engine = docker_engine.DockerEngine.from_env()
-    except docker_engine.DockerEngineError as exc:
-        return {"failed": True, "msg": str(exc)}
-    try:
-        return cordon_host(options, engine=engine, gpu_facts=_gpu_facts, check_mode=check_mode)
-    except CordonError as exc:
-        return {**exc.result, "failed": True, "msg": str(exc)}
-    finally:
-        engine.close()
+    return run_on_docker(
+        lambda engine: cordon_host(options, engine=engine, gpu_facts=_gpu_facts, check_mode=check_mode)
+    )

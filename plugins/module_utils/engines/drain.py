@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._errors import ResultError
 from ansible_collections.meridian.node.plugins.module_utils._module import DEFAULT_STATE_DIR
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     ContainerInfo,
@@ -58,12 +58,8 @@ POLL_S = 0.25
 _METRICS_TIMEOUT_S = 2.0
 
 
-class DrainError(MeridianError):
+class DrainError(ResultError):
     """The drain could not finish; ``result`` is the module's result so far (what was done, what is in flight)."""
-
-    def __init__(self, message: str, result: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.result = dict(result or {})
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._module import STATE_DIR_ARGS
-from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
-from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainError, DrainOptions, drain_engine
+from ansible_collections.meridian.node.plugins.module_utils.engines.args import run_on_docker
+from ansible_collections.meridian.node.plugins.module_utils.engines.drain import DrainOptions, drain_engine
 
 ARGUMENT_SPEC: dict[str, Any] = {
     "name": {"type": "str", "required": True},
@@ -37,13 +37,4 @@ def drain_outcome(params: Mapping[str, Any], *, check_mode: bool) -> dict[str, A
         state_dir=params["state_dir"],
         reason=params["reason"],
     )
-    try:
-        engine = docker_engine.DockerEngine.from_env()
-    except docker_engine.DockerEngineError as exc:
-        return {"failed": True, "msg": str(exc)}
-    try:
-        return drain_engine(params["name"], options, engine=engine, check_mode=check_mode)
-    except DrainError as exc:
-        return {**exc.result, "failed": True, "msg": str(exc)}
-    finally:
-        engine.close()
+    return run_on_docker(lambda engine: drain_engine(params["name"], options, engine=engine, check_mode=check_mode))

@@ -13,15 +13,14 @@ from typing import Any
 from ansible.module_utils.basic import missing_required_lib
 
 from ansible_collections.meridian.node.plugins.module_utils._strict_yaml import YAML_IMPORT_ERROR
-from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine
 from ansible_collections.meridian.node.plugins.module_utils.engines.args import (
     ENGINE_SPEC_OPTIONS,
     RUN_OPTIONS,
     SPEC_REQUIRED_IF,
+    run_on_docker,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import Options
 from ansible_collections.meridian.node.plugins.module_utils.engines.instance import converge
-from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError
 
 ARGUMENT_SPEC: dict[str, Any] = {
     **ENGINE_SPEC_OPTIONS,
@@ -52,16 +51,7 @@ def engine_instance_outcome(params: Mapping[str, Any], *, check_mode: bool) -> d
         progress_file=params["progress_file"],
         pull=params["pull"],
     )
-    try:
-        engine = docker_engine.DockerEngine.from_env()
-    except docker_engine.DockerEngineError as exc:
-        return {"failed": True, "msg": str(exc), "check": "docker"}
-    try:
-        result = converge(params, options, check_mode=check_mode, engine=engine)
-    except EngineInstanceError as exc:
-        return {**exc.result, "failed": True, "msg": str(exc), "check": exc.check}
-    finally:
-        engine.close()
-    if result.get("pending"):
+    result = run_on_docker(lambda engine: converge(params, options, check_mode=check_mode, engine=engine))
+    if not result.get("failed") and result.get("pending"):
         return {**result, "warnings": [f"engine {params['name']!r}: {result['pending']}"]}
     return result

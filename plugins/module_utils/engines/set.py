@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError, ResultError
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     ContainerInfo,
     DockerEngine,
@@ -103,7 +103,7 @@ __all__ = ["EngineSetError", "SetOptions", "converge_set"]
 _T = TypeVar("_T")
 
 
-class EngineSetError(MeridianError):
+class EngineSetError(ResultError):
     """The set was refused or an engine failed; ``result`` carries what the module returns beside ``msg``."""
 
     def __init__(
@@ -113,8 +113,7 @@ class EngineSetError(MeridianError):
         result: Mapping[str, Any] | None = None,
         missing_library: tuple[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.result = dict(result or {})
+        super().__init__(message, result)
         self.missing_library = missing_library
 
 
@@ -457,7 +456,7 @@ def _hold_all(
         try:
             results[name] = hold(name, cordon, options, engine, check_mode, sleep, clock)
         except EngineInstanceError as exc:
-            results[name] = {**exc.result, "failed": True, "msg": str(exc), "check": exc.check}
+            results[name] = exc.failure()
             raise EngineSetError(
                 f"engine {name!r} (check {exc.check}): {exc}",
                 result={"check": exc.check, "engines": dict(results), "pruned": []},

@@ -69,7 +69,7 @@ def engine_set_outcome(params: Mapping[str, Any], *, check_mode: bool) -> dict[s
         if exc.missing_library is not None:
             package, error = exc.missing_library
             return {"failed": True, "msg": missing_required_lib(package), "exception": error}
-        return {**exc.result, "failed": True, "msg": str(exc)}
+        return exc.failure()
 
 
 def _held_problems(artifacts: Sequence[Mapping[str, Any]], *, policy_path: str, store_path: str | None) -> list[str]:

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._errors import ResultError
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import (
     FieldError,
     check_bool,
@@ -287,13 +287,13 @@ def _parse_labels(data: Any, where: str) -> dict[str, str]:
 # --- one engine instance's spec, from a module's parameters and against the host's policy -------------
 
 
-class EngineInstanceError(MeridianError):
+class EngineInstanceError(ResultError):
     """A check refused the engine or an action failed; ``check`` names which, ``result`` what was done."""
 
+    check: str  # always set: every refusal or failure of one engine names its check
+
     def __init__(self, message: str, *, check: str, result: Mapping[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.check = check
-        self.result = dict(result or {})
+        super().__init__(message, result, check=check)
 
 
 # A module's parameters that are the spec: all but how to converge (``state``, ``replace_strategy``).

@@ -259,20 +259,23 @@ def verify_desired_state(
     _require_aware(now)
     envelope = _verify_role(data, policy, "desired-state", "control")
     state = _parse(contracts.DesiredState, envelope.body, "desired state")
-    _check_lifetime(state, policy)
+    _check_lifetime(
+        f"desired state generation {state.generation}",
+        state.issued_at,
+        state.expires_at,
+        policy,
+        "control",
+        stamps=f" (issued_at {contracts.format_rfc3339(state.issued_at)}, "
+        f"expires_at {contracts.format_rfc3339(state.expires_at)})",
+        fix="the control plane must issue states that expire sooner (and re-sign them), or the policy allow longer",
+    )
     digest = hashlib.sha256(envelope.body).hexdigest()
 
     if state.node_id != node_id:
         raise Rejection(
             RejectionCode.WRONG_NODE, f"desired state is for node {state.node_id!r}, this node is {node_id!r}"
         )
-    if state.expires_at <= now:
-        raise Rejection(
-            RejectionCode.EXPIRED,
-            f"desired state generation {state.generation} expired at "
-            f"{contracts.format_rfc3339(state.expires_at)} (now {contracts.format_rfc3339(now)})",
-        )
-    _check_not_future(state.issued_at, now, f"desired state generation {state.generation}")
+    _check_current(f"desired state generation {state.generation}", state.issued_at, state.expires_at, now)
     if state.generation < applied.generation:
         raise Rejection(
             RejectionCode.REPLAYED,
@@ -339,24 +342,17 @@ def verify_bundle(data: bytes, policy: Policy, *, node_id: str, now: datetime, a
     envelope = _verify_role(data, policy, "bundle", "air_gap_authority")
     bundle = _parse(contracts.Bundle, envelope.body, "bundle")
     what = f"bundle {bundle.bundle_id!r} (generation {bundle.generation})"
-    limit = policy.max_lifetime("air_gap_authority")
-    lifetime = bundle.expires_at - bundle.created_at
-    if limit is not None and lifetime > limit:
-        raise Rejection(
-            RejectionCode.SCHEMA,
-            f"{what} is valid for {format_duration(lifetime)}, longer than trust.air_gap_authority.max_lifetime "
-            f"{format_duration(limit)} in policy {policy.source}: make bundles that expire sooner (make-bundle "
-            "--expires), or let the policy allow longer",
-        )
+    _check_lifetime(
+        what,
+        bundle.created_at,
+        bundle.expires_at,
+        policy,
+        "air_gap_authority",
+        fix="make bundles that expire sooner (make-bundle --expires), or let the policy allow longer",
+    )
     if bundle.node_id != node_id:
         raise Rejection(RejectionCode.WRONG_NODE, f"{what} is for node {bundle.node_id!r}, this node is {node_id!r}")
-    if bundle.expires_at <= now:
-        raise Rejection(
-            RejectionCode.EXPIRED,
-            f"{what} expired at {contracts.format_rfc3339(bundle.expires_at)} (now "
-            f"{contracts.format_rfc3339(now)}): ask the site's authority for a fresh bundle",
-        )
-    _check_not_future(bundle.created_at, now, what)
+    _check_current(what, bundle.created_at, bundle.expires_at, now, fix=": ask the site's authority for a fresh bundle")
     try:
         desired = verify_desired_state(
             bundle.desired_state.model_dump_json().encode("utf-8"), policy, node_id=node_id, now=now, applied=applied
@@ -401,20 +397,27 @@ def _parse(model: type[_Document], body: bytes, what: str) -> _Document:
         ) from exc
 
 
-def _check_lifetime(state: contracts.DesiredState, policy: Policy) -> None:
-    limit = policy.max_lifetime("control")
-    lifetime = state.expires_at - state.issued_at
+def _check_lifetime(
+    what: str, issued: datetime, expires: datetime, policy: Policy, role: Role, *, stamps: str = "", fix: str
+) -> None:
+    # A signer's documents may not be valid longer than the policy's trust.<role>.max_lifetime.
+    limit = policy.max_lifetime(role)
+    lifetime = expires - issued
     if limit is not None and lifetime > limit:
         raise Rejection(
             RejectionCode.SCHEMA,
-            f"desired state generation {state.generation} is valid for {format_duration(lifetime)} (issued_at "
-            f"{contracts.format_rfc3339(state.issued_at)}, expires_at {contracts.format_rfc3339(state.expires_at)}), "
-            f"longer than trust.control.max_lifetime {format_duration(limit)} in policy {policy.source}: the "
-            "control plane must issue states that expire sooner (and re-sign them), or the policy allow longer",
+            f"{what} is valid for {format_duration(lifetime)}{stamps}, longer than trust.{role}.max_lifetime "
+            f"{format_duration(limit)} in policy {policy.source}: {fix}",
         )
 
 
-def _check_not_future(issued: datetime, now: datetime, what: str) -> None:
+def _check_current(what: str, issued: datetime, expires: datetime, now: datetime, *, fix: str = "") -> None:
+    # Expired, then issued in the future beyond the clock skew allowed: in this order for every document.
+    if expires <= now:
+        raise Rejection(
+            RejectionCode.EXPIRED,
+            f"{what} expired at {contracts.format_rfc3339(expires)} (now {contracts.format_rfc3339(now)}){fix}",
+        )
     if issued > now + MAX_CLOCK_SKEW:
         raise Rejection(
             RejectionCode.NOT_YET_VALID,

@@ -125,20 +125,17 @@ def _unpacked_outcome(params: Mapping[str, Any], policy: Policy, *, check_mode: 
         staged = stage_artifacts(unpacked, policy, warnings.append)
         envelope = write_envelope(unpacked)
         images = load_bundle_images(unpacked)
-    except ImageLoadError as exc:
+    except (ImageLoadError, ArtifactError, ArtifactStoreError, OSError, ValueError) as exc:
         unpacked.discard()
+        doing, reason = (
+            ("loading the images", "image-load-failed")
+            if isinstance(exc, ImageLoadError)
+            else ("staging the artifacts", "staging-failed")
+        )
         return {
             "failed": True,
-            "msg": f"Error loading the images of bundle {bundle}: {exc}",
-            "reason": "image-load-failed",
-            **_warnings(warnings),
-        }
-    except (ArtifactError, ArtifactStoreError, OSError, ValueError) as exc:
-        unpacked.discard()
-        return {
-            "failed": True,
-            "msg": f"Error staging the artifacts of bundle {bundle}: {exc}",
-            "reason": "staging-failed",
+            "msg": f"Error {doing} of bundle {bundle}: {exc}",
+            "reason": reason,
             **_warnings(warnings),
         }
     return {

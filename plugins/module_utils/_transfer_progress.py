@@ -34,7 +34,7 @@ import json
 import os
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
@@ -84,14 +84,7 @@ class Transfer:
     updated_at: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "bytes_done": self.bytes_done,
-            "bytes_total": self.bytes_total,
-            "started_at": self.started_at,
-            "updated_at": self.updated_at,
-        }
+        return asdict(self)
 
 
 def _stamp(value: datetime) -> str:

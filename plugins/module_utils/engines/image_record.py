@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
@@ -62,12 +62,10 @@ class BroughtImage:
         return replace(self, unused_since=now)
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "reference": self.reference,
-            "owner": self.owner,
-            "brought": self.brought,
-            "unused_since": self.unused_since,
-        }
+        """Every field but ``image_id``, which keys the record's ``images``."""
+        document = asdict(self)
+        del document["image_id"]
+        return document
 
 
 def _path(state_dir: str) -> str:

@@ -25,7 +25,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
@@ -69,18 +69,23 @@ class HeldVerdict:
     pci_bus_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "uuid": self.uuid,
-            "index": self.index,
-            "pci_bus_id": self.pci_bus_id,
-            "held_at": self.held_at,
-            "health": dict(self.health),
-        }
+        return asdict(self)  # health too, copied
 
     def describe(self) -> str:
         codes = ", ".join(str(reason.get("code")) for reason in self.health.get("reasons") or []) or "no reasons"
         where = f"GPU {self.index} " if self.index is not None else "GPU "
         return f"{where}{self.uuid} (held since {self.health.get('since') or self.held_at}: {codes})"
+
+
+def _held(uuid: str, health: dict[str, Any], gpu: Mapping[str, Any] | None, before: HeldVerdict | None) -> HeldVerdict:
+    # A GPU held again keeps when it was first held, and where it was unless its facts say where it is now.
+    return HeldVerdict(
+        uuid=uuid,
+        health=health,
+        held_at=before.held_at if before is not None else _now(),
+        index=_index(gpu) if gpu is not None else (before.index if before is not None else None),
+        pci_bus_id=(gpu or {}).get("pci_bus_id") or (before.pci_bus_id if before is not None else None),
+    )
 
 
 class HealthHolds:
@@ -139,13 +144,7 @@ class HealthHolds:
             before = holds.get(uuid)
             if before is not None and all(before.health.get(k) == health.get(k) for k in _IDENTITY_KEYS):
                 return False
-            holds[uuid] = HeldVerdict(
-                uuid=uuid,
-                health=dict(health),
-                held_at=before.held_at if before is not None else _now(),
-                index=_index(gpu) if gpu is not None else (before.index if before is not None else None),
-                pci_bus_id=(gpu or {}).get("pci_bus_id") or (before.pci_bus_id if before is not None else None),
-            )
+            holds[uuid] = _held(uuid, dict(health), gpu, before)
             self._write(holds)
         return True
 
@@ -191,13 +190,7 @@ class HealthHolds:
             if before is not None:
                 health = dict(before.health)
             health.update(verdict="unhealthy", reasons=kept + added, held=True)
-            holds[uuid] = HeldVerdict(
-                uuid=uuid,
-                health=health,
-                held_at=before.held_at if before is not None else _now(),
-                index=_index(gpu) if gpu is not None else (before.index if before is not None else None),
-                pci_bus_id=(gpu or {}).get("pci_bus_id") or (before.pci_bus_id if before is not None else None),
-            )
+            holds[uuid] = _held(uuid, health, gpu, before)
             self._write(holds)
         return True
 

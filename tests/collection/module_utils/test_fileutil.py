@@ -20,6 +20,9 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
     CappedReadError,
     CappedReadReason,
     read_capped,
+    read_json_record,
+    remove_json_record,
+    write_json_record,
 )
 from ansible_collections.meridian.node.tests.support.shared_tmp import reachable_tmp_dir, run_as_nobody
 
@@ -205,3 +208,48 @@ def test_a_callers_check_is_not_asked_about_what_is_not_a_regular_file(tmp_path:
     with pytest.raises(CappedReadError):
         read_capped(tmp_path / "mark", CAP, what="test mark", check=asked.append)
     assert asked == []
+
+
+# --- the host's small public JSON records (cordon, draining marks) -----------------------------------------
+
+
+class RecordError(MeridianError):
+    """The caller's own error, as cordon_file and drain_marks pass theirs."""
+
+
+def test_a_json_record_is_written_world_readable_read_back_and_removed_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "made" / "record.json")
+    assert read_json_record(path, CAP * 4, what="test record", fix="fix it", error=RecordError) is None
+    write_json_record(path, {"b": 1, "a": None}, what="test record", error=RecordError)
+    assert Path(path).read_bytes() == b'{"a": null, "b": 1}\n'
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    assert read_json_record(path, CAP * 4, what="test record", fix="fix it", error=RecordError) == {"a": None, "b": 1}
+    assert remove_json_record(path, what="test record", error=RecordError) is True
+    assert remove_json_record(path, what="test record", error=RecordError) is False
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"{not json", "test record {path} is not JSON"),
+        (b"[1, 2]", "test record {path} must be an object, not a JSON list"),
+        (b"null", "test record {path} must be an object, not a JSON null"),
+        (b"{}" + b" " * CAP * 4, "larger than"),
+    ],
+)
+def test_a_record_that_is_not_a_json_object_raises_the_callers_error_with_its_fix(
+    tmp_path: Path, content: bytes, says: str
+) -> None:
+    path = tmp_path / "record.json"
+    path.write_bytes(content)
+    with pytest.raises(RecordError) as caught:
+        read_json_record(str(path), CAP * 4, what="test record", fix="fix it", error=RecordError)
+    assert says.format(path=path) in str(caught.value)
+    assert str(caught.value).endswith("; fix it")
+
+
+def test_a_record_that_cannot_be_written_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    path = str(tmp_path / "file" / "record.json")  # its directory is a file
+    with pytest.raises(RecordError, match=f"cannot write test record {path}"):
+        write_json_record(path, {}, what="test record", error=RecordError)

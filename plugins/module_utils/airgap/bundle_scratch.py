@@ -10,9 +10,10 @@ import stat
 from collections.abc import Mapping
 from typing import Optional
 
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import file_kind
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_refused import BundleProblem, BundleRefused
 
-__all__ = ["check_scratch", "file_kind", "materialise", "scratch_dir", "scratch_error"]
+__all__ = ["check_scratch", "materialise", "scratch_dir", "scratch_error"]
 
 
 def check_scratch(path: str, needed_bytes: int) -> None:
@@ -70,7 +71,7 @@ def scratch_dir(path: str) -> str:
 def _refuse_untrusted_scratch(path: str, status: os.stat_result) -> None:
     problem = None
     if not stat.S_ISDIR(status.st_mode):
-        problem = f"is {file_kind(status.st_mode)}, not a directory"
+        problem = f"is a {file_kind(status.st_mode)}, not a directory"
     elif status.st_uid != os.geteuid():
         problem = f"is owned by uid {status.st_uid}, not by this process's uid {os.geteuid()}"
     elif status.st_mode & 0o022:
@@ -116,18 +117,3 @@ def materialise(work: str, incoming: str, seen: Mapping[str, int]) -> dict[str, 
     except OSError as exc:
         raise scratch_error(exc, os.path.dirname(work), "moving verified files into place") from None
     return files
-
-
-def file_kind(mode: int) -> str:
-    """What a file that is not a regular file is, in the words refusals use ("a FIFO", "a directory")."""
-    for test, word in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return word
-    return "not a regular file"

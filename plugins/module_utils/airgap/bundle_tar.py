@@ -21,9 +21,10 @@ from contextlib import contextmanager
 from typing import Optional
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import file_kind
 from ansible_collections.meridian.node.plugins.module_utils._plain_checks import short_repr
 from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_refused import BundleProblem, BundleRefused
-from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_scratch import file_kind, scratch_error
+from ansible_collections.meridian.node.plugins.module_utils.airgap.bundle_scratch import scratch_error
 from ansible_collections.meridian.node.plugins.module_utils.airgap.tar_members import EXTENDED_TYPES, member_kind
 
 __all__ = [
@@ -68,7 +69,7 @@ def open_regular(path: str) -> Iterator[tuple[io.FileIO, int]]:
         if not stat.S_ISREG(status.st_mode):
             raise BundleRefused(
                 BundleProblem.NOT_A_FILE,
-                f"{path} is {file_kind(status.st_mode)}, not a regular file: a bundle is one tar file",
+                f"{path} is a {file_kind(status.st_mode)}, not a regular file: a bundle is one tar file",
             )
         handle = io.FileIO(fd, "rb", closefd=True)
     except BaseException:

@@ -25,6 +25,7 @@ import stat
 from collections.abc import Iterable, Sequence
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import file_kind
 from ansible_collections.meridian.node.plugins.module_utils.engine_rules import (
     path_within,
     paths_overlap,
@@ -84,21 +85,9 @@ def resolve_volumes(
                 raise VolumeRefusedError((through if path == real else "") + found, check="volume")
         if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
             raise VolumeRefusedError(
-                f"{through}volume source {real!r} is {_kind(mode)}, not a directory or a regular file; a "
+                f"{through}volume source {real!r} is a {file_kind(mode)}, not a directory or a regular file; a "
                 "read-only mount of a socket still lets the engine connect to it, so only data can be mounted",
                 check="volume",
             )
         resolved.append(ParsedVolume(source=real, target=volume.target))
     return tuple(resolved)
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a plain file"

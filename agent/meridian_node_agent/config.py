@@ -411,6 +411,15 @@ def load_config(path: os.PathLike[str] | str) -> AgentConfig:
     return resolved
 
 
+def config_for_verb(path: os.PathLike[str] | str) -> AgentConfig:
+    """``load_config`` for a command-line verb: a config that cannot be used is the caller's usage error (exit 2
+    with the file and the problem named), not a traceback."""
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def policy_for_run(config: AgentConfig) -> Policy:
     """The host policy ``run`` works under, refused when it cannot be read or when it (or this build)
     does not allow the configured mode."""

@@ -1,9 +1,9 @@
-"""Reading the small JSON documents one side leaves for the other: capped, never through a symlink, absent until
-the writer first writes them.
+"""Parsing the small JSON documents one side leaves for the other, once read (``_fileutil.read_if_present``:
+capped, never through a symlink, absent until the writer first writes them).
 
-Runs on: both sides: the agent reads what root's units publish in ``public/`` (the apply answer, the engines file,
-the air-gap outcomes, the kept engine logs), and root reads its own; each format's module parses what is read
-here into its own type and raises its own error, which every failure here is reported as.
+Runs on: both sides: the agent reads what root's units publish in ``public/`` (the engines file, the kept engine
+logs), and root reads its own; each format's module turns the object into its own type and raises its own error,
+which every failure here is reported as.
 """
 
 from __future__ import annotations
@@ -13,24 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    CappedFileMissingError,
-    CappedReadError,
-    read_capped,
-)
-
-__all__ = ["json_object", "read_if_present"]
-
-
-def read_if_present(path: Path, max_bytes: int, *, what: str, error: Callable[[str], Exception]) -> bytes | None:
-    """The bytes of ``path``, or None while it does not exist; ``error`` with ``read_capped``'s reason (a symlink,
-    not a regular file, larger than ``max_bytes``) otherwise. What an absent file means is the caller's to say."""
-    try:
-        return read_capped(path, max_bytes, what=what)
-    except CappedFileMissingError:
-        return None
-    except CappedReadError as exc:
-        raise error(str(exc)) from exc
+__all__ = ["json_object"]
 
 
 def json_object(raw: bytes, path: Path, *, error: Callable[[str], Exception], then: str = "") -> dict[str, Any]:

@@ -46,10 +46,11 @@ from ansible_collections.meridian.node.plugins.module_utils._errors import Merid
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
     atomic_write,
     file_kind,
+    read_if_present,
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import OBSERVED_LOG_LINE_CHARS
 from ansible_collections.meridian.node.plugins.module_utils.engine_rules import NAME_FORM, NAME_PATTERN
-from meridian_node_agent.boundary.documents import json_object, read_if_present
+from meridian_node_agent.boundary.documents import json_object
 
 __all__ = [
     "LOGS_DIR",

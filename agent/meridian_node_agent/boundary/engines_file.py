@@ -40,10 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    atomic_write,
-)
-from meridian_node_agent.boundary.documents import json_object, read_if_present
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, read_if_present
+from meridian_node_agent.boundary.documents import json_object
 
 __all__ = [
     "INVENTORY_FILE",

@@ -13,13 +13,13 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import read_if_present
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     FormatOne,
     NodeId,
     StrictModel,
     describe_validation_error,
 )
-from meridian_node_agent.boundary.documents import read_if_present
 
 __all__ = [
     "MAX_OUTCOMES",

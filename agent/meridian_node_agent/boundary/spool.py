@@ -35,6 +35,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import Field, ValidationError
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import read_if_present
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     FormatOne,
     StrictModel,
@@ -42,7 +43,6 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     describe_validation_error,
     format_rfc3339,
 )
-from meridian_node_agent.boundary.documents import read_if_present
 
 __all__ = [
     "ANSWER_MODE",

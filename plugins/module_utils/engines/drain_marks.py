@@ -26,11 +26,9 @@ from typing import Any
 from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    CappedFileMissingError,
-    CappedReadError,
     atomic_write,
     fsync_directory,
-    read_capped,
+    read_if_present,
 )
 
 __all__ = [
@@ -87,14 +85,9 @@ def _mark_path(state_dir: str, name: str) -> str:
 def read_mark(state_dir: str, name: str) -> DrainMark | None:
     """The mark of engine ``name``, or None when it is not draining."""
     path = _mark_path(state_dir, name)
-    try:
-        # Marks are only ever written by atomic_write: a symlink or a FIFO in their place is not ours.
-        data = read_capped(path, _MAX_MARK_BYTES, what="draining mark")
-    except CappedFileMissingError:
-        return None
-    except CappedReadError as exc:
-        raise DrainStateError(str(exc)) from exc
-    return _parse(path, data, name)
+    # Marks are only ever written by atomic_write: a symlink or a FIFO in their place is not ours.
+    data = read_if_present(path, _MAX_MARK_BYTES, what="draining mark", error=DrainStateError)
+    return None if data is None else _parse(path, data, name)
 
 
 def _parse(path: str, data: bytes, name: str) -> DrainMark:

@@ -78,6 +78,7 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import http_get
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node, running
 from ansible_collections.meridian.node.tests.support.engine_harness import free_ports
+from ansible_collections.meridian.node.tests.support.processes import stop_process
 from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image, ensure_engine_image
 from meridian_node_agent.agent_side.control_client import DesiredStateFetch
 from meridian_node_agent.agent_side.cycle import Agent, CycleStatus
@@ -265,12 +266,7 @@ def agent_process(setup: Setup) -> Iterator[subprocess.Popen[bytes]]:
         try:
             yield process
         finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=15)
+            stop_process(process, sig=signal.SIGINT, grace_s=30)
 
 
 def wait_applied(setup: Setup, process: subprocess.Popen[bytes], generation: int) -> None:

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import importlib
 import os
-import signal
 import ssl
 import subprocess
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import devserver_command
+from ansible_collections.meridian.node.tests.support.processes import stop_process
 from meridian_node_agent.devserver.control.plane import ControlPlane, DataDir, open_control_plane
 
 __all__ = ["ProcSample", "Replicas", "ServerProcess", "open_control", "serving", "serving_replicas"]
@@ -120,7 +120,7 @@ def serving(
         _wait_until_answering(server, log)
         yield server
     finally:
-        _stop(process)
+        stop_process(process)
 
 
 @dataclass(frozen=True)
@@ -217,16 +217,6 @@ def _wait_until_answering(server: ServerProcess, log: Path) -> None:
     raise ServerError(
         f"the devserver never answered /v1/healthz (exit {server.process.poll()}):\n{log.read_text()[-4000:]}"
     )
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
 
 
 def _postgres_value(url: str, query: str) -> Any:

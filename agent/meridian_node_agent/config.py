@@ -9,7 +9,7 @@ to a default.
 import importlib.util
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -119,6 +119,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+_S = TypeVar("_S", bound=_Section)
+
+
+def _in_order(section: _S, first: str, longest: str) -> _S:
+    """``section``, when its ``longest`` wait is not below its ``first`` (a backoff that doubles from one to the
+    other); the ValueError pydantic reports for the section otherwise."""
+    low, high = getattr(section, first), getattr(section, longest)
+    if high < low:
+        raise ValueError(f"{longest} ({high}) is below {first} ({low})")
+    return section
+
+
 class ControlPlaneConfig(_Section):
     url: AnyHttpUrl = Field(description="the control plane's base URL; https:// only (mutual TLS)")
     # Replicas of one control plane (devserver processes sharing one database and data dir) answer every node the
@@ -184,9 +196,7 @@ class BackoffConfig(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> "BackoffConfig":
-        if self.max_seconds < self.initial_seconds:
-            raise ValueError(f"max_seconds ({self.max_seconds}) is below initial_seconds ({self.initial_seconds})")
-        return self
+        return _in_order(self, "initial_seconds", "max_seconds")
 
 
 class CertificateRenewalConfig(_Section):
@@ -210,12 +220,7 @@ class CertificateRenewalConfig(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> "CertificateRenewalConfig":
-        if self.retry_max_seconds < self.retry_initial_seconds:
-            raise ValueError(
-                f"retry_max_seconds ({self.retry_max_seconds}) is below retry_initial_seconds "
-                f"({self.retry_initial_seconds})"
-            )
-        return self
+        return _in_order(self, "retry_initial_seconds", "retry_max_seconds")
 
 
 class Journal(_Section):
@@ -279,12 +284,7 @@ class Supervision(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> "Supervision":
-        if self.backoff_max_seconds < self.backoff_initial_seconds:
-            raise ValueError(
-                f"backoff_max_seconds ({self.backoff_max_seconds}) is below backoff_initial_seconds "
-                f"({self.backoff_initial_seconds})"
-            )
-        return self
+        return _in_order(self, "backoff_initial_seconds", "backoff_max_seconds")
 
 
 class KubernetesConfig(_Section):
@@ -409,6 +409,15 @@ def load_config(path: os.PathLike[str] | str) -> AgentConfig:
                 f"apply unit keeps its record and journal apart (default {DEFAULT_STATE_DIR})"
             )
     return resolved
+
+
+def config_for_verb(path: os.PathLike[str] | str) -> AgentConfig:
+    """``load_config`` for a command-line verb: a config that cannot be used is the caller's usage error (exit 2
+    with the file and the problem named), not a traceback."""
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def policy_for_run(config: AgentConfig) -> Policy:

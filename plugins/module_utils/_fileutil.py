@@ -4,11 +4,14 @@
 half-written file would be dangerous: the applied-state record (rollback protection), the artifact store,
 the agent's spool.
 
+``create_exclusive``: a file created once and never replaced (a private key): written in full to a temporary
+file, then hard-linked into place, so nobody sees a half-written file and a concurrent creator keeps its own.
+
 ``read_capped``: the one way a small file (a mark, a policy, an envelope, a file the other side of the
 privilege boundary wrote) is read. It is opened without following a symlink (unless asked to), without
 blocking (a FIFO cannot hang the reader), refused unless it is a regular file, and never read past the
 cap; every refusal is a ``CappedReadError`` whose ``reason`` says which, and whose message names the file
-and what to do.
+and what to do. ``read_if_present`` is ``read_capped`` for a file that may not exist yet.
 
 ``read_json_record``, ``write_json_record``, ``remove_json_record``: the host's small public JSON records (the
 cordon, the draining marks) that root writes and the unprivileged agent reads, each failure raised as the
@@ -34,9 +37,11 @@ __all__ = [
     "CappedReadError",
     "CappedReadReason",
     "atomic_write",
+    "create_exclusive",
     "file_kind",
     "fsync_directory",
     "read_capped",
+    "read_if_present",
     "read_json_record",
     "remove_json_record",
     "write_json_record",
@@ -81,6 +86,35 @@ def atomic_write(path: os.PathLike[str] | str, data: bytes, mode: int = 0o600, g
             os.unlink(temp)
         raise
     fsync_directory(directory)
+
+
+def create_exclusive(path: os.PathLike[str] | str, data: bytes, mode: int = 0o600) -> bool:
+    """Create ``path`` (``mode``) holding ``data`` unless the name exists; True when this call created it.
+
+    The bytes go to a temporary file in the same directory, fsynced, and are hard-linked into place:
+    ``link`` refuses to replace an existing name, so of two processes creating the same file at once the
+    loser keeps the winner's file, and nobody ever sees a half-written one. Unlike ``atomic_write``, an
+    existing file is never replaced (a certificate may already be bound to a key). The temporary file is
+    removed in every case.
+    """
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), mode)
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(temp, target)
+        except FileExistsError:
+            return False
+        fsync_directory(directory)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
 
 
 class CappedReadReason(str, enum.Enum):
@@ -201,6 +235,23 @@ def read_capped(
     return data
 
 
+def read_if_present(
+    path: os.PathLike[str] | str, max_bytes: int, *, what: str, error: Callable[[str], Exception]
+) -> bytes | None:
+    """``read_capped`` of ``path`` (never through a symlink), or None while it does not exist.
+
+    Any other refusal (a symlink, not a regular file, larger than ``max_bytes``) is raised as ``error`` called
+    with ``read_capped``'s message, which names the file and the reason: the caller's own error type, so its
+    callers catch one family. What an absent file means is the caller's to say.
+    """
+    try:
+        return read_capped(path, max_bytes, what=what)
+    except CappedFileMissingError:
+        return None
+    except CappedReadError as exc:
+        raise error(str(exc)) from exc
+
+
 def _too_large(name: str, max_bytes: int, *, what: str) -> CappedReadError:
     return CappedReadError(
         CappedReadReason.TOO_LARGE, what=what, path=name, detail=f"it is larger than {max_bytes} bytes"
@@ -259,12 +310,9 @@ def read_json_record(
     A refused read, a file that is not JSON, or JSON that is not an object raises ``error(message)``, the
     message naming the file (``what``: "draining mark") and ending in ``fix`` ("remove it or run undrain").
     """
-    try:
-        data = read_capped(path, max_bytes, what=what)
-    except CappedFileMissingError:
+    data = read_if_present(path, max_bytes, what=what, error=lambda message: error(f"{message}; {fix}"))
+    if data is None:
         return None
-    except CappedReadError as exc:
-        raise error(f"{exc}; {fix}") from exc
     try:
         document: Any = json.loads(data)
     except ValueError as exc:

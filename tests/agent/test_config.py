@@ -66,6 +66,21 @@ def test_relative_paths_resolve_against_the_config_file(policy_dir: Path) -> Non
         ("top level not a mapping", "- node_id: x\n", "top level must be a mapping"),
         ("broken YAML", "node_id: [unclosed\n", "line 2"),
         ("duplicate key", "node_id: a\nnode_id: b\n", "duplicate key 'node_id'"),
+        (
+            "backoff longest below first",
+            {**GOOD, "backoff": {"initial_seconds": 5.0, "max_seconds": 1.0}},
+            "max_seconds (1.0) is below initial_seconds (5.0)",
+        ),
+        (
+            "renewal retry longest below first",
+            {**GOOD, "certificate_renewal": {"retry_initial_seconds": 50.0, "retry_max_seconds": 10.0}},
+            "retry_max_seconds (10.0) is below retry_initial_seconds (50.0)",
+        ),
+        (
+            "supervision backoff longest below first",
+            {**GOOD, "supervision": {"backoff_initial_seconds": 50.0, "backoff_max_seconds": 10.0}},
+            "backoff_max_seconds (10.0) is below backoff_initial_seconds (50.0)",
+        ),
     ],
 )
 def test_bad_config_exits_1_naming_the_field(

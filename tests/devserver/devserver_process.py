@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import IO
 import pytest
 import requests
 
+from ansible_collections.meridian.node.tests.support.processes import stop_process
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected
 from meridian_node_agent.agent_side.identity import NodeIdentity
 
@@ -118,7 +118,7 @@ def running(
             _wait_until_answering(server, process)
             yield server
         finally:
-            _stop(process)
+            stop_process(process)
             pump.join(timeout=15)
             process.stdout.close()
 
@@ -188,16 +188,6 @@ def _wait_until_answering(server: DevServer, process: subprocess.Popen[str]) -> 
             last = exc
         time.sleep(0.05)
     raise AssertionError(f"devserver never answered /v1/healthz ({last}):\n{server.stderr()}")
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
 
 
 def enroll_node(server: DevServer, directory: Path, node_id: str, token: str | None = None) -> ControlClient:

@@ -48,7 +48,7 @@ from meridian_node_agent.boundary.agent_files import STATUS_FILE
 from meridian_node_agent.boundary.outbox import JournalSummary, Outbox, keyid_of
 from meridian_node_agent.boundary.outcomes import OutcomesError, read_outcomes
 from meridian_node_agent.boundary.spool import PUBLIC_DIR
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config
+from meridian_node_agent.config import AgentConfig, config_for_verb
 from meridian_node_agent.errors import UsageError
 from meridian_node_agent.logs import EventLogger
 
@@ -520,10 +520,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def cmd_outbox_key(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from exc
+    config = config_for_verb(args.config)
     public = node_signing_key(config).public_key()
     pem = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     sys.stdout.write(pem.decode("ascii"))

@@ -17,7 +17,7 @@ the state afresh and applying it at once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -87,29 +87,11 @@ class ApplyRetry:
         Same boot (``same_clock``): the attempt is due when it was, never later than the backoff allows now. Another
         boot: at once."""
         retry_at = min(remembered.retry_at, now + backoff(remembered.failures)) if same_clock else 0.0
-        return cls(
-            envelope=envelope,
-            generation=remembered.generation,
-            payload_sha256=remembered.payload_sha256,
-            failures=remembered.failures,
-            retry_at=retry_at,
-            backoff_s=remembered.backoff_s,
-            failed_at=remembered.failed_at,
-            error=remembered.error,
-        )
+        return replace(cls(envelope=envelope, **_shared(remembered)), retry_at=retry_at)
 
     def remembered(self, etag: str | None) -> RememberedRetry:
         """For the agent's record: this less the envelope, with the ETag the agent holds meanwhile."""
-        return RememberedRetry(
-            generation=self.generation,
-            payload_sha256=self.payload_sha256,
-            failures=self.failures,
-            retry_at=self.retry_at,
-            backoff_s=self.backoff_s,
-            failed_at=self.failed_at,
-            error=self.error,
-            etag=etag,
-        )
+        return RememberedRetry(**_shared(self), etag=etag)
 
     def status(self, now: float) -> dict[str, Any]:
         """For status.json, ``now`` on the agent's monotonic clock: where the retry stands and when it comes."""
@@ -126,3 +108,9 @@ class ApplyRetry:
             "next_attempt_at": format_rfc3339(self.failed_at + timedelta(seconds=self.backoff_s)),
             "error": self.error,
         }
+
+
+def _shared(retry: ApplyRetry | RememberedRetry) -> dict[str, Any]:
+    """What an ``ApplyRetry`` and its ``RememberedRetry`` both hold, by field name: all but the envelope (the spool
+    keeps it) and the ETag (the record's alone). Named once here, so a field added to both is carried both ways."""
+    return {field.name: getattr(retry, field.name) for field in fields(ApplyRetry) if field.name != "envelope"}

@@ -100,20 +100,8 @@ def restore_counters(status_path: Path, *, log: EventLogger) -> CarriedOver:
         carried = _StatusCarried.model_validate_json(raw)
     except ValidationError as exc:
         return _not_restored(status_path, describe_validation_error(exc), log)
-    counts = carried.counters
-    return CarriedOver(
-        Counters(
-            cycles=counts.cycles,
-            applies=counts.applies,
-            apply_failures=counts.apply_failures,
-            unavailable=counts.unavailable,
-            refused=counts.refused,
-            repairs=counts.repairs,
-            states_refused=counts.states_refused,
-            rejections=dict(counts.rejections),
-        ),
-        carried.last_applied_at,
-    )
+    # _StatusCounts is Counters as status.json holds it, field for field (model_dump copies the rejections).
+    return CarriedOver(Counters(**carried.counters.model_dump()), carried.last_applied_at)
 
 
 def _not_restored(status_path: Path, reason: str, log: EventLogger) -> CarriedOver:

@@ -386,30 +386,19 @@ class Agent:
             self.log.warning("interrupted-apply-not-resumed", run_ident=pending.run_ident, reason=self.config.mode)
             return None
 
-        def close(result: str, reason: str | None = None) -> None:
-            self.oplog.append(
-                op=pending.op,
-                generation=pending.generation,
-                epoch=pending.epoch,
-                payload_sha256=pending.payload_sha256,
-                run_ident=pending.run_ident,
-                result=result,
-                reason=reason,
-            )
-
         try:
             envelope = self.spool.read_bytes()
             verified = self._verify(envelope)
         except (OSError, Rejection, StateStoreError) as exc:
-            close(ABANDONED, str(exc))
+            self.oplog.finish(pending, ABANDONED, reason=str(exc))
             self.log.error("interrupted-apply-abandoned", run_ident=pending.run_ident, error=str(exc))
             return None
         if verified.payload_sha256 != pending.payload_sha256:
             reason = f"the spool holds sha256 {verified.payload_sha256}, the operation was {pending.payload_sha256}"
-            close(ABANDONED, reason)
+            self.oplog.finish(pending, ABANDONED, reason=reason)
             self.log.error("interrupted-apply-abandoned", run_ident=pending.run_ident, error=reason)
             return None
-        close("interrupted")
+        self.oplog.finish(pending, "interrupted")
         self.log.info("resuming-interrupted-apply", run_ident=pending.run_ident, generation=pending.generation)
         result = self._apply(envelope, verified)
         # As any apply of this state: a failure counts towards its retry's backoff, a success ends the retry.

@@ -45,7 +45,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, fsync_directory
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
+    atomic_write,
+    create_exclusive,
+    fsync_directory,
+)
 from ansible_collections.meridian.node.plugins.module_utils.contracts import EnrollmentResponse, format_rfc3339
 
 # The pinned public API (tests/devserver/test_devserver_units.py).
@@ -143,23 +147,8 @@ class NodeIdentity:
         pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".node.key.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                os.fchmod(handle.fileno(), 0o600)
-                handle.write(pem)
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                # link() refuses to replace an existing name: a concurrent creator keeps its key.
-                os.link(temp, self.key_path)
-            except FileExistsError:
-                return False
-            fsync_directory(self.directory)
-            return True
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                Path(temp).unlink()
+        # link() refuses to replace an existing name: a concurrent creator keeps its key.
+        return create_exclusive(self.key_path, pem, 0o600)
 
     def csr_pem(self, node_id: str) -> str:
         """A certificate signing request for ``node_id`` made with the node key (creating the key if needed)."""

@@ -299,16 +299,7 @@ class SupervisionRecord:
             },
             "apply_retry": None
             if apply_retry is None
-            else {
-                "generation": apply_retry.generation,
-                "payload_sha256": apply_retry.payload_sha256,
-                "failures": apply_retry.failures,
-                "retry_at": apply_retry.retry_at,
-                "backoff_s": apply_retry.backoff_s,
-                "failed_at": format_rfc3339(apply_retry.failed_at),
-                "error": apply_retry.error,
-                "etag": apply_retry.etag,
-            },
+            else {**asdict(apply_retry), "failed_at": format_rfc3339(apply_retry.failed_at)},
         }
 
 
@@ -329,18 +320,8 @@ def _remembered(parsed: _RecordDocument, *, same_clock: bool) -> Remembered:
             payload_sha256=state.payload_sha256,
             tracks={name: EngineTrack(name=name, **entry.model_dump()) for name, entry in state.engines.items()},
         ),
-        apply_retry=None
-        if retry is None
-        else RememberedRetry(
-            generation=retry.generation,
-            payload_sha256=retry.payload_sha256,
-            failures=retry.failures,
-            retry_at=retry.retry_at,
-            backoff_s=retry.backoff_s,
-            failed_at=retry.failed_at,
-            error=retry.error,
-            etag=retry.etag,
-        ),
+        # _RetryEntry is RememberedRetry's form on disk, field for field.
+        apply_retry=None if retry is None else RememberedRetry(**retry.model_dump()),
         same_clock=same_clock,
     )
 

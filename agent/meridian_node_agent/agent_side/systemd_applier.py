@@ -188,15 +188,7 @@ class SystemdApplier:
             return None
         if answer is None or answer.request != pending.run_ident:
             return None
-        return self.oplog.append(
-            op=pending.op,
-            generation=pending.generation,
-            epoch=pending.epoch,
-            payload_sha256=pending.payload_sha256,
-            run_ident=pending.run_ident,
-            result=answer.status,
-            at=datetime.fromisoformat(answer.finished_at),
-        )
+        return self.oplog.finish(pending, answer.status, at=datetime.fromisoformat(answer.finished_at))
 
     def _await(self, watch: DirectoryWatch, ident: str, deadline: float) -> ApplyAnswer | None:
         while True:

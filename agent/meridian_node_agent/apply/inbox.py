@@ -186,13 +186,9 @@ def close_interrupted(record_dir: Path, log: EventLogger) -> None:
     pending = oplog.pending()
     if pending is None:
         return
-    oplog.append(
-        op=pending.op,
-        generation=pending.generation,
-        epoch=pending.epoch,
-        payload_sha256=pending.payload_sha256,
-        run_ident=pending.run_ident,
-        result="interrupted",
+    oplog.finish(
+        pending,
+        "interrupted",
         reason="the applier stopped during the run; the bundle stays in the inbox and is taken again",
     )
     log.warning("interrupted-apply-closed", run_ident=pending.run_ident, generation=pending.generation)

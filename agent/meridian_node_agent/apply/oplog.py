@@ -22,7 +22,9 @@ __all__ = ["ABANDONED", "STARTED", "OpLog", "Operation", "decode_operation"]
 STARTED = "started"
 # An interrupted operation that start-up could not resume; its entry carries the reason.
 ABANDONED = "abandoned"
-_FIELDS = ("op", "generation", "epoch", "payload_sha256", "run_ident", "result", "at")
+# What names an operation: its started line and the line that ends it carry the same.
+_OPERATION = ("op", "generation", "epoch", "payload_sha256", "run_ident")
+_FIELDS = (*_OPERATION, "result", "at")
 _OPTIONAL = ("reason",)
 
 
@@ -79,6 +81,14 @@ class OpLog:
         finally:
             os.close(fd)
         return entry
+
+    def finish(
+        self, pending: Operation, result: str, *, at: datetime | None = None, reason: str | None = None
+    ) -> Operation:
+        """Append the line that ends ``pending`` (a ``started`` entry) with ``result``: the same operation,
+        generation, epoch, digest and run ident, so that ``pending()`` no longer returns it."""
+        same = {name: getattr(pending, name) for name in _OPERATION}
+        return self.append(**same, result=result, at=at, reason=reason)
 
     def read(self) -> list[Operation]:
         """Every complete entry, oldest first."""

@@ -44,14 +44,13 @@ from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    CappedFileMissingError,
-    CappedReadError,
     atomic_write,
     file_kind,
-    read_capped,
+    read_if_present,
 )
 from ansible_collections.meridian.node.plugins.module_utils.contracts import OBSERVED_LOG_LINE_CHARS
 from ansible_collections.meridian.node.plugins.module_utils.engine_rules import NAME_FORM, NAME_PATTERN
+from meridian_node_agent.boundary.documents import json_object
 
 __all__ = [
     "LOGS_DIR",
@@ -82,6 +81,8 @@ TAIL_LINES = 100  # per container, as Docker's ``tail`` counts them
 MAX_LINE_CHARS = 500  # a line cut here fits the observation's own bound with its note
 MAX_LOG_FILE_BYTES = 128 * 1024  # 2 x 100 lines x 500 characters fits with room for JSON escapes, mostly
 _CUT = " [... {} more characters]"
+# What every refusal of a kept log ends with: root's observe unit replaces the file on its next run.
+_REWRITTEN = "; the next observe run rewrites it"
 _NAME = re.compile(NAME_PATTERN)
 _CONTAINER_ID = re.compile(r"[0-9a-f]{12}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -243,22 +244,15 @@ def read_log_tail(directory: Path, engine: str) -> EngineLogTail:
     """The tail kept for ``engine`` in ``directory``; ``EngineLogError`` when there is none yet, or it is not a
     regular file (symlinks are refused, not followed), too large or malformed."""
     path = log_path(directory, engine)
-    try:
-        raw = read_capped(path, MAX_LOG_FILE_BYTES, what="the kept engine log")
-    except CappedFileMissingError:
-        raise EngineLogMissingError(f"no log is kept for engine {engine!r} yet: {path} does not exist") from None
-    except CappedReadError as exc:
-        raise EngineLogError(str(exc)) from exc
+    raw = read_if_present(path, MAX_LOG_FILE_BYTES, what="the kept engine log", error=EngineLogError)
+    if raw is None:
+        raise EngineLogMissingError(f"no log is kept for engine {engine!r} yet: {path} does not exist")
     return parse_log_tail(raw, path=path, engine=engine)
 
 
 def parse_log_tail(raw: bytes, *, path: Path, engine: str) -> EngineLogTail:
-    try:
-        document: Any = json.loads(raw)
-    except ValueError as exc:
-        raise EngineLogError(f"{path} is not JSON: {exc}; the next observe run rewrites it") from exc
+    document = json_object(raw, path, error=EngineLogError, then=_REWRITTEN)
     where = str(path)
-    _require(isinstance(document, dict), where, "the document must be an object")
     known = {"format", "engine", "written_at", "current", "previous"}
     _require(set(document) == known, where, f"the fields must be {sorted(known)} (got {sorted(document)})")
     _require(document["format"] == FORMAT, where, f"format must be {FORMAT} (got {document['format']!r:.40})")
@@ -308,4 +302,4 @@ def _run(entry: Any, where: str) -> KeptRun:
 
 def _require(condition: bool, where: str, problem: str) -> None:
     if not condition:
-        raise EngineLogError(f"{where}: {problem}; the next observe run rewrites it")
+        raise EngineLogError(f"{where}: {problem}{_REWRITTEN}")

@@ -40,12 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    CappedFileMissingError,
-    CappedReadError,
-    atomic_write,
-    read_capped,
-)
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import atomic_write, read_if_present
+from meridian_node_agent.boundary.documents import json_object
 
 __all__ = [
     "INVENTORY_FILE",
@@ -151,33 +147,27 @@ def file_identity(path: Path) -> FileIdentity | None:
 def read_inventory(path: Path, *, node_id: str) -> Inventory:
     """The inventory at ``path`` for ``node_id``; ``InventoryError`` (with the reason) when it is missing,
     not a regular file, larger than ``MAX_INVENTORY_BYTES``, not JSON, of another shape or another node."""
-    try:
-        raw = read_capped(path, MAX_INVENTORY_BYTES, what="the engine inventory")
-    except CappedFileMissingError:
+    raw = read_if_present(path, MAX_INVENTORY_BYTES, what="the engine inventory", error=InventoryError)
+    if raw is None:
         raise InventoryError(
             f"{path} does not exist yet; the root apply unit (meridian-node apply-spooled) writes it "
             "after each apply and when it starts"
-        ) from None
-    except CappedReadError as exc:
-        raise InventoryError(str(exc)) from exc
+        )
     return parse_inventory(raw, path=path, node_id=node_id)
 
 
 def parse_inventory(raw: bytes, *, path: Path, node_id: str) -> Inventory:
-    try:
-        document: Any = json.loads(raw)
-    except ValueError as exc:
-        raise InventoryError(f"{path} is not JSON: {exc}") from exc
+    document = json_object(raw, path, error=InventoryError)
     where = str(path)
-    _require(isinstance(document, dict), where, "the document must be an object")
     known = {"format", "node_id", "written_at", "engines"}
     _require(not set(document) - known, where, f"unknown fields {sorted(set(document) - known)}")
     _require(document.get("format") == FORMAT, where, f"format must be {FORMAT} (got {document.get('format')!r})")
-    written = document.get("node_id")
+    # Any: what the file holds, checked by the _require lines that follow (which mypy does not narrow by).
+    written: Any = document.get("node_id")
     _require(isinstance(written, str), where, "node_id must be a string")
     _require(written == node_id, where, f"it was written for node {written!r}, not this node {node_id!r}")
     _require(isinstance(document.get("written_at"), str), where, "written_at must be a string")
-    engines = document.get("engines")
+    engines: Any = document.get("engines")
     _require(isinstance(engines, list), where, "engines must be a list")
     _require(len(engines) <= MAX_ENGINES, where, f"more than {MAX_ENGINES} engines ({len(engines)})")
     parsed = tuple(_engine(entry, f"{where}: engines[{index}]") for index, entry in enumerate(engines))

@@ -13,11 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    CappedFileMissingError,
-    CappedReadError,
-    read_capped,
-)
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import read_if_present
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     FormatOne,
     NodeId,
@@ -124,10 +120,5 @@ def parse_outcomes(raw: bytes, *, path: Path, node_id: str) -> RootOutcomes:
 def read_outcomes(public: Path, *, node_id: str) -> RootOutcomes | None:
     """``public/airgap-outcomes.json`` (agent side, and root reading its own), or None when there is none yet."""
     path = Path(public) / OUTCOMES_FILE
-    try:
-        raw = read_capped(path, MAX_OUTCOMES_BYTES, what="root's air-gap outcomes")
-    except CappedFileMissingError:
-        return None
-    except CappedReadError as exc:
-        raise OutcomesError(str(exc)) from exc
-    return parse_outcomes(raw, path=path, node_id=node_id)
+    raw = read_if_present(path, MAX_OUTCOMES_BYTES, what="root's air-gap outcomes", error=OutcomesError)
+    return None if raw is None else parse_outcomes(raw, path=path, node_id=node_id)

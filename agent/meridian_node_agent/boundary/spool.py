@@ -35,11 +35,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import Field, ValidationError
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
-    CappedFileMissingError,
-    CappedReadError,
-    read_capped,
-)
+from ansible_collections.meridian.node.plugins.module_utils._fileutil import read_if_present
 from ansible_collections.meridian.node.plugins.module_utils.contracts import (
     FormatOne,
     StrictModel,
@@ -231,13 +227,8 @@ def parse_answer(raw: bytes, where: Path) -> ApplyAnswer:
 def read_answer_file(public: Path) -> ApplyAnswer | None:
     """The answer in root's ``public/`` directory, or None when there is none yet (agent side)."""
     path = public / RESULT_FILE
-    try:
-        raw = read_capped(path, MAX_REQUEST_BYTES, what="root's apply answer")
-    except CappedFileMissingError:
-        return None
-    except CappedReadError as exc:
-        raise SpoolError(str(exc)) from exc
-    return parse_answer(raw, path)
+    raw = read_if_present(path, MAX_REQUEST_BYTES, what="root's apply answer", error=SpoolError)
+    return None if raw is None else parse_answer(raw, path)
 
 
 def _parse(model: type[_Model], raw: bytes, path: Path) -> _Model:

@@ -29,8 +29,7 @@ from meridian_node_agent.boundary.agent_files import STATUS_MAX_BYTES, read_agen
 from meridian_node_agent.boundary.directories import BoundaryError
 from meridian_node_agent.config import (
     AgentConfig,
-    ConfigError,
-    load_config,
+    config_for_verb,
     metrics_unavailable,
     policy_for_run,
 )
@@ -107,15 +106,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     status.set_defaults(handler=cmd_status)
 
 
-def _config(args: argparse.Namespace) -> AgentConfig:
-    try:
-        return load_config(args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from exc
-
-
 def cmd_enroll(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = config_for_verb(args.config)
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
         raise UsageError(f"no enrollment token: pass --token or set {TOKEN_ENV}")
@@ -278,7 +270,7 @@ def _engine_source(config: AgentConfig, log: EventLogger | None) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = config_for_verb(args.config)
     configure_logging(config.log.level, config.log.format)
     # The agent's handlers for the whole run, before anything is built: ansible-runner, given the stop as its cancel
     # callback, installs none of its own (agent_side.stop).
@@ -324,7 +316,7 @@ def _run_air_gapped(config: AgentConfig, *, once: bool, stop: StopSignal) -> int
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = config_for_verb(args.config)
     try:
         seen = _read_state_dir(config)
     except (BoundaryError, StateStoreError) as exc:

@@ -27,8 +27,7 @@ from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold impo
 )
 from meridian_node_agent.boundary.agent_files import STATUS_MAX_BYTES, read_agent_document
 from meridian_node_agent.boundary.directories import BoundaryError
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config
-from meridian_node_agent.errors import UsageError
+from meridian_node_agent.config import AgentConfig, config_for_verb
 from meridian_node_agent.terminal_text import escape_text
 
 __all__ = ["add_parsers", "cmd_gpu_health_clear", "cmd_gpu_health_show"]
@@ -68,15 +67,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     clear.set_defaults(handler=cmd_gpu_health_clear)
 
 
-def _config(args: argparse.Namespace) -> AgentConfig:
-    try:
-        return load_config(args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from exc
-
-
 def cmd_gpu_health_show(args: argparse.Namespace, *, nvml: Any = None) -> int:
-    config = _config(args)
+    config = config_for_verb(args.config)
     holds = HealthHolds(config.record_dir)
     holds_problem = status_problem = None
     try:
@@ -212,7 +204,7 @@ def _agent_verdicts(config: AgentConfig) -> dict[str, dict[str, Any]]:
 
 
 def cmd_gpu_health_clear(args: argparse.Namespace, *, nvml: Any = None) -> int:
-    config = _config(args)
+    config = config_for_verb(args.config)
     holds = HealthHolds(config.record_dir)
     # The GPUs now, only to know them by index and PCI bus id (an index can move after a reboot); not judged.
     facts = collect_gpu_facts(nvml, processes=False, nvlink=False, health=False)

@@ -29,7 +29,7 @@ from meridian_node_agent.boundary.engine_logs_file import (
 )
 from meridian_node_agent.boundary.engines_file import INVENTORY_FILE, InventoryError, read_inventory
 from meridian_node_agent.boundary.spool import PUBLIC_DIR
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config
+from meridian_node_agent.config import AgentConfig, config_for_verb
 from meridian_node_agent.errors import UsageError
 from meridian_node_agent.terminal_text import escape_text, unescape_text
 
@@ -84,10 +84,7 @@ def kept_logs_dir(config: AgentConfig) -> Path:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from exc
+    config = config_for_verb(args.config)
     directory = kept_logs_dir(config)
     try:
         log_path(directory, args.engine)

@@ -50,8 +50,7 @@ from meridian_node_agent.boundary.spool import (
     SpoolError,
     read_answer_file,
 )
-from meridian_node_agent.config import AgentConfig, ConfigError, load_config, mode_unavailable
-from meridian_node_agent.errors import UsageError
+from meridian_node_agent.config import AgentConfig, config_for_verb, mode_unavailable
 from meridian_node_agent.root_side.engine_inventory import collect_inventory
 from meridian_node_agent.root_side.gpu_reports import relay_gpu_reports
 from meridian_node_agent.root_side.read_only_docker import connect_read_only
@@ -91,10 +90,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 def open_root_side(config_path: str, *, unit: str, nothing_done: str) -> tuple[AgentConfig, RootDir] | None:
     """The config and root's checked directory for a root unit (``unit`` names it in messages), or None
     after printing why this node is not one the unit serves or its directory is unsafe."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from exc
+    config = config_for_verb(config_path)
     if config.apply.via != "systemd":
         # Not a root unit's node: no agent waits for an answer, and there is no directory of root's to use.
         print(

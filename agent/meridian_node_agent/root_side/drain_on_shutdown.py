@@ -90,7 +90,6 @@ __all__ = [
     "ShutdownDrain",
     "ShutdownSignal",
     "clear_shutdown_marks",
-    "drain_for_shutdown",
     "is_shutdown_mark",
     "observation_interval_s",
     "running_engines",
@@ -300,62 +299,6 @@ class DrainReport:
         }
 
 
-def drain_for_shutdown(
-    list_engines: Callable[[], list[DrainTarget]],
-    *,
-    state_dir: str,
-    boot_id: str,
-    settings: DrainSettings,
-    bound_s: float,
-    log: EventLogger,
-    wait: IdleWaiter = wait_until_idle,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> DrainReport:
-    """Mark, settle, wait: everything within ``bound_s`` of the call. Never raises for an engine's or Docker's
-    trouble (it is logged in the report): whatever happens, the caller releases the lock after this."""
-    start = clock()
-    deadline = start + bound_s
-    report = DrainReport(bound_s=bound_s)
-    try:
-        targets = list_engines()
-    except DockerEngineError as exc:
-        # Nothing known to mark or wait for: the lock goes at once, as without this service.
-        report.listing_failed = str(exc)
-        report.waited_s = clock() - start
-        return report
-    # Two containers of one engine (a replace that starts the new one beside the old) share its name and mark.
-    report.engines = list(dict.fromkeys(target.name for target in targets))
-    repeated = {name for name in report.engines if sum(target.name == name for target in targets) > 1}
-    for target in targets:
-        if target.name in report.marked or target.name in report.mark_failed:
-            continue
-        try:
-            _mark, new = mark_draining(state_dir, target.name, reason=shutdown_reason(boot_id))
-        except DrainStateError as exc:
-            report.mark_failed[target.name] = str(exc)  # still waited for: its requests may yet finish
-            continue
-        if new:
-            report.marked.append(target.name)
-    if report.marked:
-        settle = min(settings.settle_s, max(0.0, deadline - clock()))
-        log.info("shutdown-drain-settling", engines=report.marked, seconds=round(settle, 3))
-        sleep(settle)
-        report.settled_s = settle
-    # One deadline for all: the engines drain at once, so waiting on one is time the others had too. Engines
-    # with gauges first; those without share one grace from here rather than one each.
-    idle_from = clock()
-    for target in sorted(targets, key=lambda target: not target.has_gauges):
-        remaining = max(0.0, deadline - clock())
-        grace = max(0.0, settings.grace_s - (clock() - idle_from))
-        key = f"{target.name} (port {target.address[1]})" if target.name in repeated and target.address else target.name
-        report.outcomes[key] = wait(
-            target.driver, target.address, timeout_s=remaining, grace_s=grace, sleep=sleep, clock=clock
-        )
-    report.waited_s = clock() - start
-    return report
-
-
 class ShutdownDrain:
     """The service's state: the lock it holds (a file descriptor) and whether this shutdown was drained.
 
@@ -458,17 +401,7 @@ class ShutdownDrain:
                 bound_s = delay_max_s
             self.log.info("shutdown-drain-started", bound_s=bound_s)
             self._notify(f"STATUS=draining engines (bound {bound_s:g} s)")
-            report = drain_for_shutdown(
-                self.list_engines,
-                state_dir=self.state_dir,
-                boot_id=self.boot_id,
-                settings=self.settings,
-                bound_s=bound_s,
-                log=self.log,
-                wait=self._wait,
-                sleep=self._sleep,
-                clock=self._clock,
-            )
+            report = self._drain_engines(bound_s)
             self.reports.append(report)
             level = self.log.warning if report.busy() or report.mark_failed or report.listing_failed else self.log.info
             level("shutdown-drain-done", **report.fields())
@@ -477,6 +410,54 @@ class ShutdownDrain:
             self.drained = True
             self.release()
             self._notify("STATUS=drained; the shutdown may proceed")
+
+    def _drain_engines(self, bound_s: float) -> DrainReport:
+        """Mark, settle, wait: everything within ``bound_s`` of the call. Never raises for an engine's or Docker's
+        trouble (it is logged in the report): whatever happens, ``drain`` releases the lock after this."""
+        start = self._clock()
+        deadline = start + bound_s
+        report = DrainReport(bound_s=bound_s)
+        try:
+            targets = self.list_engines()
+        except DockerEngineError as exc:
+            # Nothing known to mark or wait for: the lock goes at once, as without this service.
+            report.listing_failed = str(exc)
+            report.waited_s = self._clock() - start
+            return report
+        # Two containers of one engine (a replace that starts the new one beside the old) share its name and mark.
+        report.engines = list(dict.fromkeys(target.name for target in targets))
+        repeated = {name for name in report.engines if sum(target.name == name for target in targets) > 1}
+        for target in targets:
+            if target.name in report.marked or target.name in report.mark_failed:
+                continue
+            try:
+                _mark, new = mark_draining(self.state_dir, target.name, reason=shutdown_reason(self.boot_id))
+            except DrainStateError as exc:
+                report.mark_failed[target.name] = str(exc)  # still waited for: its requests may yet finish
+                continue
+            if new:
+                report.marked.append(target.name)
+        if report.marked:
+            settle = min(self.settings.settle_s, max(0.0, deadline - self._clock()))
+            self.log.info("shutdown-drain-settling", engines=report.marked, seconds=round(settle, 3))
+            self._sleep(settle)
+            report.settled_s = settle
+        # One deadline for all: the engines drain at once, so waiting on one is time the others had too. Engines
+        # with gauges first; those without share one grace from here rather than one each.
+        idle_from = self._clock()
+        for target in sorted(targets, key=lambda target: not target.has_gauges):
+            remaining = max(0.0, deadline - self._clock())
+            grace = max(0.0, self.settings.grace_s - (self._clock() - idle_from))
+            key = (
+                f"{target.name} (port {target.address[1]})"
+                if target.name in repeated and target.address
+                else target.name
+            )
+            report.outcomes[key] = self._wait(
+                target.driver, target.address, timeout_s=remaining, grace_s=grace, sleep=self._sleep, clock=self._clock
+            )
+        report.waited_s = self._clock() - start
+        return report
 
     def release(self) -> None:
         """Close the lock's descriptor if one is held: logind sees it released. Safe to call more than once."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApi, DockerApiError
-from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, DockerUnavailableError
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
 
 __all__ = ["ReadOnlyDockerApi", "connect_read_only"]
 
@@ -34,11 +34,4 @@ class ReadOnlyDockerApi(DockerApi):
 
 def connect_read_only(timeout_s: int = 30) -> DockerEngine:
     """The local Docker Engine through ``ReadOnlyDockerApi`` (DOCKER_HOST, or the local socket)."""
-    try:
-        api = ReadOnlyDockerApi.from_env(timeout_s=timeout_s)
-    except DockerApiError as exc:
-        raise DockerUnavailableError(
-            f"Error connecting to the Docker Engine: {exc.reason}; is dockerd running and is its socket "
-            "(/var/run/docker.sock or DOCKER_HOST) reachable by root?"
-        ) from exc
-    return DockerEngine(api)
+    return DockerEngine.from_env(timeout_s, api_class=ReadOnlyDockerApi, who="root")

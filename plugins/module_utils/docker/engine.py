@@ -180,14 +180,20 @@ class DockerEngine:
         self._drift_cache: dict[str, tuple[tuple[Any, Any, Any], tuple[str, ...] | None]] = {}
 
     @classmethod
-    def from_env(cls, timeout_s: int = 60) -> DockerEngine:
-        """Connect as the ``docker`` CLI would (DOCKER_HOST, or the local socket) and check it answers."""
+    def from_env(
+        cls, timeout_s: int = 60, *, api_class: type[DockerApi] = DockerApi, who: str = "this user"
+    ) -> DockerEngine:
+        """Connect as the ``docker`` CLI would (DOCKER_HOST, or the local socket) and check it answers.
+
+        ``api_class`` is the transport to connect with (root's listings pass a read-only one); ``who`` names,
+        in the message when the socket cannot be reached, the user that must be able to reach it.
+        """
         try:
-            api = DockerApi.from_env(timeout_s=timeout_s)
+            api = api_class.from_env(timeout_s=timeout_s)
         except DockerApiError as exc:
             raise DockerUnavailableError(
                 f"Error connecting to the Docker Engine: {exc.reason}; is dockerd running and is its socket "
-                "(/var/run/docker.sock or DOCKER_HOST) reachable by this user?"
+                f"(/var/run/docker.sock or DOCKER_HOST) reachable by {who}?"
             ) from exc
         return cls(api)
 

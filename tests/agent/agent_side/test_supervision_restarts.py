@@ -226,17 +226,7 @@ class Host:
     asked: list[str | None] = field(default_factory=list)
     on_apply: Callable[[], None] | None = None
 
-    def apply(
-        self,
-        envelope: bytes,
-        *,
-        generation: int,
-        epoch: int,
-        payload_sha256: str,
-        secrets: Any = (),
-        reason: str | None = None,
-        lists_artifacts: bool = True,
-    ) -> ApplyResult:
+    def apply(self, envelope: bytes, *, generation: int, reason: str | None = None, **_: Any) -> ApplyResult:
         self.asked.append(reason)
         if self.on_apply is not None:
             self.on_apply()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DockerApiError
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerUnavailableError
 from ansible_collections.meridian.node.tests.support.path_unit import write_node_config
 from ansible_collections.meridian.node.tests.support.systemd_units import UNITS
 from ansible_collections.meridian.node.tests.support.systemd_units import read_unit as _unit
@@ -24,7 +25,7 @@ from meridian_node_agent.boundary.engines_file import INVENTORY_FILE, file_ident
 from meridian_node_agent.cli import build_parser
 from meridian_node_agent.config import DEFAULT_CONFIG_PATH, Apply
 from meridian_node_agent.root_side.observe_unit import cmd_observe_engines
-from meridian_node_agent.root_side.read_only_docker import ReadOnlyDockerApi
+from meridian_node_agent.root_side.read_only_docker import ReadOnlyDockerApi, connect_read_only
 from meridian_node_agent.root_side.root_dir import apply_lock, prepare_root_dir
 
 NODE = "gpu-node-7"
@@ -124,6 +125,14 @@ def test_the_observe_units_docker_client_refuses_every_change_before_connecting(
     with pytest.raises(DockerApiError) as caught:
         api.containers({"label": ["x"]})  # reading is let through, to the (missing) socket
     assert "refused" not in str(caught.value)
+
+
+def test_an_unreachable_docker_engine_is_reported_as_roots_to_reach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-docker.sock'}")
+    with pytest.raises(DockerUnavailableError, match=r"Error connecting to the Docker Engine: .*reachable by root\?"):
+        connect_read_only(timeout_s=1)
 
 
 def test_the_timer_starts_the_observe_service_which_runs_the_verb_with_the_default_config() -> None:

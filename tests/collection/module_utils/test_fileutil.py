@@ -1,5 +1,6 @@
 """read_capped: the one reader of small files. Each test plants what a careless reader would trip on (a
-symlink, a FIFO that would hang it, a directory, a file one byte too long) and asserts the reason given."""
+symlink, a FIFO that would hang it, a directory, a file one byte too long) and asserts the reason given.
+read_if_present and create_exclusive, the two uses of it and of atomic writing that callers share, last."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
     CappedFileMissingError,
     CappedReadError,
     CappedReadReason,
+    create_exclusive,
     read_capped,
     read_json_record,
     remove_json_record,
     write_json_record,
+    read_if_present,
 )
 from ansible_collections.meridian.node.tests.support.shared_tmp import reachable_tmp_dir, run_as_nobody
 
@@ -253,3 +256,33 @@ def test_a_record_that_cannot_be_written_names_the_file(tmp_path: Path) -> None:
     path = str(tmp_path / "file" / "record.json")  # its directory is a file
     with pytest.raises(RecordError, match=f"cannot write test record {path}"):
         write_json_record(path, {}, what="test record", error=RecordError)
+
+
+# --- read_if_present: a file that may not be there yet --------------------------------------------------------
+
+
+def test_a_file_not_written_yet_is_none_and_a_planted_symlink_is_the_callers_error(tmp_path: Path) -> None:
+    assert read_if_present(tmp_path / "mark", CAP, what="test mark", error=_Planted) is None
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    (tmp_path / "mark").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(_Planted, match=r"cannot read test mark .*: it is a symlink") as caught:
+        read_if_present(tmp_path / "mark", CAP, what="test mark", error=_Planted)
+    assert isinstance(caught.value.__cause__, CappedReadError)
+
+
+# --- create_exclusive: created once, never replaced -----------------------------------------------------------
+
+
+def test_an_exclusive_file_is_created_whole_with_its_mode_and_no_temporary_file_is_left(tmp_path: Path) -> None:
+    assert create_exclusive(tmp_path / "node.key.pem", b"first", 0o600) is True
+    assert (tmp_path / "node.key.pem").read_bytes() == b"first"
+    assert (tmp_path / "node.key.pem").stat().st_mode & 0o777 == 0o600
+    assert os.listdir(tmp_path) == ["node.key.pem"]
+
+
+def test_a_second_creator_keeps_the_first_ones_file_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    create_exclusive(tmp_path / "ca.pem", b"first", 0o644)
+    assert create_exclusive(tmp_path / "ca.pem", b"second", 0o600) is False
+    assert (tmp_path / "ca.pem").read_bytes() == b"first"
+    assert (tmp_path / "ca.pem").stat().st_mode & 0o777 == 0o644
+    assert os.listdir(tmp_path) == ["ca.pem"]

@@ -223,39 +223,55 @@ class PodResourcesClient:
             raise self._failure("GetAllocatableResources", code, details) from None
 
     def _failure(self, method: str, code: grpc.StatusCode | None, details: str) -> PodResourcesError:
-        path = self.socket_path
-        if code == grpc.StatusCode.UNAVAILABLE:
+        known = _FAILURES.get(code) if code is not None else None
+        if known is None:
+            name = "no status" if code is None else code.name
             return PodResourcesError(
-                f"the kubelet does not answer on {path} ({details}): it is restarting, or it stopped and left its "
-                "socket behind; the next read connects afresh",
-                reason="unavailable",
+                f"the kubelet answered {method} on {self.socket_path} with {name}: {details}", reason="error"
             )
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return PodResourcesError(
-                f"the kubelet did not answer {method} on {path} within {self.timeout_s:g} s "
-                "(kubernetes.timeout_seconds)",
-                reason="timeout",
-            )
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            return PodResourcesError(
-                f"the kubelet on {path} does not serve the PodResources v1 {method} ({details}): it is older than "
-                "Kubernetes 1.20, which this agent cannot read",
-                reason="unimplemented",
-            )
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            # gRPC's own words name both sizes: "Received message larger than max (5000000 vs. 4194304)".
-            return PodResourcesError(
-                f"the kubelet's {method} answer on {path} is over the {MAX_MESSAGE_BYTES} bytes the agent reads "
-                f"({details}): this node lists more pods than the agent reads within its memory bound; run fewer "
-                "pods on it (the kubelet's --max-pods) or see docs/KUBERNETES.md, 'What a read costs'",
-                reason="too-large",
-            )
-        if code == grpc.StatusCode.PERMISSION_DENIED:
-            return PodResourcesError(
-                f"the kubelet refused {method} on {path} ({details}): {_ACCESS_HINT}", reason="permission-denied"
-            )
-        name = "no status" if code is None else code.name
-        return PodResourcesError(f"the kubelet answered {method} on {path} with {name}: {details}", reason="error")
+        reason, message = known
+        return PodResourcesError(
+            message.format(
+                method=method,
+                path=self.socket_path,
+                details=details,
+                timeout_s=self.timeout_s,
+                max_bytes=MAX_MESSAGE_BYTES,
+                access_hint=_ACCESS_HINT,
+            ),
+            reason=reason,
+        )
+
+
+# A failed call's status -> its reason and message (str.format: method, path, details, timeout_s, max_bytes,
+# access_hint); any other status is reason "error", naming it.
+_FAILURES: dict[grpc.StatusCode, tuple[str, str]] = {
+    grpc.StatusCode.UNAVAILABLE: (
+        "unavailable",
+        "the kubelet does not answer on {path} ({details}): it is restarting, or it stopped and left its socket "
+        "behind; the next read connects afresh",
+    ),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (
+        "timeout",
+        "the kubelet did not answer {method} on {path} within {timeout_s:g} s (kubernetes.timeout_seconds)",
+    ),
+    grpc.StatusCode.UNIMPLEMENTED: (
+        "unimplemented",
+        "the kubelet on {path} does not serve the PodResources v1 {method} ({details}): it is older than "
+        "Kubernetes 1.20, which this agent cannot read",
+    ),
+    # gRPC's own words (the details) name both sizes: "Received message larger than max (5000000 vs. 4194304)".
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (
+        "too-large",
+        "the kubelet's {method} answer on {path} is over the {max_bytes} bytes the agent reads ({details}): this "
+        "node lists more pods than the agent reads within its memory bound; run fewer pods on it (the kubelet's "
+        "--max-pods) or see docs/KUBERNETES.md, 'What a read costs'",
+    ),
+    grpc.StatusCode.PERMISSION_DENIED: (
+        "permission-denied",
+        "the kubelet refused {method} on {path} ({details}): {access_hint}",
+    ),
+}
 
 
 def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:

@@ -133,29 +133,9 @@ class CertificateAuthority:
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _CA_NAME)])
         public = self._key.public_key()
         certificate = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(public)
-            .serial_number(_serial())
+            _builder(name, name, public, _serial(), ca=True)
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + dt.timedelta(days=3650))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=False,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
             .sign(self._key, hashes.SHA256())
         )
         return certificate
@@ -302,30 +282,40 @@ class CertificateAuthority:
     def _leaf_builder(
         self, subject: x509.Name, public: CertificatePublicKeyTypes, serial: int
     ) -> x509.CertificateBuilder:
-        return (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(self.certificate.subject)
-            .public_key(public)
-            .serial_number(serial)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False)
+        return _builder(subject, self.certificate.subject, public, serial, ca=False).add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False
         )
+
+
+def _builder(
+    subject: x509.Name, issuer: x509.Name, public: CertificatePublicKeyTypes, serial: int, *, ca: bool
+) -> x509.CertificateBuilder:
+    """What the CA's certificate and a node's have in common: names, key, serial, and (both critical) the basic
+    constraints and key usage of a CA (signs certificates and CRLs, no CA below it) or of a leaf (signs its TLS
+    handshakes only); then the subject key identifier."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public)
+        .serial_number(serial)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=not ca,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=ca,
+                crl_sign=ca,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+    )
 
 
 def _check_renewal_csr(csr: x509.CertificateSigningRequest, node_id: str, renewing: x509.Certificate) -> None:

@@ -275,10 +275,8 @@ class PostgresChangeChannel(ChangeFeed):
                         )
 
     def _close_sender(self) -> None:
-        if self._sender is not None:
-            with contextlib.suppress(Exception):
-                self._sender.close()
-            self._sender = None
+        _close_quietly(self._sender)
+        self._sender = None
 
     def listen(self) -> None:
         self._listener = self._connect()
@@ -316,12 +314,18 @@ class PostgresChangeChannel(ChangeFeed):
         return [change for change in changes if change is not None]
 
     def _close_listener(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(Exception):
-                self._listener.close()
-            self._listener = None
+        _close_quietly(self._listener)
+        self._listener = None
 
     def close(self) -> None:
         with self._send_lock:
             self._close_sender()
         self._close_listener()
+
+
+def _close_quietly(connection: Any) -> None:
+    """Close a psycopg ``connection`` if there is one: it is being dropped because it failed, or at shutdown, so
+    whatever its close raises (a broken socket) changes nothing; the next use connects afresh."""
+    if connection is not None:
+        with contextlib.suppress(Exception):
+            connection.close()

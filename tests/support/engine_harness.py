@@ -19,7 +19,7 @@ from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import port_bind_problem
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.trust_fixtures import SigningKey, make_key, write_policy
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -45,6 +45,32 @@ def issue_25_engine(image: LocalImage, name: str, **extra: Any) -> dict[str, Any
         "env": {"MODE": "tgi", "FLAG": "1"},
         **extra,
     }
+
+
+def standin_policy(
+    directory: Path,
+    drivers: Sequence[str],
+    *,
+    control: Sequence[SigningKey] = (),
+    artifact: Sequence[SigningKey] = (),
+    port_range: Sequence[int] = PORTS,
+    store: Mapping[str, Any] | None = None,
+    **engines: Any,
+) -> Path:
+    """Write the policy the stand-in engines run under into ``directory``; its path.
+
+    Images only from the stand-ins' repository; ``drivers`` on BIND in ``port_range``, plus ``engines``, more
+    settings of the policy's ``engines`` section (allowed volume sources, host IPC). ``store`` is the ``store``
+    section, left out where None. ``control`` and ``artifact`` are the keys trusted (``write_policy``); no
+    ``control`` key: one nobody holds, for a host that is given no signed state.
+    """
+    sections: dict[str, Any] = {
+        "images": {"allowed_repositories": ["meridian-node/standin"]},
+        "engines": {"allowed_drivers": list(drivers), "bind_address": BIND, "port_range": list(port_range), **engines},
+    }
+    if store is not None:
+        sections["store"] = dict(store)
+    return write_policy(directory, control=list(control) or [make_key()], artifact=artifact, extra=sections)
 
 
 def free_port() -> int:
@@ -127,19 +153,7 @@ class Host:
         (version / "tiny-q4.gguf").write_bytes(b"GGUF")
         (self.store / "artifacts" / "tiny" / "current").symlink_to("v1")
         self.state_dir.mkdir()
-        self.policy = write_policy(
-            root / "policy",
-            control=[make_key()],
-            extra={
-                "images": {"allowed_repositories": ["meridian-node/standin"]},
-                "engines": {
-                    "allowed_drivers": list(drivers),
-                    "bind_address": BIND,
-                    "port_range": list(PORTS),
-                },
-                "store": {"path": str(self.store)},
-            },
-        )
+        self.policy = standin_policy(root / "policy", drivers, store={"path": str(self.store)})
 
     def params(self, **spec: Any) -> dict[str, Any]:
         return {"policy": str(self.policy), "state_dir": str(self.state_dir), **spec}

@@ -23,16 +23,15 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_MIN_VRAM, LABEL_SPEC
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
-    PORTS,
     Host,
     engine_images,
     free_port,
     free_ports,
     hold_requests,
+    standin_policy,
     watch_mark,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 # Only used as a secret_env value: no_log masks every occurrence of it in the output, so it must be unusual.
 SECRET = "tok-5e3c7a9f-not-for-labels"
@@ -452,19 +451,8 @@ MIB = 1024 * 1024
 
 def widen_policy(host: Host, **engines: Any) -> None:
     """Give ``host`` the harness's policy plus ``engines`` settings (allowed volume sources, host IPC)."""
-    host.policy = write_policy(
-        host.root / f"policy-{secrets.token_hex(3)}",
-        control=[make_key()],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {
-                "allowed_drivers": list(Host.DRIVERS),
-                "bind_address": BIND,
-                "port_range": list(PORTS),
-                **engines,
-            },
-            "store": {"path": str(host.store)},
-        },
+    host.policy = standin_policy(
+        host.root / f"policy-{secrets.token_hex(3)}", Host.DRIVERS, store={"path": str(host.store)}, **engines
     )
 
 

@@ -22,10 +22,10 @@ from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
     Host,
     free_port,
+    standin_policy,
 )
 from ansible_collections.meridian.node.tests.support.projection_gateway import ProjectionGateway
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -49,14 +49,11 @@ def spec(host: Host, vllm: LocalImage, name: str, port: int, served: str, **extr
 
 def narrow_policy(host: Host, port: int) -> None:
     """A policy whose port range is the engine's one port: no room for a second container."""
-    host.policy = write_policy(
+    host.policy = standin_policy(
         host.root / f"policy-{secrets.token_hex(3)}",
-        control=[make_key()],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {"allowed_drivers": list(Host.DRIVERS), "bind_address": BIND, "port_range": [port, port]},
-            "store": {"path": str(host.store)},
-        },
+        Host.DRIVERS,
+        port_range=(port, port),
+        store={"path": str(host.store)},
     )
 
 

@@ -26,10 +26,10 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.verify import 
 from ansible_collections.meridian.node.tests.support.e2e_env import engine_spec
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
-    PORTS,
     Host,
     free_ports,
     hold_requests,
+    standin_policy,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
@@ -361,14 +361,8 @@ def signed_policy_host(tmp_path: Path, docker_client: Any, key: Any, **store: An
     """A host whose policy takes desired states signed by ``key``: vllm stand-ins only; ``store`` joins the
     store's settings."""
     host = Host(tmp_path, docker_client)
-    host.policy = write_policy(
-        tmp_path / "signed-policy",
-        control=[key],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
-            "store": {"path": str(host.store), **store},
-        },
+    host.policy = standin_policy(
+        tmp_path / "signed-policy", ["vllm"], control=[key], store={"path": str(host.store), **store}
     )
     return host
 
@@ -435,15 +429,12 @@ def test_envelope_whose_artifact_is_not_promoted_is_refused_before_any_change_an
     key, artifact_key = make_key(), make_key()
     host = Host(tmp_path, docker_client)
     models = tmp_path / "models"
-    host.policy = write_policy(
+    host.policy = standin_policy(
         tmp_path / "signed-policy",
+        ["vllm"],
         control=[key],
         artifact=[artifact_key],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
-            "store": {"path": str(host.store), "local_sources": [str(models)]},
-        },
+        store={"path": str(host.store), "local_sources": [str(models)]},
     )
     weights = b"engine-set weights\n" * 16
     (models / "m").mkdir(parents=True)

@@ -13,7 +13,8 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,23 @@ class Host:
     def params(self, **spec: Any) -> dict[str, Any]:
         return {"policy": str(self.policy), "state_dir": str(self.state_dir), **spec}
 
+    def engine(
+        self, images: Mapping[str, LocalImage], name: str, driver: str, port: int | None = None, **spec: Any
+    ) -> dict[str, Any]:
+        """engine_instance's params for engine ``name``: ``driver``'s stand-in image in ``images``, pinned, on
+        ``port`` (a free port when None), with the rest of ``spec``."""
+        port = free_port() if port is None else port
+        return self.params(name=name, driver=driver, image=images[driver].pinned, port=port, **spec)
+
+    def started(
+        self, images: Mapping[str, LocalImage], name: str, driver: str, **spec: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Apply engine ``name`` (``engine``'s params), which must get ready: its params and the applied result."""
+        params = self.engine(images, name, driver, **spec)
+        applied: dict[str, Any] = self.play([("apply", params, False)])["apply"]
+        assert applied.get("ready") is True, applied.get("msg")
+        return params, applied
+
     def play(self, steps: Sequence[tuple[str, Mapping[str, Any], bool]], nvml: str | None = None) -> dict[str, Any]:
         """Run ``(label, module params, check_mode)`` steps in order; every step's registered result by label."""
         return self.play_module("meridian.node.engine_instance", steps, nvml=nvml)[0]
@@ -251,6 +269,22 @@ def hold_requests(port: int, count: int, seconds: float) -> tuple[list[threading
             raise AssertionError("the requests never reached the engine")
         time.sleep(0.05)
     return threads, outcomes
+
+
+@contextmanager
+def stuck_requests(host: Host, container_id: str, port: int, count: int) -> Iterator[list[Any]]:
+    """``count`` requests in flight on the stand-in engine ``container_id`` at ``port`` for as long as the block
+    runs: each asks for 300 s, far longer than any drain a test waits for. Leaving, the stand-in is told to finish
+    them all (SIGUSR1, where it still runs) and each is waited for. Yields their outcomes, ``(status, when)``,
+    filled in as they end."""
+    threads, outcomes = hold_requests(port, count, seconds=300)
+    try:
+        yield outcomes
+    finally:
+        for running in host.client.containers.list(filters={"id": container_id}):  # a stopped one lost them
+            running.kill(signal="SIGUSR1")
+        for thread in threads:
+            thread.join(timeout=60)
 
 
 def watch_mark(path: Path, stop: threading.Event, seen: list[float]) -> None:

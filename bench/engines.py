@@ -47,16 +47,20 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import Options
 from ansible_collections.meridian.node.plugins.module_utils.engines.instance import converge
 from ansible_collections.meridian.node.plugins.module_utils.engines.set import SetOptions, converge_set
-from ansible_collections.meridian.node.tests.support.engine_harness import BIND, PORTS, free_ports, run_playbook
+from ansible_collections.meridian.node.tests.support.engine_harness import (
+    BIND,
+    REPO,
+    SERVER,
+    VENV_BIN,
+    free_ports,
+    run_playbook,
+    standin_policy,
+)
 from ansible_collections.meridian.node.tests.support.standin_image import ensure_base_image, ensure_engine_image
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = REPO / ".venv" / "bin"
 BUILD = REPO / ".build"
 WHEELS = BUILD / "bench-wheels"
 COLLECTIONS = BUILD / "bench-collections"
-SERVER = REPO / "tests" / "support" / "standin_server.py"
 ANSIBLE_WHEEL = "ansible>=12,<13"  # the Ansible release that goes with ansible-core 2.19
 
 
@@ -93,14 +97,7 @@ class Bench:
         self.image = ensure_engine_image(client, base, SERVER, engine="vllm")
         self.state_dir = root / "state"
         self.state_dir.mkdir()
-        self.policy = write_policy(
-            root / "policy",
-            control=[make_key()],
-            extra={
-                "images": {"allowed_repositories": ["meridian-node/standin"]},
-                "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
-            },
-        )
+        self.policy = standin_policy(root / "policy", ["vllm"])
         ports = free_ports(3 * count + 1)
         self.ours = [self._spec(f"{self.prefix}-ours-{i}", ports[i]) for i in range(count)]
         self.theirs_ports = ports[count : 2 * count]

@@ -13,13 +13,14 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import port_bind_problem
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.trust_fixtures import SigningKey, make_key, write_policy
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -45,6 +46,32 @@ def issue_25_engine(image: LocalImage, name: str, **extra: Any) -> dict[str, Any
         "env": {"MODE": "tgi", "FLAG": "1"},
         **extra,
     }
+
+
+def standin_policy(
+    directory: Path,
+    drivers: Sequence[str],
+    *,
+    control: Sequence[SigningKey] = (),
+    artifact: Sequence[SigningKey] = (),
+    port_range: Sequence[int] = PORTS,
+    store: Mapping[str, Any] | None = None,
+    **engines: Any,
+) -> Path:
+    """Write the policy the stand-in engines run under into ``directory``; its path.
+
+    Images only from the stand-ins' repository; ``drivers`` on BIND in ``port_range``, plus ``engines``, more
+    settings of the policy's ``engines`` section (allowed volume sources, host IPC). ``store`` is the ``store``
+    section, left out where None. ``control`` and ``artifact`` are the keys trusted (``write_policy``); no
+    ``control`` key: one nobody holds, for a host that is given no signed state.
+    """
+    sections: dict[str, Any] = {
+        "images": {"allowed_repositories": ["meridian-node/standin"]},
+        "engines": {"allowed_drivers": list(drivers), "bind_address": BIND, "port_range": list(port_range), **engines},
+    }
+    if store is not None:
+        sections["store"] = dict(store)
+    return write_policy(directory, control=list(control) or [make_key()], artifact=artifact, extra=sections)
 
 
 def free_port() -> int:
@@ -127,22 +154,27 @@ class Host:
         (version / "tiny-q4.gguf").write_bytes(b"GGUF")
         (self.store / "artifacts" / "tiny" / "current").symlink_to("v1")
         self.state_dir.mkdir()
-        self.policy = write_policy(
-            root / "policy",
-            control=[make_key()],
-            extra={
-                "images": {"allowed_repositories": ["meridian-node/standin"]},
-                "engines": {
-                    "allowed_drivers": list(drivers),
-                    "bind_address": BIND,
-                    "port_range": list(PORTS),
-                },
-                "store": {"path": str(self.store)},
-            },
-        )
+        self.policy = standin_policy(root / "policy", drivers, store={"path": str(self.store)})
 
     def params(self, **spec: Any) -> dict[str, Any]:
         return {"policy": str(self.policy), "state_dir": str(self.state_dir), **spec}
+
+    def engine(
+        self, images: Mapping[str, LocalImage], name: str, driver: str, port: int | None = None, **spec: Any
+    ) -> dict[str, Any]:
+        """engine_instance's params for engine ``name``: ``driver``'s stand-in image in ``images``, pinned, on
+        ``port`` (a free port when None), with the rest of ``spec``."""
+        port = free_port() if port is None else port
+        return self.params(name=name, driver=driver, image=images[driver].pinned, port=port, **spec)
+
+    def started(
+        self, images: Mapping[str, LocalImage], name: str, driver: str, **spec: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Apply engine ``name`` (``engine``'s params), which must get ready: its params and the applied result."""
+        params = self.engine(images, name, driver, **spec)
+        applied: dict[str, Any] = self.play([("apply", params, False)])["apply"]
+        assert applied.get("ready") is True, applied.get("msg")
+        return params, applied
 
     def play(self, steps: Sequence[tuple[str, Mapping[str, Any], bool]], nvml: str | None = None) -> dict[str, Any]:
         """Run ``(label, module params, check_mode)`` steps in order; every step's registered result by label."""
@@ -237,6 +269,22 @@ def hold_requests(port: int, count: int, seconds: float) -> tuple[list[threading
             raise AssertionError("the requests never reached the engine")
         time.sleep(0.05)
     return threads, outcomes
+
+
+@contextmanager
+def stuck_requests(host: Host, container_id: str, port: int, count: int) -> Iterator[list[Any]]:
+    """``count`` requests in flight on the stand-in engine ``container_id`` at ``port`` for as long as the block
+    runs: each asks for 300 s, far longer than any drain a test waits for. Leaving, the stand-in is told to finish
+    them all (SIGUSR1, where it still runs) and each is waited for. Yields their outcomes, ``(status, when)``,
+    filled in as they end."""
+    threads, outcomes = hold_requests(port, count, seconds=300)
+    try:
+        yield outcomes
+    finally:
+        for running in host.client.containers.list(filters={"id": container_id}):  # a stopped one lost them
+            running.kill(signal="SIGUSR1")
+        for thread in threads:
+            thread.join(timeout=60)
 
 
 def watch_mark(path: Path, stop: threading.Event, seen: list[float]) -> None:

@@ -153,12 +153,21 @@ def _tensors(shape: ModelShape, vocabulary: int, seed: int) -> Iterator[tuple[st
     yield "output.weight", matrix(vocabulary, width)
 
 
-def _digest(path: Path) -> str:
+def _written(target: Path, shape: ModelShape | None, seed: int, started: float) -> GgufModel:
+    """The GgufModel of ``target``, just written from ``shape`` and ``seed``: its size and sha256 read back, the
+    time since ``started`` (a ``time.monotonic()`` reading) taken as its writing time."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with target.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest()
+    return GgufModel(
+        path=target,
+        shape=shape,
+        seed=seed,
+        size=target.stat().st_size,
+        sha256=digest.hexdigest(),
+        seconds=time.monotonic() - started,
+    )
 
 
 def write_model(directory: Path, shape: ModelShape = TINY, seed: int = 0, filename: str = MODEL_FILE) -> GgufModel:
@@ -204,14 +213,7 @@ def write_model(directory: Path, shape: ModelShape = TINY, seed: int = 0, filena
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    return GgufModel(
-        path=target,
-        shape=shape,
-        seed=seed,
-        size=target.stat().st_size,
-        sha256=_digest(target),
-        seconds=time.monotonic() - started,
-    )
+    return _written(target, shape, seed, started)
 
 
 def write_not_a_model(directory: Path, seed: int = 0, size: int = 64 * 1024, filename: str = MODEL_FILE) -> GgufModel:
@@ -224,14 +226,7 @@ def write_not_a_model(directory: Path, seed: int = 0, size: int = 64 * 1024, fil
     garbage = np.random.default_rng(seed).integers(0, 256, size=size - 8, dtype=np.uint8).tobytes()
     target = directory / filename
     target.write_bytes(_GGUF_MAGIC + (3).to_bytes(4, "little") + garbage)
-    return GgufModel(
-        path=target,
-        shape=None,
-        seed=seed,
-        size=target.stat().st_size,
-        sha256=_digest(target),
-        seconds=time.monotonic() - started,
-    )
+    return _written(target, None, seed, started)
 
 
 def artifact_ref(

@@ -31,7 +31,7 @@ if (
 ):  # imported where used: the measuring process (this file, run) must not load the stand-in's gRPC server
     from ansible_collections.meridian.node.tests.support.podresources_server import StandInContainer
 
-__all__ = ["Cost", "engine_named_tenants", "measure", "tenant_node"]
+__all__ = ["Cost", "engine_named_tenants", "measure", "observe_once", "tenant_node"]
 
 FPGA = "example.com/fpga"
 
@@ -126,6 +126,19 @@ def measure(
     return Cost(**json.loads(run.stdout.splitlines()[-1]))
 
 
+def observe_once(observer: Any) -> Any:
+    """One observation by ``observer`` (an ``observe.Observer``), as the agent of node ``k8s-node-1`` in mode
+    kubernetes-integrated makes it before its first apply: epoch 1, generation 0, no run yet, now."""
+    return observer.observe(
+        node_id="k8s-node-1",
+        mode="kubernetes-integrated",
+        epoch=1,
+        applied_generation=0,
+        last_run=None,
+        now=datetime.now(UTC),
+    )
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
@@ -148,14 +161,7 @@ def _child(socket: str, warm: str, refreshes: int) -> dict[str, Any]:
     log = EventLogger()
 
     def refresh(observer: Any) -> Any:
-        observed = observer.observe(
-            node_id="k8s-node-1",
-            mode="kubernetes-integrated",
-            epoch=1,
-            applied_generation=0,
-            last_run=None,
-            now=datetime.now(UTC),
-        )
+        observed = observe_once(observer)
         observation = observed if guard is None else guard(observed, log)
         return observation, observation.model_dump_json().encode()
 

@@ -41,6 +41,7 @@ __all__ = [
     "envelope",
     "make_key",
     "signed",
+    "vllm_engine",
     "write_policy",
 ]
 
@@ -140,6 +141,19 @@ def current_state(generation: int, *, valid_for: timedelta = timedelta(hours=1),
         expires_at=format_rfc3339(now + valid_for),
         **overrides,
     )
+
+
+def vllm_engine(**overrides: Any) -> dict[str, Any]:
+    """A valid EngineSpec, as a desired state lists it: vLLM engine ``chat`` serving the model ``tiny`` by name on
+    port 8000, from an image pinned by digest (no artifact to fetch, nothing a test must pull)."""
+    return {
+        "name": "chat",
+        "driver": "vllm",
+        "image": "registry.local/vllm@sha256:" + "1" * 64,
+        "model": {"name": "tiny"},
+        "port": 8000,
+        **overrides,
+    }
 
 
 def artifact_manifest(**overrides: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     local_artifact,
     make_key,
     signed,
+    vllm_engine,
     write_policy,
 )
 from meridian_node_agent.apply.applier import SCRUBBED, Applier, scrub_journal
@@ -204,15 +205,7 @@ def test_record_is_idempotent_and_check_mode_records_nothing(tmp_path: Path, pol
 
 
 def test_module_summary_shows_env_but_never_a_secret_env_value(tmp_path: Path, policy: Path) -> None:
-    engine = {
-        "name": "chat",
-        "driver": "vllm",
-        "image": "registry.local/vllm@sha256:" + "a" * 64,
-        "model": {"name": "tiny"},
-        "port": 8001,
-        "env": {"VLLM_LOGGING_LEVEL": "1"},
-        "secret_env": {"HF_TOKEN": "hf-secret-value-123"},
-    }
+    engine = vllm_engine(env={"VLLM_LOGGING_LEVEL": "1"}, secret_env={"HF_TOKEN": "hf-secret-value-123"})
     envelope = signed("desired-state", current_state(1, engines=[engine]), [CONTROL])
     common: dict[str, Any] = {"policy_path": str(policy), "node_id": NODE_ID, "state_dir": tmp_path / "s"}
 

@@ -220,31 +220,27 @@ def test_calls_share_one_kept_alive_connection(node: Node, serve: list[ScriptedS
     assert b'If-None-Match: "g7"\r\n' in server.requests[1][1]
 
 
-def test_server_ending_an_idle_kept_alive_connection_costs_one_reconnect(
-    node: Node, serve: list[ScriptedServer]
+@pytest.mark.parametrize(
+    ("ending", "requests"),
+    [
+        # Idle, the connection ended before the next request: the client sees it and connects again.
+        pytest.param(HangUp(), [0, 1], id="idle-hang-up-costs-one-reconnect"),
+        # The idle-timeout race: the connection looked alive when the request left, and the server closed it
+        # without a byte of answer. The request never reached the application, so it is sent once more.
+        pytest.param(Close(), [0, 0, 1], id="closed-as-the-request-arrives-is-sent-again-once"),
+    ],
+)
+def test_server_ending_the_kept_alive_connection_costs_one_reconnect(
+    node: Node, serve: list[ScriptedServer], ending: Step, requests: list[int]
 ) -> None:
-    server = scripted(serve, node, [answer(node.lease_json), HangUp()], [answer(node.lease_json)])
+    server = scripted(serve, node, [answer(node.lease_json), ending], [answer(node.lease_json)])
     with client_for(server, node) as client:
         client.heartbeat(NODE_ID)
         lease = client.heartbeat(NODE_ID)
 
     assert lease.node_id == NODE_ID
     assert server.connections == 2
-    assert [index for index, _request in server.requests] == [0, 1]
-
-
-def test_server_closing_the_kept_alive_connection_as_the_request_arrives_is_sent_again_once(
-    node: Node, serve: list[ScriptedServer]
-) -> None:
-    # The idle-timeout race: the connection looked alive when the request left, and the server closed it
-    # without a byte of answer. The request never reached the application, so it is sent once more.
-    server = scripted(serve, node, [answer(node.lease_json), Close()], [answer(node.lease_json)])
-    with client_for(server, node) as client:
-        client.heartbeat(NODE_ID)
-        lease = client.heartbeat(NODE_ID)
-
-    assert lease.node_id == NODE_ID
-    assert [index for index, _request in server.requests] == [0, 0, 1]
+    assert [index for index, _request in server.requests] == requests
 
 
 def test_a_renewal_cut_off_by_the_idle_race_is_not_sent_again(node: Node, serve: list[ScriptedServer]) -> None:

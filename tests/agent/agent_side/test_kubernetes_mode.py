@@ -135,6 +135,12 @@ def kubelet(counted: _Counted) -> Iterator[tuple[Path, KubeletStandIn]]:
             yield sock, stand_in
 
 
+@pytest.fixture
+def node(server: DevServer, tmp_path: Path, node_id: str, kubelet: tuple[Path, KubeletStandIn]) -> Node:
+    """A node enrolled with ``server`` in this mode, reading the stand-in ``kubelet``."""
+    return make_kubernetes_node(server, tmp_path / "node", node_id, kubelet[0])
+
+
 def _assert_host_untouched(node: Node) -> None:
     assert StateStore(node.state_dir).load().generation == 0
     assert not (node.state_dir / SPOOL_FILE).exists()
@@ -144,14 +150,13 @@ def _assert_host_untouched(node: Node) -> None:
 
 def test_observe_cycles_and_a_published_state_change_nothing_and_report_the_kubelets_view(
     server: DevServer,
-    tmp_path: Path,
+    node: Node,
     node_id: str,
     counted: _Counted,
     kubelet: tuple[Path, KubeletStandIn],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    sock, stand_in = kubelet
-    node = make_kubernetes_node(server, tmp_path / "node", node_id, sock)
+    stand_in = kubelet[1]
     log, events = recording_logger(node_id)
     agent = node.agent(log=log)
     agent.client = recording = RecordingClient(agent.client)
@@ -213,9 +218,8 @@ def test_observe_cycles_and_a_published_state_change_nothing_and_report_the_kube
 
 
 def test_a_restarted_agent_resumes_no_apply_an_earlier_mode_left_unfinished(
-    server: DevServer, tmp_path: Path, node_id: str, counted: _Counted, kubelet: tuple[Path, KubeletStandIn]
+    server: DevServer, node: Node, node_id: str, counted: _Counted
 ) -> None:
-    node = make_kubernetes_node(server, tmp_path / "node", node_id, kubelet[0])
     # What a managed-host agent killed in the middle of an apply leaves: the spooled envelope, a started run.
     generation, _envelope = node.leave_interrupted_apply(server, "gen-{generation}-20261201T120000.000000Z")
     log, events = recording_logger(node_id)
@@ -231,10 +235,7 @@ def test_a_restarted_agent_resumes_no_apply_an_earlier_mode_left_unfinished(
     assert node.journal_runs() == []
 
 
-def test_every_door_to_an_apply_stays_shut(
-    server: DevServer, tmp_path: Path, node_id: str, counted: _Counted, kubelet: tuple[Path, KubeletStandIn]
-) -> None:
-    node = make_kubernetes_node(server, tmp_path / "node", node_id, kubelet[0])
+def test_every_door_to_an_apply_stays_shut(server: DevServer, node: Node, node_id: str, counted: _Counted) -> None:
     generation = publish(server, node.node_id)
     log, events = recording_logger(node_id)
     agent = node.agent(log=log)
@@ -265,14 +266,9 @@ def test_every_door_to_an_apply_stays_shut(
 
 
 def test_check_config_accepts_the_mode_and_asks_the_kubelet_once(
-    server: DevServer,
-    tmp_path: Path,
-    node_id: str,
-    kubelet: tuple[Path, KubeletStandIn],
-    capsys: pytest.CaptureFixture[str],
+    node: Node, tmp_path: Path, kubelet: tuple[Path, KubeletStandIn], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sock, stand_in = kubelet
-    node = make_kubernetes_node(server, tmp_path / "node", node_id, sock)
+    stand_in = kubelet[1]
 
     answered = cli_main(["--config", str(node.config_path), "check-config"])
     out = capsys.readouterr().out

@@ -16,6 +16,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuFacts, KubernetesLeftOut, PodDevice
 from ansible_collections.meridian.node.plugins.module_utils.gpu.facts import collect_gpu_facts
 from ansible_collections.meridian.node.tests.support.fake_nvml import load_fake_pynvml
+from ansible_collections.meridian.node.tests.support.podresources_cost import observe_once
 from ansible_collections.meridian.node.tests.support.podresources_server import (
     KubeletStandIn,
     StandInContainer,
@@ -209,14 +210,7 @@ def test_known_engines_holding_a_gpu_are_reported_unmanaged_and_never_ready(fake
         observer = Observer(
             store_path=None, gpu_facts=lambda: gpu.model_dump(mode="json"), kubernetes=KubernetesObserver(client)
         )
-        observation = observer.observe(
-            node_id="k8s-node-1",
-            mode="kubernetes-integrated",
-            epoch=1,
-            applied_generation=0,
-            last_run=None,
-            now=datetime.now(UTC),
-        )
+        observation = observe_once(observer)
 
     engines = {engine.name: engine for engine in observation.engines}
     assert sorted(engines) == ["k8s/llm/mistral-tgi-0/server", "k8s/llm/vllm-llama-0/vllm"]

@@ -55,6 +55,14 @@ def xid_seen(fake: ModuleType, reader: GpuHealthWatch, clock: WallClock, *xids: 
     reader()
 
 
+def relayed_xid_79(fake: ModuleType, root_dir: Path, clock: WallClock) -> GpuHealthWatch:
+    """A split watch that saw XID 79 on GPU 1 and whose report root has just taken up as a hold."""
+    reader = split_watch(fake, root_dir, clock)
+    xid_seen(fake, reader, clock, 79)
+    relay_gpu_reports(root_dir, reader.xid_reports(), now=clock(), nvml=fake)
+    return reader
+
+
 def test_a_gpu_unhealthy_by_xid_79_is_reported_with_when_it_was_seen(
     fake: ModuleType, root_dir: Path, clock: WallClock
 ) -> None:
@@ -109,9 +117,7 @@ def test_an_xid_past_its_window_is_still_reported_while_the_verdict_holds(
 def test_a_hold_an_operator_cleared_since_the_last_read_is_not_reported_again(
     fake: ModuleType, root_dir: Path, clock: WallClock
 ) -> None:
-    reader = split_watch(fake, root_dir, clock)
-    xid_seen(fake, reader, clock, 79)
-    relay_gpu_reports(root_dir, reader.xid_reports(), now=clock(), nvml=fake)  # root holds it
+    reader = relayed_xid_79(fake, root_dir, clock)  # root holds it
     clock.advance(seconds=30)
     reader()  # and the agent has seen it held
 
@@ -127,9 +133,7 @@ def test_a_hold_an_operator_cleared_since_the_last_read_is_not_reported_again(
 def test_a_clear_right_after_the_answer_sticks_once_the_watch_noted_roots_holds(
     fake: ModuleType, root_dir: Path, clock: WallClock
 ) -> None:
-    reader = split_watch(fake, root_dir, clock)
-    xid_seen(fake, reader, clock, 79)
-    relay_gpu_reports(root_dir, reader.xid_reports(), now=clock(), nvml=fake)
+    reader = relayed_xid_79(fake, root_dir, clock)
 
     reader.note_holds()  # what the applier does once root answered
     HealthHolds(root_dir).clear(GPU1)  # before the agent's next read
@@ -141,9 +145,7 @@ def test_without_noting_roots_holds_such_a_clear_would_be_undone(
     fake: ModuleType, root_dir: Path, clock: WallClock
 ) -> None:
     # The case note_holds exists for: the watch never saw the hold, so it cannot tell a clear from no hold yet.
-    reader = split_watch(fake, root_dir, clock)
-    xid_seen(fake, reader, clock, 79)
-    relay_gpu_reports(root_dir, reader.xid_reports(), now=clock(), nvml=fake)
+    reader = relayed_xid_79(fake, root_dir, clock)
 
     HealthHolds(root_dir).clear(GPU1)
 

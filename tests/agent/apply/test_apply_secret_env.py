@@ -18,10 +18,9 @@ import pytest
 
 from ansible_collections.meridian.node.tests.support.e2e_fixtures import prefix  # noqa: F401
 from ansible_collections.meridian.node.tests.support.engine_harness import (
-    BIND,
-    PORTS,
     SERVER,
     issue_25_engine,
+    standin_policy,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
@@ -30,7 +29,6 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import (
     encode,
     make_key,
     signed,
-    write_policy,
 )
 from meridian_node_agent.apply.applier import Applier
 
@@ -48,15 +46,7 @@ def test_a_signed_one_character_secret_reaches_the_engine_and_no_journal_file(
     prefix: str,  # noqa: F811 - the shared fixture, imported above
 ) -> None:
     vllm = ensure_engine_image(docker_client, standin_base_image, SERVER, engine="vllm")
-    policy = write_policy(
-        tmp_path / "etc",
-        control=[CONTROL],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
-            "store": {"path": str(tmp_path / "store")},
-        },
-    )
+    policy = standin_policy(tmp_path / "etc", ["vllm"], control=[CONTROL], store={"path": str(tmp_path / "store")})
     name = f"{prefix}-aud-tgi"
     engine = issue_25_engine(vllm, name, secret_env={"HF_TOKEN": SECRET})
     payload = current_state(1, engines=[engine])

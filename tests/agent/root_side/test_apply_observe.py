@@ -41,14 +41,19 @@ def _args(config: Path) -> argparse.Namespace:
     return build_parser("observe-engines").parse_args(["--config", str(config), "observe-engines"])
 
 
+def _written(root: Path) -> tuple[Path, Path]:
+    """A node config under ``root`` whose policy allows no image, and the engines file the verb has just written
+    for it."""
+    config = _config(root, images=[])
+    assert cmd_observe_engines(_args(config)) == 0
+    return config, root / "apply" / "public" / INVENTORY_FILE
+
+
 def test_the_verb_writes_the_engines_file_in_roots_public_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = _config(tmp_path, images=[])
+    _config_path, path = _written(tmp_path)
 
-    assert cmd_observe_engines(_args(config)) == 0
-
-    path = tmp_path / "apply" / "public" / INVENTORY_FILE
     assert read_inventory(path, node_id=NODE).engines == ()
     assert path.stat().st_mode & 0o777 == 0o644
     assert f"wrote {path}" in capsys.readouterr().out
@@ -59,9 +64,7 @@ def test_while_an_apply_holds_the_lock_the_verb_leaves_the_file_as_the_apply_wil
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A listing in the middle of a replace would show the agent the engine missing: the apply answers for it.
-    config = _config(tmp_path, images=[])
-    assert cmd_observe_engines(_args(config)) == 0
-    path = tmp_path / "apply" / "public" / INVENTORY_FILE
+    config, path = _written(tmp_path)
     before = file_identity(path)
     root = prepare_root_dir(tmp_path / "apply", agent_dir=tmp_path / "state")
 
@@ -78,9 +81,7 @@ def test_while_an_apply_holds_the_lock_the_verb_leaves_the_file_as_the_apply_wil
 def test_docker_unreachable_keeps_the_previous_file_and_fails_the_unit_saying_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = _config(tmp_path, images=[])
-    assert cmd_observe_engines(_args(config)) == 0
-    path = tmp_path / "apply" / "public" / INVENTORY_FILE
+    _config_path, path = _written(tmp_path)
     previous = path.read_bytes()
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-docker.sock'}")
     config = _config(tmp_path, images=["meridian-node/standin"])  # now Docker must be asked

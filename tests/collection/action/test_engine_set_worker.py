@@ -20,7 +20,6 @@ import pytest
 from ansible_collections.meridian.node.tests.collection.modules.test_engine_set import (
     SECRET,
     failing_then_good,
-    signed_policy_host,
 )
 from ansible_collections.meridian.node.tests.support.e2e_env import engine_spec
 from ansible_collections.meridian.node.tests.support.engine_harness import (
@@ -30,7 +29,7 @@ from ansible_collections.meridian.node.tests.support.engine_harness import (
     run_playbook,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from ansible_collections.meridian.node.tests.support.trust_fixtures import NODE_ID, make_key
+from ansible_collections.meridian.node.tests.support.trust_fixtures import NODE_ID
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -103,9 +102,7 @@ def test_engines_form_converges_refuses_and_masks_alike_both_ways(host: Host, vl
 def test_envelope_form_records_and_fails_alike_both_ways(
     tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
 ) -> None:
-    key = make_key()
-    host = signed_policy_host(tmp_path, docker_client, key)
-    _served, _never, failing, good = failing_then_good(tmp_path, key, vllm, prefix)
+    host, _served, _never, failing, good = failing_then_good(tmp_path, docker_client, vllm, prefix)
     form = {"node_id": NODE_ID, "record": True, "owner": f"agent:{NODE_ID}", "prune": True, "ready_timeout": 3}
     steps = [
         ("failing", {"envelope": str(failing), **form}, False),

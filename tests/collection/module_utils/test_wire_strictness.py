@@ -22,6 +22,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from ansible_collections.meridian.node.plugins.module_utils import contracts
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import FieldError, parse_engine_spec
+from ansible_collections.meridian.node.tests.support.trust_fixtures import vllm_engine
 from meridian_node_agent.dev import schemas
 
 FIXTURES = schemas.CONTRACTS_DIR / "fixtures"
@@ -434,14 +435,6 @@ def test_envelope_schema_caps_signatures_at_the_verifier_s_ceiling() -> None:
 
 # --- the engine modules' pydantic-free check agrees ---------------------------------------------------------
 
-ENGINE = {
-    "name": "chat",
-    "driver": "vllm",
-    "image": "ghcr.io/org/vllm@sha256:" + "a" * 64,
-    "model": {"name": "m"},
-    "port": 8000,
-}
-
 
 @pytest.mark.parametrize(
     ("field", "value"),
@@ -459,7 +452,7 @@ ENGINE = {
     ids=repr,
 )
 def test_engine_spec_coercions_are_refused_by_contract_and_engine_modules_alike(field: str, value: Any) -> None:
-    document = {**ENGINE, field: value}
+    document = vllm_engine(**{field: value})
     with pytest.raises(contracts.ValidationError) as theirs:
         contracts.EngineSpec.model_validate(document)
     assert contracts.describe_validation_error(theirs.value).startswith(field)

@@ -19,8 +19,8 @@ from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
     Host,
     engine_images,
-    free_port,
     hold_requests,
+    stuck_requests,
     watch_mark,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
@@ -42,15 +42,6 @@ def play(host: Host, steps: Sequence[Step]) -> dict[str, Any]:
     )[0]
 
 
-def start_engine(host: Host, images: dict[str, LocalImage], name: str, driver: str) -> dict[str, Any]:
-    params = host.params(
-        name=name, driver=driver, image=images[driver].pinned, model={"name": "tiny"}, port=free_port()
-    )
-    applied = play(host, [("start", "engine_instance", params, False)])["start"]
-    assert applied.get("ready") is True, applied.get("msg")
-    return params
-
-
 def drain(host: Host, name: str, **options: Any) -> dict[str, Any]:
     return {"name": name, "state_dir": str(host.state_dir), **options}
 
@@ -68,7 +59,7 @@ def test_drain_lets_eight_slow_requests_finish_marks_draining_first_then_stops(
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:
     name = f"{prefix}-eight"
-    engine = start_engine(host, images, name, "vllm")
+    engine, _applied = host.started(images, name, "vllm", model={"name": "tiny"})
     # vLLM aborts requests in flight on SIGTERM: only waiting for the gauges keeps these 8 alive. They last
     # long enough for the check run and the start of the apply run to come first on a loaded 2-core machine.
     threads, outcomes = hold_requests(engine["port"], 8, seconds=12)
@@ -118,19 +109,11 @@ def test_drain_timeout_without_force_fails_and_leaves_it_running_then_force_stop
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:
     name = f"{prefix}-stuck"
-    engine = start_engine(host, images, name, "vllm")
-    threads, outcomes = hold_requests(engine["port"], 2, seconds=300)
-    try:
+    engine, applied = host.started(images, name, "vllm", model={"name": "tiny"})
+    with stuck_requests(host, applied["container"]["id"], engine["port"], 2) as outcomes:
         timed_out = play(host, [("timeout", "drain", drain(host, name, timeout=2), False)])["timeout"]
         running = host.container(name).status
         forced = play(host, [("force", "drain", drain(host, name, timeout=1, force=True), False)])["force"]
-    finally:
-        # SIGUSR1 is the stand-in's "finish every request now" (a no-op once the engine has stopped).
-        found = host.container(name)
-        if found is not None and found.status == "running":
-            found.kill(signal="SIGUSR1")
-        for thread in threads:
-            thread.join(timeout=60)
 
     assert timed_out["failed"] is True
     assert "drain timed out after 2s (2 running, 0 waiting)" in timed_out["msg"]
@@ -149,7 +132,7 @@ def test_engine_without_metrics_waits_grace_absent_and_drained_are_unchanged_and
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:
     name = f"{prefix}-ollama"
-    engine = start_engine(host, images, name, "ollama")
+    engine, _applied = host.started(images, name, "ollama", model={"name": "tiny"})
     keep_serving = drain(host, name, stop=False, grace=1)
     undrain = drain(host, name, state="undrained")
     results = play(

@@ -22,7 +22,7 @@ import pytest
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.engines.set import SetOptions, converge_set
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_run import run_engine_set
-from ansible_collections.meridian.node.tests.collection.modules.test_engine_image_pull import pull_host
+from ansible_collections.meridian.node.tests.collection.modules.test_engine_image_pull import pull_host, pulled_by_host
 from ansible_collections.meridian.node.tests.support.engine_harness import Host, free_port, run_foreign_engine
 from ansible_collections.meridian.node.tests.support.image_archives import engine
 from ansible_collections.meridian.node.tests.support.registry import Registry, pushed_image, running_registry
@@ -85,8 +85,7 @@ def operator_image(client: Any, base_id: str, tag: str) -> Iterator[str]:
 def test_our_pulled_image_waits_out_the_grace_then_goes_and_check_mode_predicts_each_step(
     host: Host, vllm: LocalImage, registry: Registry, prefix: str, docker_client: Any
 ) -> None:
-    with pushed_image(docker_client, registry, vllm.id, prefix) as image:
-        pull_host(host, [f"{registry.host}/{prefix}"], prune_grace_seconds=3600)
+    with pulled_by_host(host, docker_client, registry, vllm, prefix, prune_grace_seconds=3600) as image:
         spec = [engine(f"{prefix}-a", image.pinned, free_port())]
         first = steps(
             host, prefix, [("apply", spec, False), ("drop check", [], True), ("drop", [], False), ("again", [], False)]
@@ -166,8 +165,7 @@ def _run(host: Host, specs: Sequence[Mapping[str, Any]], owner: str, now: float,
 def test_the_grace_counts_from_the_first_prune_that_found_it_unused_on_the_wall_clock(
     host: Host, vllm: LocalImage, registry: Registry, prefix: str, docker_client: Any
 ) -> None:
-    with pushed_image(docker_client, registry, vllm.id, prefix) as image:
-        pull_host(host, [f"{registry.host}/{prefix}"], prune_grace_seconds=100)
+    with pulled_by_host(host, docker_client, registry, vllm, prefix, prune_grace_seconds=100) as image:
         _run(host, [engine(f"{prefix}-a", image.pinned, free_port())], prefix, now=500)
         assert _run(host, [], prefix, now=1000)["images"]["waiting"][0]["seconds_left"] == 100
         before = _run(host, [], prefix, now=1099)
@@ -183,8 +181,7 @@ def test_the_grace_counts_from_the_first_prune_that_found_it_unused_on_the_wall_
 def test_an_image_used_again_inside_the_grace_starts_it_over(
     host: Host, vllm: LocalImage, registry: Registry, prefix: str, docker_client: Any
 ) -> None:
-    with pushed_image(docker_client, registry, vllm.id, prefix) as image:
-        pull_host(host, [f"{registry.host}/{prefix}"], prune_grace_seconds=100)
+    with pulled_by_host(host, docker_client, registry, vllm, prefix, prune_grace_seconds=100) as image:
         spec = [engine(f"{prefix}-a", image.pinned, free_port())]
         _run(host, spec, prefix, now=500)
         _run(host, [], prefix, now=1000)
@@ -198,8 +195,7 @@ def test_an_image_used_again_inside_the_grace_starts_it_over(
 def test_a_damaged_record_fails_the_prune_by_name_and_removes_nothing(
     host: Host, vllm: LocalImage, registry: Registry, prefix: str, docker_client: Any
 ) -> None:
-    with pushed_image(docker_client, registry, vllm.id, prefix) as image:
-        pull_host(host, [f"{registry.host}/{prefix}"], prune_grace_seconds=0)
+    with pulled_by_host(host, docker_client, registry, vllm, prefix, prune_grace_seconds=0) as image:
         _run(host, [engine(f"{prefix}-a", image.pinned, free_port())], prefix, now=500)
         (host.state_dir / "images.json").write_text("{not json")
         results = steps(host, prefix, [("drop", [], False)])

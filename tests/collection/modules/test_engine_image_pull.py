@@ -12,6 +12,7 @@ refusal reads the real free space of Docker's data-root and must name both figur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -73,6 +74,17 @@ def pull_host(host: Host, repositories: Sequence[str], **images: Any) -> Host:
     return host
 
 
+@contextlib.contextmanager
+def pulled_by_host(
+    host: Host, docker_client: Any, registry: Registry, vllm: LocalImage, prefix: str, **images: Any
+) -> Iterator[PushedImage]:
+    """A unique stand-in image pushed to ``registry`` under ``prefix`` and gone from the local engine
+    (``pushed_image``), with ``host``'s policy pulling from that repository (``pull_host``, with ``images``)."""
+    with pushed_image(docker_client, registry, vllm.id, prefix) as image:
+        pull_host(host, [f"{registry.host}/{prefix}"], **images)
+        yield image
+
+
 def set_steps(
     host: Host, steps: Sequence[tuple[str, Sequence[Mapping[str, Any]], bool]], owner: str, verbosity: str = ""
 ) -> tuple[dict[str, Any], str]:
@@ -128,8 +140,7 @@ def test_engine_only_in_the_registry_is_pulled_by_digest_verified_ready_and_a_re
 def test_engine_instance_pulls_in_its_own_run_and_not_again(
     host: Host, vllm: LocalImage, registry: Registry, prefix: str, docker_client: Any
 ) -> None:
-    with pushed_image(docker_client, registry, vllm.id, prefix) as image:
-        pull_host(host, [f"{registry.host}/{prefix}"])
+    with pulled_by_host(host, docker_client, registry, vllm, prefix) as image:
         spec = host.params(**engine(f"{prefix}-i", image.pinned, free_port()), owner=prefix)
         results = host.play([("check", spec, True), ("apply", spec, False), ("again", spec, False)])
         assert results["check"]["image_pull"]["would_pull"] is True
@@ -171,8 +182,7 @@ def _serving_engine(host: Host, image: PushedImage, name: str, owner: str) -> tu
 def test_a_digest_the_registry_lacks_fails_clearly_and_the_old_engine_keeps_serving(
     host: Host, vllm: LocalImage, registry: Registry, prefix: str, docker_client: Any
 ) -> None:
-    with pushed_image(docker_client, registry, vllm.id, prefix) as image:
-        pull_host(host, [f"{registry.host}/{prefix}"])
+    with pulled_by_host(host, docker_client, registry, vllm, prefix) as image:
         name = f"{prefix}-d"
         port, old_id = _serving_engine(host, image, name, prefix)
         absent = f"{image.repository}@sha256:{'0' * 64}"
@@ -245,8 +255,7 @@ def test_a_pull_below_the_disk_floor_is_refused_before_it_starts(
     host: Host, vllm: LocalImage, registry: Registry, prefix: str, docker_client: Any
 ) -> None:
     # Policy arithmetic: a floor no disk here has, against the real free space of Docker's data-root.
-    with pushed_image(docker_client, registry, vllm.id, prefix) as image:
-        pull_host(host, [f"{registry.host}/{prefix}"], min_free_bytes="1000000T")
+    with pulled_by_host(host, docker_client, registry, vllm, prefix, min_free_bytes="1000000T") as image:
         spec = [engine(f"{prefix}-f", image.pinned, free_port())]
         results, _output = set_steps(host, [("check", spec, True), ("apply", spec, False)], prefix)
         for label in ("check", "apply"):

@@ -23,16 +23,16 @@ from ansible_collections.meridian.node.plugins.module_utils.docker.engine import
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import LABEL_MIN_VRAM, LABEL_SPEC
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
-    PORTS,
     Host,
     engine_images,
     free_port,
     free_ports,
     hold_requests,
+    standin_policy,
+    stuck_requests,
     watch_mark,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 # Only used as a secret_env value: no_log masks every occurrence of it in the output, so it must be unusual.
 SECRET = "tok-5e3c7a9f-not-for-labels"
@@ -79,13 +79,12 @@ def test_vllm_engine_started_ready_idempotent_then_absent(
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:
     name = f"{prefix}-vllm"
-    started = host.params(
-        name=name,
-        driver="vllm",
-        image=images["vllm"].pinned,
+    started = host.engine(
+        images,
+        name,
+        "vllm",
         model={"artifact": "tiny"},
         served_model_name="tiny-chat",
-        port=free_port(),
         secret_env={"API_TOKEN": SECRET},
     )
     results = host.play(four_steps(started))
@@ -117,14 +116,7 @@ def test_vllm_engine_started_ready_idempotent_then_absent(
 
 def test_llamacpp_engine_started_and_ready(host: Host, images: dict[str, LocalImage], prefix: str) -> None:
     name = f"{prefix}-llama"
-    params = host.params(
-        name=name,
-        driver="llamacpp",
-        image=images["llamacpp"].pinned,
-        model={"artifact": "tiny"},
-        port=free_port(),
-        env={"STANDIN_LOAD_SECONDS": "2.5"},
-    )
+    params = host.engine(images, name, "llamacpp", model={"artifact": "tiny"}, env={"STANDIN_LOAD_SECONDS": "2.5"})
     results = host.play(four_steps(params))
 
     assert_four_steps(results, ["create", "start", "wait-ready"])
@@ -149,7 +141,7 @@ def test_tgi_sglang_ollama_lmdeploy_and_generic_engines_start_and_become_ready(
     }
     steps: list[tuple[str, Mapping[str, Any], bool]] = []
     for (driver, extra), port in zip(specs.items(), free_ports(len(specs)), strict=True):
-        params = host.params(name=f"{prefix}-{driver}", driver=driver, image=images[driver].pinned, port=port, **extra)
+        params = host.engine(images, f"{prefix}-{driver}", driver, port, **extra)
         steps += [(f"{driver} apply", params, False), (f"{driver} idempotent", params, False)]
     results = host.play(steps)
 
@@ -165,23 +157,17 @@ def test_tgi_sglang_ollama_lmdeploy_and_generic_engines_start_and_become_ready(
 
 def test_stopped_then_started_in_four_steps_each(host: Host, images: dict[str, LocalImage], prefix: str) -> None:
     name = f"{prefix}-stop"
-    spec = {
-        "name": name,
-        "driver": "vllm",
-        "image": images["vllm"].pinned,
-        "model": {"name": "tiny"},
-        "port": free_port(),
-    }
-    results = host.play(four_steps(host.params(state="stopped", **spec)))
+    params = host.engine(images, name, "vllm", model={"name": "tiny"})
+    results = host.play(four_steps({**params, "state": "stopped"}))
     assert_four_steps(results, ["create"])
     assert results["apply"]["container"]["status"] == "created"
     assert results["apply"]["ready"] is None
 
-    results = host.play(four_steps(host.params(state="started", **spec)))
+    results = host.play(four_steps({**params, "state": "started"}))
     assert_four_steps(results, ["start", "wait-ready"])
     assert results["apply"]["ready"] is True
 
-    results = host.play(four_steps(host.params(state="stopped", **spec)))
+    results = host.play(four_steps({**params, "state": "stopped"}))
     assert_four_steps(results, ["stop"])
     container = host.container(name)
     assert container is not None and container.status == "exited"
@@ -191,17 +177,8 @@ def test_config_change_drains_and_replaces_and_the_old_container_is_gone(
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:
     name = f"{prefix}-repl"
-    spec = {
-        "name": name,
-        "driver": "vllm",
-        "image": images["vllm"].pinned,
-        "model": {"artifact": "tiny"},
-        "served_model_name": "first",
-        "port": free_port(),
-    }
-    first = host.play([("apply", host.params(**spec), False)])["apply"]
-    assert first["ready"] is True, first
-    changed = host.params(**{**spec, "served_model_name": "second", "replace_beside": True})
+    params, first = host.started(images, name, "vllm", model={"artifact": "tiny"}, served_model_name="first")
+    changed = {**params, "served_model_name": "second", "replace_beside": True}
     results = host.play(four_steps(changed))
 
     assert_four_steps(results, BESIDE)
@@ -221,8 +198,7 @@ def test_check_mode_plans_an_engine_whose_artifact_is_not_in_the_store_yet(
 ) -> None:
     # A rollout's check run: verified_artifact would fetch the artifact first, but check mode did not run it.
     name = f"{prefix}-pend"
-    spec = {"name": name, "driver": "vllm", "image": images["vllm"].pinned, "port": free_port()}
-    pending = host.params(**spec, model={"artifact": "not-yet"})
+    pending = host.engine(images, name, "vllm", model={"artifact": "not-yet"})
     results = host.play([("check", pending, True), ("apply", pending, False)])
 
     check = results["check"]
@@ -237,8 +213,7 @@ def test_check_mode_plans_an_engine_whose_artifact_is_not_in_the_store_yet(
     assert host.container(name) is None
 
     # A running engine whose spec moves to an artifact not yet present would be replaced.
-    running = host.play([("apply", host.params(**spec, model={"artifact": "tiny"}), False)])["apply"]
-    assert running["ready"] is True, running
+    _params, running = host.started(images, name, "vllm", model={"artifact": "tiny"}, port=pending["port"])
     replace = host.play([("check", pending, True)])["check"]
     assert replace["actions"] == IN_PLACE
     assert replace["diff"]["after"]["spec"]["model"] == {"artifact": "not-yet"}
@@ -256,7 +231,7 @@ def test_foreign_container_with_our_name_is_left_untouched(
         detach=True,
         init=True,
     )
-    params = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=free_port())
+    params = host.engine(images, name, "vllm", model={"name": "m"})
     results = host.play([("check", params, True), ("apply", params, False)])
 
     for label in ("check", "apply"):
@@ -305,7 +280,7 @@ def _refusal_cases(images: dict[str, LocalImage], port: int) -> dict[str, tuple[
 def test_refused_engine_creates_nothing(host: Host, images: dict[str, LocalImage], prefix: str, case: str) -> None:
     name = f"{prefix}-refused"
     port = free_port()
-    params = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=port)
+    params = host.engine(images, name, "vllm", port, model={"name": "m"})
     with socket.socket() as holder:
         if case == "port taken":
             holder.bind((BIND, port))
@@ -324,20 +299,20 @@ def test_refused_engine_creates_nothing(host: Host, images: dict[str, LocalImage
     assert host.container(name) is None
 
 
+def never_ready(host: Host, images: dict[str, LocalImage], name: str, **spec: Any) -> dict[str, Any]:
+    """The result of applying a stand-in llama.cpp engine ``name`` that never gets ready (3 s allowed)."""
+    params = host.engine(
+        images, name, "llamacpp", model={"name": "m"}, env={"STANDIN_NEVER_READY": "1"}, ready_timeout=3, **spec
+    )
+    result: dict[str, Any] = host.play([("apply", params, False)])["apply"]
+    return result
+
+
 def test_engine_that_never_becomes_ready_fails_with_its_log_tail_and_is_left_stopped(
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:
     name = f"{prefix}-never"
-    params = host.params(
-        name=name,
-        driver="llamacpp",
-        image=images["llamacpp"].pinned,
-        model={"name": "m"},
-        port=free_port(),
-        env={"STANDIN_NEVER_READY": "1"},
-        ready_timeout=3,
-    )
-    result = host.play([("apply", params, False)])["apply"]
+    result = never_ready(host, images, name)
 
     assert result["failed"] is True
     assert result["check"] == "readiness"
@@ -357,17 +332,7 @@ def test_a_secret_the_engine_prints_is_redacted_from_the_log_tail_of_its_failure
     # Ansible would star it too (a task argument), as ********; <redacted> says the module took it out itself,
     # as it must for a signed state's secrets, which are no task argument.
     name = f"{prefix}-prints"
-    params = host.params(
-        name=name,
-        driver="llamacpp",
-        image=images["llamacpp"].pinned,
-        model={"name": "m"},
-        port=free_port(),
-        env={"STANDIN_NEVER_READY": "1"},
-        secret_env={"STANDIN_MODEL": SECRET},
-        ready_timeout=3,
-    )
-    result = host.play([("apply", params, False)])["apply"]
+    result = never_ready(host, images, name, secret_env={"STANDIN_MODEL": SECRET})
 
     assert result["failed"] is True and result["check"] == "readiness"
     assert "serving '<redacted>'" in result["msg"], result["msg"]
@@ -377,23 +342,11 @@ def test_a_secret_the_engine_prints_is_redacted_from_the_log_tail_of_its_failure
 # --- drain-then-replace -------------------------------------------------------------------------------------
 
 
-def started_vllm(host: Host, images: dict[str, LocalImage], name: str, served: str) -> dict[str, Any]:
-    return host.params(
-        name=name,
-        driver="vllm",
-        image=images["vllm"].pinned,
-        model={"name": "tiny"},
-        served_model_name=served,
-        port=free_port(),
-    )
-
-
 def test_drain_then_replace_lets_eight_slow_requests_finish_before_the_aborting_engine_stops(
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:
     name = f"{prefix}-drain"
-    first = started_vllm(host, images, name, "tiny-chat")
-    assert host.play([("apply", first, False)])["apply"]["ready"] is True
+    first, _applied = host.started(images, name, "vllm", model={"name": "tiny"}, served_model_name="tiny-chat")
     # vLLM aborts requests in flight on SIGTERM: only the drain keeps these 8 (4 running, 4 queued) alive.
     threads, outcomes = hold_requests(first["port"], 8, seconds=3)
     stop = threading.Event()
@@ -421,19 +374,12 @@ def test_drain_timeout_fails_and_leaves_the_old_engine_running_and_serving(
     host: Host, images: dict[str, LocalImage], prefix: str
 ) -> None:
     name = f"{prefix}-stuck"
-    first = started_vllm(host, images, name, "tiny-chat")
-    applied = host.play([("apply", first, False)])["apply"]
-    threads, outcomes = hold_requests(first["port"], 2, seconds=300)
-    try:
+    first, applied = host.started(images, name, "vllm", model={"name": "tiny"}, served_model_name="tiny-chat")
+    with stuck_requests(host, applied["container"]["id"], first["port"], 2) as outcomes:
         result = host.play([("apply", {**first, "served_model_name": "renamed", "drain_timeout": 2}, False)])["apply"]
         container = host.container(name)
         assert container.id == applied["container"]["id"]
         assert container.status == "running"
-    finally:
-        # SIGUSR1 is the stand-in's "finish every request now".
-        host.client.containers.get(applied["container"]["id"]).kill(signal="SIGUSR1")
-        for thread in threads:
-            thread.join(timeout=60)
 
     assert result["failed"] is True
     assert result["check"] == "drain"
@@ -452,19 +398,8 @@ MIB = 1024 * 1024
 
 def widen_policy(host: Host, **engines: Any) -> None:
     """Give ``host`` the harness's policy plus ``engines`` settings (allowed volume sources, host IPC)."""
-    host.policy = write_policy(
-        host.root / f"policy-{secrets.token_hex(3)}",
-        control=[make_key()],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {
-                "allowed_drivers": list(Host.DRIVERS),
-                "bind_address": BIND,
-                "port_range": list(PORTS),
-                **engines,
-            },
-            "store": {"path": str(host.store)},
-        },
+    host.policy = standin_policy(
+        host.root / f"policy-{secrets.token_hex(3)}", Host.DRIVERS, store={"path": str(host.store)}, **engines
     )
 
 
@@ -491,12 +426,11 @@ def test_host_settings_reach_the_container_and_docker_restarts_a_crashed_engine_
     (data / "tok" / "vocab.txt").write_text("hello")
     widen_policy(host, allowed_volume_sources=[str(data)])
     name = f"{prefix}-host"
-    spec = host.params(
-        name=name,
-        driver="sglang",
-        image=images["sglang"].pinned,
+    spec = host.engine(
+        images,
+        name,
+        "sglang",
         model={"artifact": "tiny"},
-        port=free_port(),
         # memlock -1 as NVIDIA recommends needs CAP_SYS_RESOURCE, which this test host's dockerd lacks
         ulimits={"stack": 67108864, "nofile": {"soft": 4096, "hard": 8192}},
         volumes=[{"source": str(data / "tok"), "target": "/data/tok"}],
@@ -553,7 +487,7 @@ def test_host_settings_reach_the_container_and_docker_restarts_a_crashed_engine_
 
 def test_host_ipc_runs_only_where_the_policy_allows_it(host: Host, images: dict[str, LocalImage], prefix: str) -> None:
     name = f"{prefix}-ipc"
-    spec = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=free_port())
+    spec = host.engine(images, name, "vllm", model={"name": "m"})
     refused = host.play([("check", {**spec, "ipc_mode": "host"}, True), ("apply", {**spec, "ipc_mode": "host"}, False)])
     for label in ("check", "apply"):
         assert refused[label]["failed"] is True and refused[label]["check"] == "policy-ipc", refused[label]
@@ -573,7 +507,7 @@ def test_volumes_outside_the_policy_or_leading_out_of_it_create_nothing(
     data.mkdir()
     (data / "innocent").symlink_to("/etc")
     name = f"{prefix}-vol"
-    spec = host.params(name=name, driver="vllm", image=images["vllm"].pinned, model={"name": "m"}, port=free_port())
+    spec = host.engine(images, name, "vllm", model={"name": "m"})
     cases = {
         "no sources allowed": ({"source": str(data), "target": "/d"}, "policy-volume", "sources is empty"),
         "the docker socket": ({"source": "/var/run/docker.sock", "target": "/s"}, "spec", "overlaps /var/run"),

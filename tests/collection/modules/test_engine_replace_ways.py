@@ -22,10 +22,10 @@ from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
     Host,
     free_port,
+    standin_policy,
 )
 from ansible_collections.meridian.node.tests.support.projection_gateway import ProjectionGateway
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -47,16 +47,22 @@ def spec(host: Host, vllm: LocalImage, name: str, port: int, served: str, **extr
     )
 
 
+def started_first(host: Host, vllm: LocalImage, name: str, port: int | None = None) -> tuple[int, dict[str, Any]]:
+    """Engine ``name`` serving model "first" on ``port`` (a free port when None), applied and ready: the port and
+    the applied result. The engine each test then replaces."""
+    port = free_port() if port is None else port
+    first: dict[str, Any] = host.play([("apply", spec(host, vllm, name, port, "first"), False)])["apply"]
+    assert first["ready"] is True, first
+    return port, first
+
+
 def narrow_policy(host: Host, port: int) -> None:
     """A policy whose port range is the engine's one port: no room for a second container."""
-    host.policy = write_policy(
+    host.policy = standin_policy(
         host.root / f"policy-{secrets.token_hex(3)}",
-        control=[make_key()],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {"allowed_drivers": list(Host.DRIVERS), "bind_address": BIND, "port_range": [port, port]},
-            "store": {"path": str(host.store)},
-        },
+        Host.DRIVERS,
+        port_range=(port, port),
+        store={"path": str(host.store)},
     )
 
 
@@ -89,9 +95,7 @@ def test_with_room_the_new_engine_starts_beside_and_no_request_is_refused(
     host: Host, vllm: LocalImage, prefix: str
 ) -> None:
     name = f"{prefix}-side"
-    port = free_port()
-    first = host.play([("apply", spec(host, vllm, name, port, "first"), False)])["apply"]
-    assert first["ready"] is True, first
+    port, first = started_first(host, vllm, name)
 
     # Off by default: something may route to the spec's port, which a replace beside would move the engine from.
     kept = host.play([("check", spec(host, vllm, name, port, "second"), True)])["check"]
@@ -129,8 +133,7 @@ def test_with_room_a_new_engine_that_fails_is_removed_and_the_old_one_never_stop
     host: Host, vllm: LocalImage, prefix: str
 ) -> None:
     name = f"{prefix}-bad"
-    port = free_port()
-    first = host.play([("apply", spec(host, vllm, name, port, "first"), False)])["apply"]
+    port, first = started_first(host, vllm, name)
 
     with gateway(name, host.state_dir) as routed:
         broken = spec(host, vllm, name, port, "second", env=BROKEN, replace_beside=True)
@@ -156,8 +159,7 @@ def test_without_room_the_old_engine_is_kept_and_started_again_when_the_new_one_
     name = f"{prefix}-tight"
     port = free_port()
     narrow_policy(host, port)
-    first = host.play([("apply", spec(host, vllm, name, port, "first"), False)])["apply"]
-    assert first["ready"] is True, first
+    _port, first = started_first(host, vllm, name, port)
 
     results = host.play(
         [
@@ -187,8 +189,7 @@ def test_without_room_the_old_engine_is_kept_and_started_again_when_the_new_one_
 
 def test_what_an_interrupted_replace_left_is_cleaned_up(host: Host, vllm: LocalImage, prefix: str) -> None:
     name = f"{prefix}-left"
-    port = free_port()
-    first = host.play([("apply", spec(host, vllm, name, port, "first"), False)])["apply"]
+    port, first = started_first(host, vllm, name)
     # As a replace interrupted after setting the old container aside leaves it: stopped, renamed <name>.OLD.
     old = host.client.containers.get(first["container"]["id"])
     old.stop(timeout=5)

@@ -26,10 +26,10 @@ from ansible_collections.meridian.node.plugins.module_utils.trust.verify import 
 from ansible_collections.meridian.node.tests.support.e2e_env import engine_spec
 from ansible_collections.meridian.node.tests.support.engine_harness import (
     BIND,
-    PORTS,
     Host,
     free_ports,
     hold_requests,
+    standin_policy,
 )
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import (
@@ -361,21 +361,20 @@ def signed_policy_host(tmp_path: Path, docker_client: Any, key: Any, **store: An
     """A host whose policy takes desired states signed by ``key``: vllm stand-ins only; ``store`` joins the
     store's settings."""
     host = Host(tmp_path, docker_client)
-    host.policy = write_policy(
-        tmp_path / "signed-policy",
-        control=[key],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
-            "store": {"path": str(host.store), **store},
-        },
+    host.policy = standin_policy(
+        tmp_path / "signed-policy", ["vllm"], control=[key], store={"path": str(host.store), **store}
     )
     return host
 
 
-def failing_then_good(tmp_path: Path, key: Any, vllm: LocalImage, prefix: str) -> tuple[str, str, Path, Path]:
-    """Two signed generations: 1 lists an engine that serves and one that never gets ready, both with SECRET in
-    their secret_env; 2 lists only the one that serves. (served, never, generation 1's file, generation 2's file)."""
+def failing_then_good(
+    tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
+) -> tuple[Host, str, str, Path, Path]:
+    """A host whose policy takes desired states signed by a fresh key, and two generations signed by it: 1 lists an
+    engine that serves and one that never gets ready, both with SECRET in their secret_env; 2 lists only the one
+    that serves. (the host, served, never, generation 1's file, generation 2's file)."""
+    key = make_key()
+    host = signed_policy_host(tmp_path, docker_client, key)
     ports = free_ports(2)
     served, never = f"{prefix}-served", f"{prefix}-never"
     wanted = engine_spec(served, vllm, ports[0], secret_env={"HF_TOKEN": SECRET})
@@ -392,15 +391,13 @@ def failing_then_good(tmp_path: Path, key: Any, vllm: LocalImage, prefix: str) -
             },
         ],
     )
-    return served, never, failing, signed_state(tmp_path / "gen2.json", key, 2, [wanted])
+    return host, served, never, failing, signed_state(tmp_path / "gen2.json", key, 2, [wanted])
 
 
 def test_envelope_with_a_secret_env_value_never_shows_it_and_records_only_on_success(
     tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
 ) -> None:
-    key = make_key()
-    host = signed_policy_host(tmp_path, docker_client, key)
-    served, never, failing, good = failing_then_good(tmp_path, key, vllm, prefix)
+    host, served, never, failing, good = failing_then_good(tmp_path, docker_client, vllm, prefix)
     envelope = {"envelope": str(failing), "node_id": NODE_ID, "record": True}
     results, output = play(host, [("apply", envelope, False)], verbose=True)
 
@@ -435,15 +432,12 @@ def test_envelope_whose_artifact_is_not_promoted_is_refused_before_any_change_an
     key, artifact_key = make_key(), make_key()
     host = Host(tmp_path, docker_client)
     models = tmp_path / "models"
-    host.policy = write_policy(
+    host.policy = standin_policy(
         tmp_path / "signed-policy",
+        ["vllm"],
         control=[key],
         artifact=[artifact_key],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {"allowed_drivers": ["vllm"], "bind_address": BIND, "port_range": list(PORTS)},
-            "store": {"path": str(host.store), "local_sources": [str(models)]},
-        },
+        store={"path": str(host.store), "local_sources": [str(models)]},
     )
     weights = b"engine-set weights\n" * 16
     (models / "m").mkdir(parents=True)

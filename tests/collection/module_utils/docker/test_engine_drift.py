@@ -255,37 +255,25 @@ def test_an_env_difference_is_shown_by_name_never_by_value() -> None:
     assert describe_drift("restart_policy", ["no", 0], ["unless-stopped", 0]) == (["no", 0], ["unless-stopped", 0])
 
 
+# A running engine that drifted is replaced in place: drained, stopped and set aside until the new one is ready.
+IN_PLACE = [
+    Action.DRAIN,
+    Action.STOP,
+    Action.SET_ASIDE,
+    Action.CREATE,
+    Action.START,
+    Action.WAIT_READY,
+    Action.REMOVE_OLD,
+]
+
+
 @pytest.mark.parametrize(
     ("state", "status", "actions"),
     [
-        (
-            "started",
-            "running",
-            [
-                Action.DRAIN,
-                Action.STOP,
-                Action.SET_ASIDE,
-                Action.CREATE,
-                Action.START,
-                Action.WAIT_READY,
-                Action.REMOVE_OLD,
-            ],
-        ),
+        ("started", "running", IN_PLACE),
         ("started", "exited", [Action.REMOVE, Action.CREATE, Action.START, Action.WAIT_READY]),
         ("stopped", "exited", [Action.REMOVE, Action.CREATE]),
-        (
-            "present",
-            "running",
-            [
-                Action.DRAIN,
-                Action.STOP,
-                Action.SET_ASIDE,
-                Action.CREATE,
-                Action.START,
-                Action.WAIT_READY,
-                Action.REMOVE_OLD,
-            ],
-        ),
+        ("present", "running", IN_PLACE),
         ("absent", "running", [Action.STOP, Action.REMOVE]),
     ],
 )

@@ -18,6 +18,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.plan import 
     rollback_actions,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import parse_engine_spec
+from ansible_collections.meridian.node.tests.support.trust_fixtures import vllm_engine
 
 NEW = "hash-new"
 OLD = "hash-old"
@@ -304,18 +305,11 @@ def test_a_foreign_container_with_our_name_is_refused_in_every_state(state: Any)
 
 # --- the host settings reach the config hash -----------------------------------------------------------------
 
-ENGINE: dict[str, Any] = {
-    "name": "chat",
-    "driver": "vllm",
-    "image": "registry.local/vllm@sha256:" + "1" * 64,
-    "model": {"name": "tiny"},
-    "port": 8000,
-}
-
 
 def hash_of(**changes: Any) -> str:
-    """The config hash engine_instance computes for ENGINE with ``changes`` (labels included), without Docker."""
-    spec = parse_engine_spec({**ENGINE, **changes})
+    """The config hash engine_instance computes for ``vllm_engine`` with ``changes`` (labels included), without
+    Docker."""
+    spec = parse_engine_spec(vllm_engine(**changes))
     launch = get_driver(spec.driver).container_settings(spec)
     return engine_settings(spec, launch, bind_address="127.0.0.1").config_hash()
 

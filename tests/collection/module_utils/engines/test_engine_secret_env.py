@@ -31,17 +31,12 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.drivers impo
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import public_spec, shown_spec
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_run import _envelope_engines
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec, parse_engine_spec
+from ansible_collections.meridian.node.tests.support.trust_fixtures import vllm_engine
 
 SECRET = "\u01c2"  # one character, and one that nothing else here prints
 CHANGED = "\u01c3"
 IMAGE_ID = "sha256:" + "2" * 64
-ENGINE: dict[str, Any] = {
-    "name": "aud-tgi",
-    "driver": "vllm",
-    "image": "registry.local/vllm@sha256:" + "1" * 64,
-    "model": {"name": "tiny"},
-    "port": 8000,
-}
+ENGINE: dict[str, Any] = vllm_engine(name="aud-tgi")
 
 
 def parsed(**changes: Any) -> ParsedEngineSpec:

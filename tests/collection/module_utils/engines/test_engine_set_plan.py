@@ -27,7 +27,7 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.set_plan imp
     waves,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.set_run import MASK, run_engine_set
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.engine_harness import standin_policy
 
 DIGEST = "sha256:" + "ab" * 32
 FACTS = {
@@ -232,14 +232,8 @@ def spec(name: str, port: int, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def options(tmp_path: Path) -> SetOptions:
-    policy = write_policy(
-        tmp_path / "policy",
-        control=[make_key()],
-        extra={
-            "images": {"allowed_repositories": ["meridian-node/standin"]},
-            "engines": {"allowed_drivers": ["vllm"], "bind_address": "127.0.0.1", "port_range": [9000, 9100]},
-            "store": {"path": str(tmp_path / "store")},
-        },
+    policy = standin_policy(
+        tmp_path / "policy", ["vllm"], port_range=(9000, 9100), store={"path": str(tmp_path / "store")}
     )
     return SetOptions(policy_path=str(policy), state_dir=str(tmp_path / "state"))
 

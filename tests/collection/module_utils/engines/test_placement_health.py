@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils.contracts import EngineSpec
 from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
     PlacementFactsError,
@@ -29,11 +28,9 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.spec import 
 from ansible_collections.meridian.node.plugins.module_utils.gpu import facts as gpu_facts_module
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import HealthHolds
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_rules import judge
+from ansible_collections.meridian.node.tests.support.gpu_ids import GPU_A as GPU
+from ansible_collections.meridian.node.tests.support.gpu_ids import MIG_A, MIG_B, NOW
 
-NOW = datetime(2026, 12, 3, 12, 0, 0, tzinfo=UTC)
-GPU = "GPU-2f1b7c2e-8d3a-4c51-b0e6-1a9e4f7d3c01"
-MIG_A = "MIG-4c7a1e92-0b3d-5f6e-8a21-9d0c3b7e5f41"
-MIG_B = "MIG-8e2b5d03-7c1a-5e49-b6f0-2a8d4c1e9b52"
 DIGEST = "sha256:" + "ab" * 32
 
 

@@ -11,18 +11,16 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_hold import (
     HOLD_FILE,
     HealthHoldError,
     HealthHolds,
 )
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_rules import judge
-
-NOW = datetime(2026, 12, 3, 12, 0, 0, tzinfo=UTC)
-A = "GPU-2f1b7c2e-8d3a-4c51-b0e6-1a9e4f7d3c01"
-B = "GPU-7d0c9a51-3e2f-4b86-a1d4-5c8e2f9b6a02"
-MIG = "MIG-4c7a1e92-0b3d-5f6e-8a21-9d0c3b7e5f41"
+from ansible_collections.meridian.node.tests.support.gpu_ids import GPU_A as A
+from ansible_collections.meridian.node.tests.support.gpu_ids import GPU_B as B
+from ansible_collections.meridian.node.tests.support.gpu_ids import MIG_A as MIG
+from ansible_collections.meridian.node.tests.support.gpu_ids import NOW
 
 
 def gpu(index: int, uuid: str, **changes: Any) -> dict[str, Any]:

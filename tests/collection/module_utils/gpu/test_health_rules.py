@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils._compat import UTC
 from ansible_collections.meridian.node.plugins.module_utils.contracts import GpuHealth
 from ansible_collections.meridian.node.plugins.module_utils.gpu.health_rules import (
     APPLICATION_XIDS,
@@ -25,17 +24,14 @@ from ansible_collections.meridian.node.plugins.module_utils.gpu.health_rules imp
     reset_signs,
     worst,
 )
-
-NOW = datetime(2026, 12, 3, 12, 0, 0, tzinfo=UTC)
-UUID = "GPU-2f1b7c2e-8d3a-4c51-b0e6-1a9e4f7d3c01"
-MIG = "MIG-4c7a1e92-0b3d-5f6e-8a21-9d0c3b7e5f41"
+from ansible_collections.meridian.node.tests.support.gpu_ids import GPU_A, MIG_A, NOW
 
 
 def facts(**changes: Any) -> dict[str, Any]:
     """A busy H100 on a full Gen4 x16 link with no volatile ECC errors."""
     gpu: dict[str, Any] = {
         "index": 0,
-        "uuid": UUID,
+        "uuid": GPU_A,
         "ecc_errors_corrected": 0,
         "ecc_errors_uncorrected": 0,
         "utilization_gpu_percent": 60,
@@ -413,11 +409,11 @@ def test_ignored_xids_are_a_parameter() -> None:
 
 
 def test_a_mig_scoped_xid_degrades_the_gpu_and_names_its_device() -> None:
-    health = verdict_of(readings(xid_events=[xid(48, 5, MIG)]))
+    health = verdict_of(readings(xid_events=[xid(48, 5, MIG_A)]))
 
     assert health["verdict"] == "degraded"
     assert codes(health) == ["xid-critical-mig"]
-    assert mig_uuid_of(health["reasons"][0]) == MIG
+    assert mig_uuid_of(health["reasons"][0]) == MIG_A
     assert mig_uuid_of({"code": "xid-critical", "source": "nvmlEventSetWait", "value": 48}) is None
 
 

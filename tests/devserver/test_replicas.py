@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -38,6 +37,7 @@ from ansible_collections.meridian.node.tests.devserver.in_process_server import 
     observation,
     wait_for,
 )
+from ansible_collections.meridian.node.tests.support.at_once import at_once
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.agent_side.control_client import (
     ControlClient,
@@ -132,18 +132,17 @@ def test_an_enrollment_token_works_once_across_replicas(tmp_path: Path, database
     data = tmp_path / "data"
     with _replicas(data, 2) as servers:
         token = _token(data)
-        barrier = threading.Barrier(2)
 
         def enroll(server: DevServer, node_id: str) -> str:
-            barrier.wait()
             try:
                 _enroll(server, tmp_path, node_id, token)
             except ControlPlaneRejected as exc:
                 return exc.reason
             return "enrolled"
 
-        with ThreadPoolExecutor(2) as pool:
-            outcomes = list(pool.map(enroll, servers, ["racer-a", "racer-b"]))
+        outcomes = at_once(
+            [functools.partial(enroll, servers[0], "racer-a"), functools.partial(enroll, servers[1], "racer-b")]
+        )
 
     assert sorted(outcomes) == ["enrolled", "token-used"]
 

@@ -8,7 +8,6 @@ nullability, indexes, unique constraints) between the migrated database and ``sc
 from __future__ import annotations
 
 import sqlite3
-import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
+from ansible_collections.meridian.node.tests.support.at_once import at_once
 from ansible_collections.meridian.node.tests.support.old_devserver_schema import BEFORE_TOKEN_BINDING, OLD_TOKENS_TABLE
 from ansible_collections.meridian.node.tests.support.postgres import PostgresServer, StoreBackend
 from meridian_node_agent.devserver.store import migrations
@@ -225,23 +225,8 @@ def test_a_database_at_the_head_opens_with_one_statement(store_backend: StoreBac
 
 
 def test_two_processes_opening_one_empty_database_at_once_migrate_it_once(store_backend: StoreBackend) -> None:
-    start = threading.Barrier(2)
-    failures: list[BaseException] = []
+    at_once([store_backend.open, store_backend.open])  # an error either one raised fails the test here
 
-    def open_it() -> None:
-        try:
-            start.wait(timeout=30)
-            store_backend.open()
-        except BaseException as exc:
-            failures.append(exc)
-
-    openers = [threading.Thread(target=open_it) for _ in range(2)]
-    for opener in openers:
-        opener.start()
-    for opener in openers:
-        opener.join(timeout=120)
-
-    assert failures == []
     assert _version(_sqlalchemy_url(store_backend)) == migrations.HEAD
     assert _differences(_sqlalchemy_url(store_backend)) == []
 

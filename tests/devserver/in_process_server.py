@@ -9,6 +9,8 @@ an announcement the watcher applied. ``feed`` replaces the database's change fee
 that never hears other processes, as if every announcement were lost); ``lane=False`` serves FastAPI's app alone,
 without ``SteadyCallLane`` in front, so that its heartbeat and desired-state routes answer.
 
+``InProcessServer.cli`` runs a CLI verb beside the server, in a process of its own on the same database.
+
 Also here, what the hot-path, fencing and replica tests share: an observation to post (``observation``, its
 ``applied_generation`` marking which one it was), how a CLI verb names a test's database (``database_url_args``),
 ``wait_for``, a liveness guard, and ``LongPoll``, a desired-state long-poll parked on a thread of its own.
@@ -23,10 +25,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation, format_rfc3339
+from ansible_collections.meridian.node.tests.devserver.devserver_process import cli
 from meridian_node_agent.agent_side.control_client import ControlClient, ControlPlaneRejected, DesiredStateFetch
 from meridian_node_agent.agent_side.identity import NodeIdentity
 from meridian_node_agent.devserver.control.plane import ControlPlane, open_control_plane
@@ -54,11 +58,24 @@ class InProcessServer:
     hot: HotPath
     base_url: str
     ca_bundle: Path
+    database: str  # as ``serving_in_process`` was given it: a SQLite file path, or a URL
 
     @property
     def statements(self) -> int:
         """Statements this server's store has sent so far."""
         return self.control.store.statement_count
+
+    def cli(self, *args: str) -> None:
+        """A CLI verb in a process of its own, on this server's data dir and database: what an operator runs beside
+        the server, heard by it only through the change feed."""
+        cli(self.control.paths.root, *args, *database_url_args(self.database))
+
+    def cli_publish(self, node_id: str, directory: Path) -> None:
+        """``publish`` of a state with no engines and no artifacts to ``node_id`` by the CLI (see ``cli``), its
+        document written in ``directory``."""
+        document = directory / "desired.yaml"
+        document.write_text("engines: []\nartifacts: []\n")
+        self.cli("publish", node_id, str(document))
 
     def enroll(self, directory: Path, node_id: str, *, token_name: str | None = None) -> ControlClient:
         """Enroll ``node_id`` over HTTP with a token made for it (named ``token_name``, by default after the node: a
@@ -100,7 +117,7 @@ def serving_in_process(
             assert thread.is_alive() and time.monotonic() < deadline, "the in-process devserver did not start"
             time.sleep(0.01)
         port = sock.getsockname()[1]
-        yield InProcessServer(control, hot, f"https://127.0.0.1:{port}", tls.ca)
+        yield InProcessServer(control, hot, f"https://127.0.0.1:{port}", tls.ca, database)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -130,6 +147,12 @@ class LongPoll:
     def answered(self) -> bool:
         return not self._thread.is_alive()
 
+    def answered_within(self, seconds: float) -> bool:
+        """Whether it is answered within ``seconds``: a request whose ETag is current must still be parked after
+        them (on a server in another process, the time it has to park)."""
+        self._thread.join(timeout=seconds)
+        return self.answered
+
     def outcome(self, what: str, timeout_s: float = 30) -> DesiredStateFetch | ControlPlaneRejected:
         """The answer, once it came within ``timeout_s`` (a liveness guard, see ``wait_for``)."""
         wait_for(lambda: self.answered, what, timeout_s)
@@ -137,8 +160,11 @@ class LongPoll:
         return self._answers[0]
 
 
-def observation(node_id: str, epoch: int, generation: int = 0) -> Observation:
-    """An observation of ``node_id`` under ``epoch``; ``generation`` (its applied generation) tells posts apart."""
+def observation(
+    node_id: str, epoch: int, generation: int = 0, *, engines: list[dict[str, Any]] | None = None
+) -> Observation:
+    """An observation of ``node_id`` under ``epoch``; ``generation`` (its applied generation) tells posts apart;
+    ``engines`` as the node reports them (none by default)."""
     return Observation.model_validate(
         {
             "apiVersion": "meridian.node/v1",
@@ -149,7 +175,7 @@ def observation(node_id: str, epoch: int, generation: int = 0) -> Observation:
             "mode": "managed-host",
             "applied_generation": generation,
             "gpu": {"nvml_available": False, "reason": "no NVIDIA driver on this test host"},
-            "engines": [],
+            "engines": engines or [],
         }
     )
 

@@ -13,21 +13,30 @@ from meridian_node_agent.devserver.control.ca import CertificateAuthority, CsrEr
 LIFETIME = timedelta(days=1)
 
 
-def test_a_csr_with_a_non_ascii_character_is_refused_naming_it_and_where(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("csr", "says", "never"),
+    [
+        pytest.param(
+            "-----BEGIN CERTIFICATE REQUEST-----\nMII\u00e9",
+            ["'é' at position 39", "PEM is ASCII text"],
+            "codec",
+            id="a-non-ascii-character-named-with-where",
+        ),
+        pytest.param(
+            "not a csr at all",
+            ["not a PEM certificate signing request (got 'not a csr at all')", "-----BEGIN CERTIFICATE REQUEST-----"],
+            "cryptography.io",
+            id="not-pem-its-start-and-the-form-expected",
+        ),
+    ],
+)
+def test_an_unreadable_csr_is_refused_in_the_devserver_s_words(
+    tmp_path: Path, csr: str, says: list[str], never: str
+) -> None:
     ca = CertificateAuthority(tmp_path / "ca")
     with pytest.raises(CsrError) as refused:
-        ca.issue_node_certificate("node-1", "-----BEGIN CERTIFICATE REQUEST-----\nMII\u00e9", lifetime=LIFETIME)
+        ca.issue_node_certificate("node-1", csr, lifetime=LIFETIME)
     message = str(refused.value)
-    assert "'é' at position 39" in message
-    assert "PEM is ASCII text" in message
-    assert "codec" not in message
-
-
-def test_a_csr_that_is_not_pem_is_refused_with_its_start_and_the_form_expected(tmp_path: Path) -> None:
-    ca = CertificateAuthority(tmp_path / "ca")
-    with pytest.raises(CsrError) as refused:
-        ca.issue_node_certificate("node-1", "not a csr at all", lifetime=LIFETIME)
-    message = str(refused.value)
-    assert "not a PEM certificate signing request (got 'not a csr at all')" in message
-    assert "-----BEGIN CERTIFICATE REQUEST-----" in message
-    assert "cryptography.io" not in message
+    for words in says:
+        assert words in message
+    assert never not in message  # the library's own words

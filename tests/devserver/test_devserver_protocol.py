@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation, format_rfc3339
 from ansible_collections.meridian.node.plugins.module_utils.trust import verify as trust
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
+from ansible_collections.meridian.node.tests.devserver.in_process_server import LongPoll, observation
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
 from meridian_node_agent.agent_side.control_client import (
     ControlClient,
@@ -53,22 +52,6 @@ def _publish(server: DevServer, tmp_path: Path, node_id: str, document: dict[str
     path.write_text(yaml.safe_dump(document if document is not None else {"engines": [], "artifacts": []}))
     output = server.cli("publish", node_id, str(path)).stdout
     return int(output.split("generation ")[1].split()[0])
-
-
-def _observation(node_id: str, epoch: int, engines: list[dict[str, Any]] | None = None) -> Observation:
-    return Observation.model_validate(
-        {
-            "apiVersion": "meridian.node/v1",
-            "kind": "Observation",
-            "node_id": node_id,
-            "lease_epoch": epoch,
-            "observed_at": format_rfc3339(datetime.now(UTC)),
-            "mode": "managed-host",
-            "applied_generation": 0,
-            "gpu": {"nvml_available": False, "reason": "no NVIDIA driver on this test host"},
-            "engines": engines or [],
-        }
-    )
 
 
 def _engine(name: str, port: int, *, ready: bool, draining: bool) -> dict[str, Any]:
@@ -161,7 +144,7 @@ def test_certificate_for_node_a_on_node_b_path_is_403(server: DevServer, tmp_pat
         for call in (
             lambda: client_a.heartbeat(node_b),
             lambda: client_a.fetch_desired_state(node_b),
-            lambda: client_a.post_observation(_observation(node_b, 1)),
+            lambda: client_a.post_observation(observation(node_b, 1)),
         ):
             with pytest.raises(ControlPlaneRejected) as refused:
                 call()
@@ -307,26 +290,13 @@ def test_long_poll_returns_the_state_published_by_another_process(
     with _enroll(server, tmp_path, node_id) as client:
         _publish(server, tmp_path, node_id)
         current = client.fetch_desired_state(node_id)
-        results: list[DesiredStateFetch | BaseException] = []
-
-        def poll() -> None:
-            try:
-                results.append(client.fetch_desired_state(node_id, etag=current.etag, wait_s=30))
-            except BaseException as exc:
-                results.append(exc)
-
-        waiter = threading.Thread(target=poll)
-        waiter.start()
+        poll = LongPoll(client, node_id, current.etag, wait_s=30)
         # The poller must still be parked when the publish happens (its ETag is current, so the server
         # holds the request); its answer must then be the new generation, not a 304.
-        waiter.join(timeout=1.0)
-        assert waiter.is_alive() and not results
+        assert not poll.answered_within(1.0)
         published = _publish(server, tmp_path, node_id)
-        waiter.join(timeout=40)
+        result = poll.outcome("the publish by another process answered the long-poll", 40)
 
-    assert not waiter.is_alive()
-    assert len(results) == 1
-    result = results[0]
     assert isinstance(result, DesiredStateFetch), result
     assert result.status is FetchStatus.NEW
     assert result.generation == published == (current.generation or 0) + 1
@@ -387,19 +357,19 @@ def test_publish_refuses_an_invalid_state_and_assigns_no_generation(
 def test_observation_with_a_stale_epoch_is_409(server: DevServer, tmp_path: Path, node_id: str) -> None:
     with _enroll(server, tmp_path, node_id) as client:
         epoch = client.heartbeat(node_id).epoch
-        client.post_observation(_observation(node_id, epoch))
+        client.post_observation(observation(node_id, epoch))
         server.cli("fence", node_id)
 
         with pytest.raises(ControlPlaneRejected) as refused:
-            client.post_observation(_observation(node_id, epoch))
+            client.post_observation(observation(node_id, epoch))
         assert (refused.value.status, refused.value.reason) == (409, "stale-epoch")
         assert f"epoch {epoch}" in refused.value.detail and f"epoch {epoch + 1}" in refused.value.detail
 
         with pytest.raises(ControlPlaneRejected) as future:
-            client.post_observation(_observation(node_id, epoch + 5))
+            client.post_observation(observation(node_id, epoch + 5))
         assert (future.value.status, future.value.reason) == (409, "future-epoch")
 
-        client.post_observation(_observation(node_id, client.heartbeat(node_id).epoch))
+        client.post_observation(observation(node_id, client.heartbeat(node_id).epoch))
 
 
 def test_serving_projection_lists_only_ready_engines_that_are_not_draining(
@@ -411,7 +381,7 @@ def test_serving_projection_lists_only_ready_engines_that_are_not_draining(
             _engine("draining", 19002, ready=True, draining=True),
             _engine("starting", 19003, ready=False, draining=False),
         ]
-        client.post_observation(_observation(node_id, client.heartbeat(node_id).epoch, engines))
+        client.post_observation(observation(node_id, client.heartbeat(node_id).epoch, engines=engines))
         ours = [e for e in client.serving().endpoints if e.node_id == node_id]
         assert [(e.engine, e.address, e.served_model_name, e.driver) for e in ours] == [
             ("serving", "127.0.0.1:19001", "model-serving", "vllm")
@@ -419,7 +389,7 @@ def test_serving_projection_lists_only_ready_engines_that_are_not_draining(
 
         # The next observation replaces the last one: the engine is now draining, so it leaves the projection.
         engines[0]["draining"] = True
-        client.post_observation(_observation(node_id, client.heartbeat(node_id).epoch, engines))
+        client.post_observation(observation(node_id, client.heartbeat(node_id).epoch, engines=engines))
         assert [e for e in client.serving().endpoints if e.node_id == node_id] == []
 
 
@@ -427,7 +397,7 @@ def test_revoked_node_leaves_the_serving_projection(server: DevServer, tmp_path:
     watcher = _enroll(server, tmp_path, f"{node_id}-watcher")
     with _enroll(server, tmp_path, node_id) as client, watcher:
         epoch = client.heartbeat(node_id).epoch
-        client.post_observation(_observation(node_id, epoch, [_engine("e", 19010, ready=True, draining=False)]))
+        client.post_observation(observation(node_id, epoch, engines=[_engine("e", 19010, ready=True, draining=False)]))
         assert any(e.node_id == node_id for e in watcher.serving().endpoints)
         server.cli("revoke", node_id)
         assert not any(e.node_id == node_id for e in watcher.serving().endpoints)
@@ -450,8 +420,8 @@ def _post_raw_observation(server: DevServer, tmp_path: Path, node_id: str, body:
 def test_observation_about_another_node_is_refused(server: DevServer, tmp_path: Path, node_id: str) -> None:
     with _enroll(server, tmp_path, node_id) as client:
         epoch = client.heartbeat(node_id).epoch
-        observation = _observation("gpu-someone-else", epoch)
-        body = observation.model_dump_json().encode()
+        foreign = observation("gpu-someone-else", epoch)
+        body = foreign.model_dump_json().encode()
         answer = _post_raw_observation(server, tmp_path, node_id, body)
     assert answer.status_code == 403
     assert answer.json()["reason"] == "wrong-node"

@@ -13,19 +13,9 @@ import pytest
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, cli, enroll_node, running
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
+from ansible_collections.meridian.node.tests.support.old_devserver_schema import OLD_TOKENS_TABLE
 from meridian_node_agent.agent_side.control_client import ControlPlaneRejected
 from meridian_node_agent.devserver.store.database import token_digest
-
-# The tokens table exactly as devservers created it before tokens could be bound to a node.
-_OLD_TOKENS_TABLE = """
-CREATE TABLE IF NOT EXISTS tokens (
-    name TEXT PRIMARY KEY,
-    value_sha256 TEXT NOT NULL UNIQUE,
-    created_at TEXT NOT NULL,
-    used_at TEXT,
-    used_by TEXT
-);
-"""
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +116,7 @@ def test_database_from_before_token_binding_is_migrated_on_open(tmp_path: Path) 
     data_dir.mkdir(mode=0o700)
     database = data_dir / "devserver.sqlite3"
     with sqlite3.connect(database) as old:
-        old.executescript(_OLD_TOKENS_TABLE)
+        old.executescript(OLD_TOKENS_TABLE)
         old.execute(
             "INSERT INTO tokens (name, value_sha256, created_at) VALUES (?, ?, ?)",
             ("legacy", token_digest("legacy-token-value"), "2026-01-01T00:00:00Z"),

@@ -16,8 +16,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ansible_collections.meridian.node.tests.devserver.devserver_process import cli
-from ansible_collections.meridian.node.tests.devserver.in_process_server import database_url_args, serving_in_process
+from ansible_collections.meridian.node.tests.devserver.in_process_server import serving_in_process
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.agent_side.control_client import ControlClient, FetchStatus
 from meridian_node_agent.agent_side.identity import NodeIdentity
@@ -73,10 +72,8 @@ def test_the_backstop_reads_only_what_changed_and_finds_lost_announcements(
         server.hot.watcher.backstop()
         idle_cost = server.statements - before
 
-        document = tmp_path / "desired.yaml"
-        document.write_text("engines: []\nartifacts: []\n")
-        cli(data, "fence", node_id, *database_url_args(store_backend.location))
-        cli(data, "publish", node_id, str(document), *database_url_args(store_backend.location))
+        server.cli("fence", node_id)
+        server.cli_publish(node_id, tmp_path)
         unheard = client.heartbeat(node_id).epoch
         server.hot.watcher.backstop()
         heard = client.heartbeat(node_id).epoch

@@ -14,12 +14,8 @@ import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import yaml
-
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Observation
-from ansible_collections.meridian.node.tests.devserver.devserver_process import cli
 from ansible_collections.meridian.node.tests.devserver.in_process_server import (
-    database_url_args,
     observation,
     serving_in_process,
     wait_for,
@@ -96,9 +92,7 @@ def test_parked_long_polls_send_no_statement_and_a_cli_publish_wakes_only_its_no
         parked = server.statements - before
 
         # Another process publishes for one node: its announcement wakes that node's request and no other.
-        document = tmp_path / "desired.yaml"
-        document.write_text(yaml.safe_dump({"engines": [], "artifacts": []}))
-        cli(tmp_path / "data", "publish", nodes[3], str(document), *database_url_args(store_backend.location))
+        server.cli_publish(nodes[3], tmp_path)
         pollers[nodes[3]].join(timeout=30)
         woken = server.statements - before
         still_parked = server.hot.waiters.count

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,7 +37,8 @@ from ansible_collections.meridian.node.tests.devserver.in_process_server import 
     observation,
     wait_for,
 )
-from ansible_collections.meridian.node.tests.support.postgres import PostgresServer, StoreBackend
+from ansible_collections.meridian.node.tests.support.at_once import at_once
+from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.agent_side.control_client import (
     ControlClient,
     ControlPlaneRejected,
@@ -73,13 +72,10 @@ def _replicas(data: Path, count: int) -> Iterator[list[DevServer]]:
 
 
 @pytest.fixture
-def database_url(postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def database_url(postgres_database: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """An empty PostgreSQL database that every process of the test uses."""
-    name = postgres_server.new_database("replicas")
-    url = postgres_server.url(name)
-    monkeypatch.setenv(DATABASE_URL_ENV, url)
-    yield url
-    postgres_server.drop_database(name)
+    monkeypatch.setenv(DATABASE_URL_ENV, postgres_database)
+    return postgres_database
 
 
 def _token(data: Path, node_id: str | None = None) -> str:
@@ -136,18 +132,17 @@ def test_an_enrollment_token_works_once_across_replicas(tmp_path: Path, database
     data = tmp_path / "data"
     with _replicas(data, 2) as servers:
         token = _token(data)
-        barrier = threading.Barrier(2)
 
         def enroll(server: DevServer, node_id: str) -> str:
-            barrier.wait()
             try:
                 _enroll(server, tmp_path, node_id, token)
             except ControlPlaneRejected as exc:
                 return exc.reason
             return "enrolled"
 
-        with ThreadPoolExecutor(2) as pool:
-            outcomes = list(pool.map(enroll, servers, ["racer-a", "racer-b"]))
+        outcomes = at_once(
+            [functools.partial(enroll, servers[0], "racer-a"), functools.partial(enroll, servers[1], "racer-b")]
+        )
 
     assert sorted(outcomes) == ["enrolled", "token-used"]
 
@@ -166,37 +161,34 @@ def test_a_node_is_served_by_either_replica_and_a_publish_wakes_its_long_poll_on
 
             _publish(data, node_id, tmp_path)
             current = on_first.fetch_desired_state(node_id)
-            results: list[DesiredStateFetch | BaseException] = []
-
-            def poll() -> None:
-                try:
-                    results.append(on_second.fetch_desired_state(node_id, etag=current.etag, wait_s=30))
-                except BaseException as exc:
-                    results.append(exc)
-
-            waiter = threading.Thread(target=poll)
-            waiter.start()
-            waiter.join(timeout=1.0)
-            parked = waiter.is_alive() and not results
+            poll = LongPoll(on_second, node_id, current.etag, wait_s=30)
+            parked = not poll.answered_within(1.0)
             published = _publish(data, node_id, tmp_path)
-            waiter.join(timeout=40)
+            result = poll.outcome("the publish through the first replica answered the long-poll on the second", 40)
 
     assert epochs == [1, 1]
     assert projection.endpoints == []  # its observation (stored through the other replica) lists no engine
     assert parked
-    [result] = results
     assert isinstance(result, DesiredStateFetch) and result.status is FetchStatus.NEW, result
     assert result.generation == published == (current.generation or 0) + 1
 
 
-def test_a_fenced_epoch_is_refused_on_both_replicas(tmp_path: Path, database_url: str) -> None:
+@contextmanager
+def _on_both_replicas(tmp_path: Path, node_id: str) -> Iterator[tuple[Path, list[ControlClient]]]:
+    """Two replicas on ``tmp_path / "data"`` (yielded), ``node_id`` enrolled through the first, and a client of it
+    on each that has heartbeated there (so each replica has read its epoch)."""
     data = tmp_path / "data"
-    node_id = "fenced-replica-node"
-    with _replicas(data, 2) as servers:
+    with _replicas(data, 2) as servers, ExitStack() as stack:
         identity = _enroll(servers[0], tmp_path, node_id, _token(data, node_id))
-        clients = [node_client(server.base_url, identity) for server in servers]
+        clients = [stack.enter_context(node_client(server.base_url, identity)) for server in servers]
         for client in clients:
             client.heartbeat(node_id)
+        yield data, clients
+
+
+def test_a_fenced_epoch_is_refused_on_both_replicas(tmp_path: Path, database_url: str) -> None:
+    node_id = "fenced-replica-node"
+    with _on_both_replicas(tmp_path, node_id) as (data, clients):
         clients[0].post_observation(observation(node_id, 1, 1))
         cli(data, "fence", node_id)
         # Whether a replica has heard of the fence yet or not, the stale write is refused: from its memory if it
@@ -204,8 +196,6 @@ def test_a_fenced_epoch_is_refused_on_both_replicas(tmp_path: Path, database_url
         stale = observation(node_id, 1, 2)
         refusals = [rejection(functools.partial(client.post_observation, stale)) for client in clients]
         epochs = [client.heartbeat(node_id).epoch for client in clients]
-        for client in clients:
-            client.close()
         database = Database(database_url)
         try:
             stored = [generation_of(r.body) for r in database.serving_observations() if r.node_id == node_id]
@@ -218,18 +208,12 @@ def test_a_fenced_epoch_is_refused_on_both_replicas(tmp_path: Path, database_url
 
 
 def test_a_cli_revocation_reaches_both_replicas(tmp_path: Path, database_url: str) -> None:
-    data = tmp_path / "data"
     node_id = "revoked-replica-node"
-    with _replicas(data, 2) as servers:
-        identity = _enroll(servers[0], tmp_path, node_id, _token(data, node_id))
-        clients = [node_client(server.base_url, identity) for server in servers]
-        for client in clients:
-            client.heartbeat(node_id)
+    with _on_both_replicas(tmp_path, node_id) as (data, clients):
         cli(data, "revoke", node_id)
         for client in clients:
             # NOTIFY reaches a replica about a round trip after the commit; the backstop bounds it at 2 s.
             wait_for(functools.partial(_refused, client, node_id), "the replica refuses the revoked certificate")
-            client.close()
 
 
 def test_a_revocation_ends_a_long_poll_parked_on_another_replica(tmp_path: Path, database_url: str) -> None:
@@ -246,7 +230,7 @@ def test_a_revocation_ends_a_long_poll_parked_on_another_replica(tmp_path: Path,
             current = on_first.fetch_desired_state(node_id)
             poll = LongPoll(on_first, node_id, current.etag, wait_s=60)
             # The server is another process: give the request time to park, then check it has not been answered.
-            parked = not _answered_within(poll, 1.0)
+            parked = not poll.answered_within(1.0)
             cli(data, "revoke", node_id)
             _publish(data, node_id, tmp_path)
             ended = poll.outcome("the revocation ended the long-poll parked on the other replica")
@@ -254,13 +238,6 @@ def test_a_revocation_ends_a_long_poll_parked_on_another_replica(tmp_path: Path,
     assert parked
     assert isinstance(ended, ControlPlaneRejected), f"the revoked certificate was answered: {ended}"
     assert (ended.status, ended.reason) == (403, "certificate-revoked")
-
-
-def _answered_within(poll: LongPoll, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not poll.answered:
-        time.sleep(0.01)
-    return poll.answered
 
 
 def _refused(client: ControlClient, node_id: str) -> bool:

@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 
 import pytest
 
-from ansible_collections.meridian.node.tests.devserver.devserver_process import cli, rejection
+from ansible_collections.meridian.node.tests.devserver.devserver_process import rejection
 from ansible_collections.meridian.node.tests.devserver.in_process_server import (
     InProcessServer,
     LongPoll,
-    database_url_args,
     serving_in_process,
     wait_for,
 )
@@ -48,7 +48,6 @@ from meridian_node_agent.devserver.store.database import Database
 
 NODE = "parked-node"
 WAIT_S = 60.0  # the server's longest wait: a request that ends within the 30 s guard was ended, not timed out
-ROUTES = pytest.mark.parametrize("lane", [True, False], ids=["lane", "fastapi-route"])
 
 
 def _park(server: InProcessServer, client: ControlClient) -> tuple[LongPoll, str]:
@@ -59,68 +58,55 @@ def _park(server: InProcessServer, client: ControlClient) -> tuple[LongPoll, str
     return poll, etag
 
 
-def _cli(server: InProcessServer, location: str, *args: str) -> None:
-    cli(server.control.paths.root, *args, *database_url_args(location))
+@dataclass
+class Parked:
+    """A server in this process, ``NODE`` enrolled on it, and that node's long-poll parked there."""
+
+    server: InProcessServer
+    client: ControlClient
+    poll: LongPoll
+    etag: str
 
 
-def _publish(server: InProcessServer, location: str, directory: Path) -> None:
-    document = directory / "desired.yaml"
-    document.write_text("engines: []\nartifacts: []\n")
-    _cli(server, location, "publish", NODE, str(document))
-
-
-@ROUTES
-def test_a_revocation_ends_a_parked_long_poll_with_the_refusal_a_new_request_gets(
-    tmp_path: Path, store_backend: StoreBackend, lane: bool
-) -> None:
-    location = store_backend.location
+@pytest.fixture(params=[True, False], ids=["lane", "fastapi-route"])
+def parked(request: pytest.FixtureRequest, tmp_path: Path, store_backend: StoreBackend) -> Iterator[Parked]:
+    """``NODE``'s long-poll parked on a server on each backend, served by each route (see the module doc)."""
     with (
-        serving_in_process(tmp_path / "data", location, lane=lane) as server,
+        serving_in_process(tmp_path / "data", store_backend.location, lane=request.param) as server,
         server.enroll(tmp_path, NODE) as client,
     ):
-        poll, _etag = _park(server, client)
-        _cli(server, location, "revoke", NODE)
-        ended = poll.outcome("the revocation ended the parked long-poll")
-        fresh = rejection(lambda: client.fetch_desired_state(NODE))
+        yield Parked(server, client, *_park(server, client))
+
+
+def test_a_revocation_ends_a_parked_long_poll_with_the_refusal_a_new_request_gets(parked: Parked) -> None:
+    parked.server.cli("revoke", NODE)
+    ended = parked.poll.outcome("the revocation ended the parked long-poll")
+    fresh = rejection(lambda: parked.client.fetch_desired_state(NODE))
 
     assert isinstance(ended, ControlPlaneRejected), ended
     assert (ended.status, ended.reason, ended.detail) == (fresh.status, fresh.reason, fresh.detail)
     assert (fresh.status, fresh.reason) == (403, "certificate-revoked")
 
 
-@ROUTES
 def test_a_state_published_after_a_revocation_never_reaches_the_parked_long_poll(
-    tmp_path: Path, store_backend: StoreBackend, lane: bool
+    parked: Parked, tmp_path: Path
 ) -> None:
-    location = store_backend.location
-    with (
-        serving_in_process(tmp_path / "data", location, lane=lane) as server,
-        server.enroll(tmp_path, NODE) as client,
-    ):
-        poll, _etag = _park(server, client)
-        _cli(server, location, "revoke", NODE)
-        _publish(server, location, tmp_path)  # its secrets are what the thief's parked request waited for
-        ended = poll.outcome("the parked long-poll ended")
-        published = server.control.store.latest_desired(NODE)
+    parked.server.cli("revoke", NODE)
+    parked.server.cli_publish(NODE, tmp_path)  # its secrets are what the thief's parked request waited for
+    ended = parked.poll.outcome("the parked long-poll ended")
+    published = parked.server.control.store.latest_desired(NODE)
 
     assert published is not None and published.generation == 2
     assert isinstance(ended, ControlPlaneRejected), f"the revoked certificate was answered: {ended}"
     assert (ended.status, ended.reason) == (403, "certificate-revoked")
 
 
-@ROUTES
-def test_a_re_enrollment_ends_the_old_certificate_s_parked_long_poll(
-    tmp_path: Path, store_backend: StoreBackend, lane: bool
-) -> None:
-    with (
-        serving_in_process(tmp_path / "data", store_backend.location, lane=lane) as server,
-        server.enroll(tmp_path / "copied", NODE) as stolen,
-    ):
-        poll, _etag = _park(server, stolen)
-        # The operator rebuilds the node: a new key, a new token, a new certificate; the copy's request must end.
-        with server.enroll(tmp_path / "rebuilt", NODE, token_name="rebuilt") as rebuilt:
-            ended = poll.outcome("the re-enrollment ended the old certificate's long-poll")
-            current = rebuilt.fetch_desired_state(NODE)
+def test_a_re_enrollment_ends_the_old_certificate_s_parked_long_poll(parked: Parked, tmp_path: Path) -> None:
+    stolen = parked  # the long-poll is the thief's, parked with a copy of the node's key
+    # The operator rebuilds the node: a new key, a new token, a new certificate; the copy's request must end.
+    with stolen.server.enroll(tmp_path / "rebuilt", NODE, token_name="rebuilt") as rebuilt:
+        ended = stolen.poll.outcome("the re-enrollment ended the old certificate's long-poll")
+        current = rebuilt.fetch_desired_state(NODE)
 
     assert isinstance(ended, ControlPlaneRejected), f"the superseded certificate was answered: {ended}"
     assert (ended.status, ended.reason) == (403, "certificate-revoked")
@@ -128,39 +114,22 @@ def test_a_re_enrollment_ends_the_old_certificate_s_parked_long_poll(
     assert current.status is FetchStatus.NEW
 
 
-@ROUTES
-def test_a_fence_ends_a_parked_long_poll_with_the_current_answer(
-    tmp_path: Path, store_backend: StoreBackend, lane: bool
-) -> None:
-    location = store_backend.location
-    with (
-        serving_in_process(tmp_path / "data", location, lane=lane) as server,
-        server.enroll(tmp_path, NODE) as client,
-    ):
-        # No heartbeat yet: the server has not read the node's epoch, and must end its long-poll all the same.
-        poll, etag = _park(server, client)
-        _cli(server, location, "fence", NODE)
-        ended = poll.outcome("the fence ended the parked long-poll")
-        epoch = client.heartbeat(NODE).epoch
+def test_a_fence_ends_a_parked_long_poll_with_the_current_answer(parked: Parked) -> None:
+    # No heartbeat yet: the server has not read the node's epoch, and must end its long-poll all the same.
+    parked.server.cli("fence", NODE)
+    ended = parked.poll.outcome("the fence ended the parked long-poll")
+    epoch = parked.client.heartbeat(NODE).epoch
 
     assert isinstance(ended, DesiredStateFetch), ended
-    assert (ended.status, ended.etag) == (FetchStatus.NOT_MODIFIED, etag)
+    assert (ended.status, ended.etag) == (FetchStatus.NOT_MODIFIED, parked.etag)
     assert epoch == 2
 
 
-@ROUTES
-def test_a_revocation_by_the_server_s_own_control_plane_ends_the_parked_long_poll(
-    tmp_path: Path, store_backend: StoreBackend, lane: bool
-) -> None:
+def test_a_revocation_by_the_server_s_own_control_plane_ends_the_parked_long_poll(parked: Parked) -> None:
     # What a verb run in the server's process does (``ControlPlane.local``): no announcement comes back for it.
-    with (
-        serving_in_process(tmp_path / "data", store_backend.location, lane=lane) as server,
-        server.enroll(tmp_path, NODE) as client,
-    ):
-        poll, _etag = _park(server, client)
-        server.control.revoke(NODE)
-        server.control.publish(NODE, {"engines": [], "artifacts": []})
-        ended = poll.outcome("the revocation ended the parked long-poll")
+    parked.server.control.revoke(NODE)
+    parked.server.control.publish(NODE, {"engines": [], "artifacts": []})
+    ended = parked.poll.outcome("the revocation ended the parked long-poll")
 
     assert isinstance(ended, ControlPlaneRejected), f"the revoked certificate was answered: {ended}"
     assert (ended.status, ended.reason) == (403, "certificate-revoked")

@@ -9,11 +9,12 @@ whatever its size.
 
 from __future__ import annotations
 
-import threading
+import functools
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from ansible_collections.meridian.node.tests.support.at_once import at_once
 from ansible_collections.meridian.node.tests.support.postgres import StoreBackend
 from meridian_node_agent.devserver.store.database import (
     REVOKED_BY_OPERATOR,
@@ -216,25 +217,13 @@ def test_concurrent_publishes_from_two_processes_get_distinct_generations(store_
     """Two ``Database`` objects (two server processes, or serve and the CLI) on one database, two threads."""
     databases = [store_backend.open(), store_backend.open()]
     per_writer = 15
-    start = threading.Barrier(len(databases))
-    generations: list[int] = []
-    failures: list[BaseException] = []
 
-    def publish(database: Database) -> None:
-        try:
-            start.wait(timeout=30)
-            for _ in range(per_writer):
-                generations.append(database.publish("gpu-raced", _build, NOW).generation)
-        except BaseException as exc:
-            failures.append(exc)
+    def publish(database: Database) -> list[int]:
+        return [database.publish("gpu-raced", _build, NOW).generation for _ in range(per_writer)]
 
-    writers = [threading.Thread(target=publish, args=(database,)) for database in databases]
-    for writer in writers:
-        writer.start()
-    for writer in writers:
-        writer.join(timeout=120)
+    per_database = at_once([functools.partial(publish, database) for database in databases])
 
-    assert failures == []
+    generations = [generation for published in per_database for generation in published]
     assert sorted(generations) == list(range(1, per_writer * len(databases) + 1))
     latest = databases[0].latest_desired("gpu-raced")
     assert latest is not None and latest.generation == per_writer * len(databases)

@@ -28,17 +28,8 @@ from meridian_node_agent.devserver.cli.common import DATABASE_URL_ENV
 
 
 @pytest.fixture
-def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
-    name = postgres_server.new_database("devserver")
-    try:
-        yield postgres_server.url(name)
-    finally:
-        postgres_server.drop_database(name)
-
-
-@pytest.fixture
-def pg_server(tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[DevServer]:
-    monkeypatch.setenv(DATABASE_URL_ENV, postgres_url)
+def pg_server(tmp_path: Path, postgres_database: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[DevServer]:
+    monkeypatch.setenv(DATABASE_URL_ENV, postgres_database)
     with running(tmp_path / "data") as started:
         yield started
 
@@ -83,12 +74,12 @@ def test_serve_on_postgresql_wakes_a_long_poll_when_the_cli_publishes(pg_server:
 
 
 def test_info_names_the_postgresql_database_without_its_password(
-    tmp_path: Path, postgres_server: PostgresServer, postgres_url: str
+    tmp_path: Path, postgres_server: PostgresServer, postgres_database: str
 ) -> None:
-    with_password = postgres_url.replace("postgres@", "postgres:not-checked-by-trust@")
+    with_password = postgres_database.replace("postgres@", "postgres:not-checked-by-trust@")
     shown = cli(tmp_path / "data", "info", "--database-url", with_password).stdout
 
-    assert f"database: {postgres_url.replace('postgres@', 'postgres:***@')}" in shown.splitlines()
+    assert f"database: {postgres_database.replace('postgres@', 'postgres:***@')}" in shown.splitlines()
     assert "not-checked-by-trust" not in shown
 
 

@@ -8,8 +8,6 @@ nullability, indexes, unique constraints) between the migrated database and ``sc
 from __future__ import annotations
 
 import sqlite3
-import threading
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,8 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
+from ansible_collections.meridian.node.tests.support.at_once import at_once
+from ansible_collections.meridian.node.tests.support.old_devserver_schema import BEFORE_TOKEN_BINDING, OLD_TOKENS_TABLE
 from ansible_collections.meridian.node.tests.support.postgres import PostgresServer, StoreBackend
 from meridian_node_agent.devserver.store import migrations
 from meridian_node_agent.devserver.store.database import (
@@ -36,51 +36,8 @@ from meridian_node_agent.devserver.store.schema import METADATA
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
-# The devserver's schema before Alembic (its store.py's _SCHEMA), without the two columns it added on open later:
-# tokens.node_id (token binding) and certificates.revoked_reason (revocation reasons).
-_BEFORE_TOKEN_BINDING = """
-CREATE TABLE IF NOT EXISTS tokens (
-    name TEXT PRIMARY KEY,
-    value_sha256 TEXT NOT NULL UNIQUE,
-    created_at TEXT NOT NULL,
-    used_at TEXT,
-    used_by TEXT
-);
-CREATE TABLE IF NOT EXISTS nodes (
-    node_id TEXT PRIMARY KEY,
-    epoch INTEGER NOT NULL CHECK (epoch >= 1),
-    lease_expires_at TEXT,
-    renewed_at TEXT,
-    enrolled_at TEXT,
-    revoked_at TEXT
-);
-CREATE TABLE IF NOT EXISTS certificates (
-    serial TEXT PRIMARY KEY,
-    node_id TEXT NOT NULL REFERENCES nodes(node_id),
-    issued_at TEXT NOT NULL,
-    not_after TEXT NOT NULL,
-    revoked_at TEXT
-);
-CREATE TABLE IF NOT EXISTS desired_states (
-    node_id TEXT NOT NULL REFERENCES nodes(node_id),
-    generation INTEGER NOT NULL CHECK (generation >= 1),
-    lease_epoch INTEGER NOT NULL,
-    envelope BLOB NOT NULL,
-    etag TEXT NOT NULL,
-    published_at TEXT NOT NULL,
-    PRIMARY KEY (node_id, generation)
-);
-CREATE TABLE IF NOT EXISTS observations (
-    node_id TEXT PRIMARY KEY REFERENCES nodes(node_id),
-    lease_epoch INTEGER NOT NULL,
-    observed_at TEXT NOT NULL,
-    received_at TEXT NOT NULL,
-    remote_host TEXT NOT NULL,
-    body TEXT NOT NULL
-);
-"""
 # What the old code's _migrate had added by the time revocation reasons came: token binding only.
-_BEFORE_REVOCATION_REASONS = _BEFORE_TOKEN_BINDING + "ALTER TABLE tokens ADD COLUMN node_id TEXT;\n"
+_BEFORE_REVOCATION_REASONS = BEFORE_TOKEN_BINDING + "ALTER TABLE tokens ADD COLUMN node_id TEXT;\n"
 # What import-outbox (control/outbox_import.py) adds beside them.
 _OUTBOX_RECORDS = """
 CREATE TABLE IF NOT EXISTS outbox_records (
@@ -167,16 +124,6 @@ def _sqlalchemy_url(backend: StoreBackend) -> str:
     return backend.location if backend.name == "postgresql" else f"sqlite:///{backend.location}"
 
 
-@pytest.fixture
-def postgres_database(postgres_server: PostgresServer) -> Iterator[str]:
-    """An empty PostgreSQL database's URL."""
-    name = postgres_server.new_database("migrations")
-    try:
-        yield postgres_server.url(name)
-    finally:
-        postgres_server.drop_database(name)
-
-
 def test_head_is_the_newest_revision_in_the_package() -> None:
     config = Config()
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))
@@ -217,7 +164,7 @@ def test_an_empty_postgresql_is_upgraded_step_by_step_and_back(postgres_database
 @pytest.mark.parametrize(
     "script",
     [
-        pytest.param(_BEFORE_TOKEN_BINDING, id="before-token-binding"),
+        pytest.param(BEFORE_TOKEN_BINDING, id="before-token-binding"),
         pytest.param(_BEFORE_REVOCATION_REASONS, id="before-revocation-reasons"),
         pytest.param(_BEFORE_REVOCATION_REASONS + _OUTBOX_RECORDS, id="with-outbox-records"),
     ],
@@ -263,7 +210,7 @@ def test_a_sqlite_file_from_before_alembic_is_adopted_with_its_data(tmp_path: Pa
 def test_a_sqlite_file_holding_only_old_tokens_gains_the_other_tables(tmp_path: Path) -> None:
     path = tmp_path / "devserver.sqlite3"
     with sqlite3.connect(path) as old:
-        old.executescript(_BEFORE_TOKEN_BINDING.split("CREATE TABLE IF NOT EXISTS nodes")[0])
+        old.executescript(OLD_TOKENS_TABLE)
     old.close()
 
     Database(str(path)).close()
@@ -278,23 +225,8 @@ def test_a_database_at_the_head_opens_with_one_statement(store_backend: StoreBac
 
 
 def test_two_processes_opening_one_empty_database_at_once_migrate_it_once(store_backend: StoreBackend) -> None:
-    start = threading.Barrier(2)
-    failures: list[BaseException] = []
+    at_once([store_backend.open, store_backend.open])  # an error either one raised fails the test here
 
-    def open_it() -> None:
-        try:
-            start.wait(timeout=30)
-            store_backend.open()
-        except BaseException as exc:
-            failures.append(exc)
-
-    openers = [threading.Thread(target=open_it) for _ in range(2)]
-    for opener in openers:
-        opener.start()
-    for opener in openers:
-        opener.join(timeout=120)
-
-    assert failures == []
     assert _version(_sqlalchemy_url(store_backend)) == migrations.HEAD
     assert _differences(_sqlalchemy_url(store_backend)) == []
 

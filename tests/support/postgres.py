@@ -13,7 +13,8 @@ Pieces:
 * ``PostgresServer`` / ``running_postgres``: one server; ``new_database`` makes an empty database and
   ``drop_database`` removes it (forcing its connections closed), so each test gets a database of its own.
 * ``postgres_server``: the session's server as a pytest fixture. Without PostgreSQL its tests skip, except with
-  ``MERIDIAN_REQUIRE_DOCKER=1`` (CI, where ``.ci/run`` installs it), where they fail.
+  ``MERIDIAN_REQUIRE_DOCKER=1`` (CI, where ``.ci/run`` installs it), where they fail. ``postgres_database``: an
+  empty database of the test's own on it, its URL.
 * ``store_backend``: an empty database for the devserver's store on each backend in turn (a SQLite file, then a
   database of its own on the session's PostgreSQL), so one test runs on both; ``StoreBackend.open`` opens one more
   ``store.Database`` on it (another server process, or the CLI), and every one opened is closed afterwards.
@@ -43,6 +44,7 @@ __all__ = [
     "PostgresUnavailableError",
     "StoreBackend",
     "find_bindir",
+    "postgres_database",
     "postgres_server",
     "running_postgres",
     "store_backend",
@@ -116,6 +118,15 @@ class PostgresServer:
     def drop_database(self, name: str) -> None:
         with self._admin() as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    @contextlib.contextmanager
+    def database(self, prefix: str = "meridian") -> Iterator[str]:
+        """A new empty database (``new_database``), dropped afterwards; yields its URL."""
+        name = self.new_database(prefix)
+        try:
+            yield self.url(name)
+        finally:
+            self.drop_database(name)
 
     def stop(self) -> None:
         subprocess.run(
@@ -202,6 +213,14 @@ def postgres_server() -> Iterator[PostgresServer]:
         yield server
 
 
+@pytest.fixture
+def postgres_database(postgres_server: PostgresServer) -> Iterator[str]:
+    """An empty database of the test's own on the session's PostgreSQL: its URL (the devserver's
+    ``--database-url``); dropped afterwards."""
+    with postgres_server.database("test") as url:
+        yield url
+
+
 @dataclass
 class StoreBackend:
     """An empty database for the store: ``location`` as ``store.Database`` takes it (a path or a URL)."""
@@ -230,10 +249,9 @@ def store_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
         backend.close_all()
         return
     server: PostgresServer = request.getfixturevalue("postgres_server")
-    name = server.new_database("store")
-    backend = StoreBackend("postgresql", server.url(name))
-    try:
-        yield backend
-    finally:
-        backend.close_all()
-        server.drop_database(name)
+    with server.database("store") as url:
+        backend = StoreBackend("postgresql", url)
+        try:
+            yield backend
+        finally:
+            backend.close_all()

@@ -3,10 +3,13 @@ tests/system/systemd_host/ each set up the same way, as docs/SECURITY.md tells a
 
 ``install_site`` writes the trusted keys, the policy (root's, 0644), the agent's config (root:meridian,
 0640), checks it with ``meridian-node check-config`` and makes the agent's directory as the unit's
-``StateDirectory=`` would, so that enrolling (``enroll``) can write there before the agent first starts.
+``StateDirectory=`` would, so that enrolling (``enroll``) can write there before the agent first starts;
+``install_managed_site`` does both for a managed-host site of a devserver. ``site_parts`` (``SiteParts``) is what
+a module builds its site from: the installed host, the Docker Engine, the stand-in image, a devserver.
 ``site_policy`` and ``split_config`` are the policy and config those sites share; ``site_engine`` the stand-in
 engine their states ask for (cleaned up afterwards); ``SplitSite`` what each test module's site reads of the
-host; ``wait_until`` the liveness bound their waits share.
+host; ``wait_until`` the liveness bound their waits share; ``refused_as_meridian`` the check that the agent's user
+is refused what it must not do to root's side.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pytest
 import yaml
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
 from ansible_collections.meridian.node.tests.support.e2e_env import (
     engine_serving,
     engine_spec,
@@ -43,14 +48,18 @@ __all__ = [
     "POLICY",
     "ROOT_DIR",
     "SiteEngine",
+    "SiteParts",
     "SplitSite",
     "agent_oplog",
     "as_meridian",
     "enroll",
+    "install_managed_site",
     "install_site",
+    "refused_as_meridian",
     "root_generation",
     "root_record",
     "site_engine",
+    "site_parts",
     "site_policy",
     "split_config",
     "wait_until",
@@ -92,9 +101,33 @@ def enroll(host: SystemdHost, token: str) -> None:
     host.exec(["runuser", "-u", "meridian", "--", BIN, "enroll", "--token", token, "--ca-bundle", _CA])
 
 
+def install_managed_site(host: SystemdHost, server: DevServer, config: Mapping[str, Any]) -> None:
+    """A managed-host site of ``server`` (a devserver on this machine): ``install_site`` with the server's control
+    key trusted, its CA and ``config`` (``split_config``), then the node ``config`` names enrolled with a token
+    made for it."""
+    node_id = str(config["node_id"])
+    install_site(
+        host,
+        policy=site_policy(trust={"control": "control.pem"}, modes=["managed-host"]),
+        config=config,
+        keys={"control.pem": server.control_public_key.read_bytes()},
+        ca_bundle=server.ca_bundle.read_bytes(),
+    )
+    enroll(host, server.new_token_for(f"t-{node_id}", node_id))
+
+
 def as_meridian(host: SystemdHost, script: str, *, check: bool = True, input: bytes | None = None) -> Any:
     """``sh -euc script`` as the agent's user (what an attacker holding that account can do)."""
     return host.exec(["runuser", "-u", "meridian", "--", "sh", "-euc", script], check=check, input=input)
+
+
+def refused_as_meridian(host: SystemdHost, scripts: Sequence[str], *, reasons: Sequence[str]) -> None:
+    """Each of ``scripts``, run as the agent's user (``as_meridian``), fails with one of ``reasons`` on its stderr:
+    what that account must not be able to do to root's side."""
+    for script in scripts:
+        result = as_meridian(host, script, check=False)
+        assert result.returncode != 0, f"as meridian, {script!r} succeeded"
+        assert any(reason in result.stderr for reason in reasons), result.stderr
 
 
 def site_policy(*, trust: Mapping[str, str], modes: Sequence[str]) -> dict[str, Any]:
@@ -157,6 +190,40 @@ def site_engine(
         finally:
             host.exec(["systemctl", "stop", *stop_units], check=False)
             remove_containers(docker_client, [engine.name])
+
+
+@dataclass(frozen=True)
+class SiteParts:
+    """What a test module builds its site from: the installed systemd host (one per module), this machine's Docker
+    Engine (which root inside the host drives), the stand-in's base image and the session's temporary directories."""
+
+    host: SystemdHost
+    docker: Any
+    base_image: LocalImage
+    tmp_path_factory: pytest.TempPathFactory
+
+    def node_id(self, stem: str) -> str:
+        """A fresh node id, ``sd-STEM-...``."""
+        return f"sd-{stem}-{secrets.token_hex(3)}"
+
+    def engine(self, stem: str, *, stop_units: Sequence[str]) -> AbstractContextManager[SiteEngine]:
+        """The site's stand-in engine (``site_engine``)."""
+        return site_engine(self.host, self.docker, self.base_image, stem, stop_units=stop_units)
+
+    def devserver(self, stem: str) -> AbstractContextManager[DevServer]:
+        """A devserver process on this machine for the site, its data in a directory of its own."""
+        return running(self.tmp_path_factory.mktemp(f"sd-{stem}-devserver") / "data")
+
+
+@pytest.fixture(scope="module")
+def site_parts(
+    installed_host: SystemdHost,
+    docker_client: Any,
+    standin_base_image: LocalImage,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> SiteParts:
+    """The module's ``SiteParts``."""
+    return SiteParts(installed_host, docker_client, standin_base_image, tmp_path_factory)
 
 
 @dataclass

@@ -7,6 +7,7 @@ its own so that what it left behind can be looked at.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,17 @@ def vllm(docker_client: Any, standin_base_image: LocalImage) -> LocalImage:
     return ensure_engine_image(docker_client, standin_base_image, SERVER, engine="vllm")
 
 
-def _started(host: Host, vllm: LocalImage, name: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Started:
+    name: str
+    params: dict[str, Any]  # engine_instance's, to converge it back with
+    container: Any  # as engine_instance created it, before the hand change
+
+
+@pytest.fixture
+def started(host: Host, vllm: LocalImage, prefix: str) -> Started:
+    """An engine that engine_instance created, started and saw ready: what each test then changes by hand."""
+    name = f"{prefix}-engine"
     params = host.params(
         name=name,
         driver="vllm",
@@ -43,7 +54,7 @@ def _started(host: Host, vllm: LocalImage, name: str) -> dict[str, Any]:
     )
     result = host.play([("apply", params, False)])["apply"]
     assert not result.get("failed") and result["done"] == ["create", "start", "wait-ready"], result
-    return params
+    return Started(name, params, host.container(name))
 
 
 def _converged_back(host: Host, params: Mapping[str, Any], drifted: list[str]) -> dict[str, Any]:
@@ -59,11 +70,9 @@ def _converged_back(host: Host, params: Mapping[str, Any], drifted: list[str]) -
 
 
 def test_docker_update_of_restart_policy_and_memory_is_reported_in_check_mode_then_put_back(
-    host: Host, vllm: LocalImage, prefix: str, docker_client: Any
+    host: Host, started: Started
 ) -> None:
-    name = f"{prefix}-updated"
-    params = _started(host, vllm, name)
-    container = host.container(name)
+    name, params, container = started.name, started.params, started.container
     container.update(restart_policy={"Name": "no"}, mem_limit=300 * MIB, memswap_limit=600 * MIB)
 
     check = host.play([("check", params, True)])["check"]
@@ -85,11 +94,9 @@ def test_docker_update_of_restart_policy_and_memory_is_reported_in_check_mode_th
 
 
 def test_a_container_recreated_by_hand_with_our_labels_copied_is_replaced(
-    host: Host, vllm: LocalImage, prefix: str, docker_client: Any
+    host: Host, started: Started, docker_client: Any
 ) -> None:
-    name = f"{prefix}-forged"
-    params = _started(host, vllm, name)
-    original = host.container(name)
+    name, params, original = started.name, started.params, started.container
     labels = dict(original.labels)
     ports = original.attrs["HostConfig"]["PortBindings"]
     original.remove(force=True)

@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,8 @@ from ansible_collections.meridian.node.tests.support.llamacpp_image import (
 from ansible_collections.meridian.node.tests.support.node_env import publish
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.trust_fixtures import SigningKey, make_key
-from meridian_node_agent.agent_side.cycle import CycleStatus
+from meridian_node_agent.agent_side.cycle import CycleOutcome, CycleStatus
+from meridian_node_agent.apply.applier import ApplyResult
 
 # The engine image under a repository of its own, as e2e_env does for the stand-in: the policy allows only it,
 # so the reconcile playbook's pruning never reaches another suite's engines on a shared Docker Engine.
@@ -128,30 +130,58 @@ def llama(docker_client: Any, llamacpp_image: LlamaCppImage) -> Iterator[LocalIm
         docker_client.images.remove(tagged.tag)
 
 
-def _allow_llamacpp(node: E2ENode, key: SigningKey, sources: list[Path]) -> None:
-    """Let the node run the llama.cpp image with the llamacpp driver, trust ``key`` for artifact manifests and
-    fetch artifacts from ``sources``; the stand-in's bind address and port range stay."""
-    root = node.node.root
-    path = root / "policy.yaml"
-    policy = yaml.safe_load(path.read_text())
-    (root / "keys" / "artifact.pem").write_bytes(key.public_pem)
-    policy["trust"]["artifact"] = {"threshold": 1, "public_keys": ["keys/artifact.pem"]}
-    policy["store"]["local_sources"] = [str(source) for source in sources]
-    policy["images"] = {"allowed_repositories": [LLAMA_REPOSITORY], "require_digest": True}
-    policy["engines"]["allowed_drivers"] = ["llamacpp"]
-    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+@dataclass(frozen=True)
+class LlamaNode:
+    """The test's node (``node``), let run the llama.cpp image with the llamacpp driver and trust ``key`` for artifact
+    manifests; its desired states are published through the module's devserver, its engine is called ``name``."""
+
+    server: DevServer
+    node_id: str
+    node: E2ENode
+    image: LocalImage
+    key: SigningKey
+    name: str
+
+    def allow(self, sources: list[Path]) -> None:
+        """Let the node run the llama.cpp image with the llamacpp driver, trust ``key`` for artifact manifests and
+        fetch artifacts from ``sources``; the stand-in's bind address and port range stay."""
+        root = self.node.node.root
+        path = root / "policy.yaml"
+        policy = yaml.safe_load(path.read_text())
+        (root / "keys" / "artifact.pem").write_bytes(self.key.public_pem)
+        policy["trust"]["artifact"] = {"threshold": 1, "public_keys": ["keys/artifact.pem"]}
+        policy["store"]["local_sources"] = [str(source) for source in sources]
+        policy["images"] = {"allowed_repositories": [LLAMA_REPOSITORY], "require_digest": True}
+        policy["engines"]["allowed_drivers"] = ["llamacpp"]
+        path.write_text(yaml.safe_dump(policy, sort_keys=False))
+
+    def engine(self, port: int, artifact: str, **overrides: Any) -> dict[str, Any]:
+        """The engine ``name`` as a desired state lists it: llama-server on ``port`` serving ``artifact``."""
+        return {
+            "name": self.name,
+            "driver": "llamacpp",
+            "image": self.image.pinned,
+            "model": {"artifact": artifact},
+            "served_model_name": artifact,
+            "port": port,
+            **overrides,
+        }
+
+    def publish(self, artifacts: list[dict[str, Any]], engine: dict[str, Any]) -> int:
+        """Publish a state of ``artifacts`` and the one ``engine`` to the node; its generation."""
+        return publish(self.server, self.node_id, document={"artifacts": artifacts, "engines": [engine]})
 
 
-def _engine(name: str, image: LocalImage, port: int, artifact: str, **overrides: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "driver": "llamacpp",
-        "image": image.pinned,
-        "model": {"artifact": artifact},
-        "served_model_name": artifact,
-        "port": port,
-        **overrides,
-    }
+@pytest.fixture
+def llama_node(server: DevServer, node_id: str, node: E2ENode, llama: LocalImage, prefix: str) -> LlamaNode:
+    return LlamaNode(server, node_id, node, llama, make_key(), f"{prefix}-llama")
+
+
+def _apply_failed(outcome: CycleOutcome, generation: int) -> ApplyResult:
+    """The run of a cycle that must have failed to apply ``generation``."""
+    assert (outcome.outcome, outcome.generation) == (CycleStatus.APPLY_FAILED, generation)
+    assert outcome.run is not None
+    return outcome.run
 
 
 def _post(address: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -230,21 +260,18 @@ def test_published_gguf_is_verified_promoted_served_and_answers_through_the_serv
     server: DevServer,
     node_id: str,
     node: E2ENode,
+    llama_node: LlamaNode,
     docker_client: Any,
-    llama: LocalImage,
     llamacpp_image: LlamaCppImage,
     tiny_gguf: GgufModel,
     prefix: str,
     request: pytest.FixtureRequest,
 ) -> None:
-    key = make_key()
-    _allow_llamacpp(node, key, [tiny_gguf.path.parent])
-    name, port = f"{prefix}-llama", free_engine_port()
-    ref = artifact_ref(tiny_gguf, key, name="tiny-llama")
+    llama_node.allow([tiny_gguf.path.parent])
+    name, port = llama_node.name, free_engine_port()
+    ref = artifact_ref(tiny_gguf, llama_node.key, name="tiny-llama")
     started = time.monotonic()
-    generation = publish(
-        server, node_id, document={"artifacts": [ref], "engines": [_engine(name, llama, port, "tiny-llama")]}
-    )
+    generation = llama_node.publish([ref], llama_node.engine(port, "tiny-llama"))
     agent = node.agent()
 
     outcome = applied(agent)
@@ -295,22 +322,19 @@ def test_published_gguf_is_verified_promoted_served_and_answers_through_the_serv
 @pytest.mark.docker
 @pytest.mark.slow
 def test_replace_while_real_generations_are_in_flight_drains_on_the_engines_own_gauges(
-    server: DevServer,
-    node_id: str,
     node: E2ENode,
+    llama_node: LlamaNode,
     docker_client: Any,
-    llama: LocalImage,
     slow_gguf: GgufModel,
     prefix: str,
     request: pytest.FixtureRequest,
 ) -> None:
-    key = make_key()
-    _allow_llamacpp(node, key, [slow_gguf.path.parent])
-    name, port = f"{prefix}-llama", free_engine_port()
-    ref = artifact_ref(slow_gguf, key, name="slow-llama")
+    llama_node.allow([slow_gguf.path.parent])
+    name, port = llama_node.name, free_engine_port()
+    ref = artifact_ref(slow_gguf, llama_node.key, name="slow-llama")
     # One thread: slower tokens, and no contention with whatever else this machine runs.
-    first = _engine(name, llama, port, "slow-llama", args=["--threads", "1"])
-    publish(server, node_id, document={"artifacts": [ref], "engines": [first]})
+    first = llama_node.engine(port, "slow-llama", args=["--threads", "1"])
+    llama_node.publish([ref], first)
     agent = node.agent()
     started = time.monotonic()
     applied(agent)
@@ -319,7 +343,7 @@ def test_replace_while_real_generations_are_in_flight_drains_on_the_engines_own_
     address = f"{BIND}:{port}"
     tokens = _calibrated_tokens(address, "slow-llama", target_s)
     changed = {**first, "args": ["--threads", "2"], "replace_strategy": "drain-then-replace"}
-    generation = publish(server, node_id, document={"artifacts": [ref], "engines": [changed]})
+    generation = llama_node.publish([ref], changed)
 
     since = time.time()
     threads, outcomes = _in_threads(SLOTS, address, "slow-llama", tokens)
@@ -411,72 +435,54 @@ def _damage(model: GgufModel, destination: Path, how: str) -> Path:
     ],
 )
 def test_a_gguf_that_is_not_the_signed_bytes_is_refused_and_nothing_is_promoted_or_started(
-    server: DevServer,
     tmp_path: Path,
-    node_id: str,
     node: E2ENode,
+    llama_node: LlamaNode,
     docker_client: Any,
-    llama: LocalImage,
     tiny_gguf: GgufModel,
     prefix: str,
     how: str,
     reason: str,
 ) -> None:
-    key = make_key()
     source = _damage(tiny_gguf, tmp_path / "models" / how, how)
-    _allow_llamacpp(node, key, [source])
-    name = f"{prefix}-llama"
+    llama_node.allow([source])
     # The manifest is the real model's, signed: only the bytes at the source are wrong.
-    ref = artifact_ref(tiny_gguf, key, name="tiny-llama", source=source)
-    engine = _engine(name, llama, free_engine_port(), "tiny-llama")
-    generation = publish(server, node_id, document={"artifacts": [ref], "engines": [engine]})
+    ref = artifact_ref(tiny_gguf, llama_node.key, name="tiny-llama", source=source)
+    generation = llama_node.publish([ref], llama_node.engine(free_engine_port(), "tiny-llama"))
 
-    outcome = node.agent().cycle()
+    run = _apply_failed(node.agent().cycle(), generation)
 
-    assert (outcome.outcome, outcome.generation) == (CycleStatus.APPLY_FAILED, generation)
-    assert outcome.run is not None
     # verified_artifact runs in a loop: its reason is the failed item's message (the run's summary says only
     # "One or more items failed").
-    [failure] = _failed_items(outcome.run.journal)
+    [failure] = _failed_items(run.journal)
     assert f"{tiny_gguf.path.name!r} from {source / tiny_gguf.path.name} does not match the signed manifest" in failure
     assert reason in failure and "nothing was promoted" in failure, failure
     artifacts = node.node.root / "store" / "artifacts"
     assert not (artifacts / "tiny-llama").exists() or not any((artifacts / "tiny-llama").iterdir())
-    assert container_named(docker_client, name) is None
+    assert container_named(docker_client, llama_node.name) is None
     assert serving(node, prefix) == []
 
 
 @pytest.mark.docker
 @pytest.mark.slow
 def test_a_signed_file_that_is_no_model_exits_the_engine_and_the_readiness_failure_quotes_llama_server(
-    server: DevServer,
-    tmp_path: Path,
-    node_id: str,
-    node: E2ENode,
-    docker_client: Any,
-    llama: LocalImage,
-    prefix: str,
+    tmp_path: Path, node: E2ENode, llama_node: LlamaNode, docker_client: Any, prefix: str
 ) -> None:
-    key = make_key()
     garbage = write_not_a_model(tmp_path / "models" / "garbage", seed=1)
-    _allow_llamacpp(node, key, [garbage.path.parent])
-    name = f"{prefix}-llama"
-    ref = artifact_ref(garbage, key, name="garbage-llama")
-    engine = _engine(name, llama, free_engine_port(), "garbage-llama")
-    generation = publish(server, node_id, document={"artifacts": [ref], "engines": [engine]})
+    llama_node.allow([garbage.path.parent])
+    ref = artifact_ref(garbage, llama_node.key, name="garbage-llama")
+    generation = llama_node.publish([ref], llama_node.engine(free_engine_port(), "garbage-llama"))
 
-    outcome = node.agent().cycle()
+    run = _apply_failed(node.agent().cycle(), generation)
 
-    assert (outcome.outcome, outcome.generation) == (CycleStatus.APPLY_FAILED, generation)
-    assert outcome.run is not None
-    failure = "\n".join(outcome.run.failures)
+    failure = "\n".join(run.failures)
     # The chain accepted it (signed, the right bytes): the engine is what refused it, in its own words.
     promoted = node.node.root / "store" / "artifacts" / "garbage-llama" / "1.0.0" / garbage.path.name
     assert promoted.read_bytes() == garbage.path.read_bytes()
     assert "exited" in failure and "before it became ready" in failure, failure
     assert "failed to load model" in failure, failure
     assert "exiting due to model loading error" in failure, failure
-    container = container_named(docker_client, name)
+    container = container_named(docker_client, llama_node.name)
     assert container is not None and container.status != "running"
     assert serving(node, prefix) == []
 
@@ -484,33 +490,24 @@ def test_a_signed_file_that_is_no_model_exits_the_engine_and_the_readiness_failu
 @pytest.mark.docker
 @pytest.mark.slow
 def test_a_replace_onto_a_signed_file_that_is_no_model_rolls_back_and_the_engine_that_served_keeps_serving(
-    server: DevServer,
-    tmp_path: Path,
-    node_id: str,
-    node: E2ENode,
-    docker_client: Any,
-    llama: LocalImage,
-    tiny_gguf: GgufModel,
-    prefix: str,
+    tmp_path: Path, node: E2ENode, llama_node: LlamaNode, docker_client: Any, tiny_gguf: GgufModel, prefix: str
 ) -> None:
-    key = make_key()
     garbage = write_not_a_model(tmp_path / "models" / "garbage", seed=2)
-    _allow_llamacpp(node, key, [tiny_gguf.path.parent, garbage.path.parent])
-    name, port = f"{prefix}-llama", free_engine_port()
+    llama_node.allow([tiny_gguf.path.parent, garbage.path.parent])
+    name, port, key = llama_node.name, free_engine_port(), llama_node.key
     good, bad = artifact_ref(tiny_gguf, key, name="tiny-llama"), artifact_ref(garbage, key, name="garbage-llama")
-    publish(server, node_id, document={"artifacts": [good], "engines": [_engine(name, llama, port, "tiny-llama")]})
+    llama_node.publish([good], llama_node.engine(port, "tiny-llama"))
     agent = node.agent()
     applied(agent)
     before = container_named(docker_client, name)
     [endpoint] = serving(node, prefix)
 
-    engine = _engine(name, llama, port, "garbage-llama", served_model_name="tiny-llama")
-    generation = publish(server, node_id, document={"artifacts": [good, bad], "engines": [engine]})
-    outcome = agent.cycle()
+    generation = llama_node.publish(
+        [good, bad], llama_node.engine(port, "garbage-llama", served_model_name="tiny-llama")
+    )
+    run = _apply_failed(agent.cycle(), generation)
 
-    assert (outcome.outcome, outcome.generation) == (CycleStatus.APPLY_FAILED, generation)
-    assert outcome.run is not None
-    failure = "\n".join(outcome.run.failures)
+    failure = "\n".join(run.failures)
     assert "failed to load model" in failure and "Rolled back" in failure, failure
     # The engine that served before serves on, as it was: same container, same address, real answers.
     after = container_named(docker_client, name)

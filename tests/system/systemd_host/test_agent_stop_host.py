@@ -28,10 +28,8 @@ from ansible_collections.meridian.node.tests.support.systemd_site import (
     APPLY_PATH_UNIT,
     APPLY_UNIT,
     agent_oplog,
-    enroll,
-    install_site,
+    install_managed_site,
     root_generation,
-    site_policy,
     split_config,
     wait_until,
 )
@@ -57,14 +55,7 @@ def stop_site(installed_host: SystemdHost, tmp_path_factory: pytest.TempPathFact
         config = split_config(node_id, "managed-host", control_plane=server.base_url)
         # The long-poll of a steady agent: a stop that waited it out would take up to 30 s more.
         config["control_plane"] = {"url": server.base_url, "long_poll_seconds": 30, "heartbeat_seconds": 30}
-        install_site(
-            host,
-            policy=site_policy(trust={"control": "control.pem"}, modes=["managed-host"]),
-            config=config,
-            keys={"control.pem": server.control_public_key.read_bytes()},
-            ca_bundle=server.ca_bundle.read_bytes(),
-        )
-        enroll(host, server.new_token_for(f"t-{node_id}", node_id))
+        install_managed_site(host, server, config)
         publish(server, node_id)  # generation 1: nothing to run, one real apply through root's unit
         host.exec(["systemctl", "enable", "--now", APPLY_PATH_UNIT, AGENT_UNIT])
         try:

@@ -16,7 +16,6 @@ asks); and a malformed engines.json is refused by the agent with the field named
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,9 +23,7 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.tests.devserver.devserver_process import running
 from ansible_collections.meridian.node.tests.support.node_env import publish
-from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.systemd_host import CHECKOUT, SystemdHost
 from ansible_collections.meridian.node.tests.support.systemd_site import (
     AGENT_DIR,
@@ -36,11 +33,9 @@ from ansible_collections.meridian.node.tests.support.systemd_site import (
     BIN,
     CONFIG,
     ROOT_DIR,
+    SiteParts,
     SplitSite,
-    enroll,
-    install_site,
-    site_engine,
-    site_policy,
+    install_managed_site,
     split_config,
     wait_until,
 )
@@ -88,35 +83,21 @@ def _wait(what: str, check: Callable[[], object], host: SystemdHost, timeout: fl
 
 
 @pytest.fixture(scope="module")
-def site(
-    installed_host: SystemdHost,
-    docker_client: Any,
-    standin_base_image: LocalImage,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Site]:
-    host = installed_host
-    node_id = f"sd-drift-{secrets.token_hex(3)}"
+def site(site_parts: SiteParts) -> Iterator[Site]:
+    host = site_parts.host
+    node_id = site_parts.node_id("drift")
     stop_units = (TIMER, AGENT_UNIT, APPLY_PATH_UNIT)
-    with (
-        running(tmp_path_factory.mktemp("sd-drift-devserver") / "data") as server,
-        site_engine(host, docker_client, standin_base_image, "drift", stop_units=stop_units) as engine,
-    ):
+    with site_parts.devserver("drift") as server, site_parts.engine("drift", stop_units=stop_units) as engine:
         supervision = {"settle_seconds": 1, "backoff_initial_seconds": 2, "backoff_max_seconds": 8}
-        install_site(
-            host,
-            policy=site_policy(trust={"control": "control.pem"}, modes=["managed-host"]),
-            config=split_config(node_id, "managed-host", control_plane=server.base_url, supervision=supervision),
-            keys={"control.pem": server.control_public_key.read_bytes()},
-            ca_bundle=server.ca_bundle.read_bytes(),
-        )
+        config = split_config(node_id, "managed-host", control_plane=server.base_url, supervision=supervision)
+        install_managed_site(host, server, config)
         # install_meridian_node copies the .service and .path units; the timer is installed here the same way.
         host.put_file(f"/etc/systemd/system/{TIMER}", (CHECKOUT / "systemd" / TIMER).read_bytes(), mode=0o644)
         host.put_file(f"/etc/systemd/system/{TIMER}.d/fast.conf", FAST_TIMER, mode=0o644)
         host.exec(["systemctl", "daemon-reload"])
-        enroll(host, server.new_token_for(f"t-{node_id}", node_id))
         generation = publish(server, node_id, document={"engines": [engine.spec()]})
         host.exec(["systemctl", "enable", "--now", APPLY_PATH_UNIT, AGENT_UNIT, TIMER])
-        site = Site(host, node_id, engine, docker_client, generation=generation)
+        site = Site(host, node_id, engine, site_parts.docker, generation=generation)
         with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT, OBSERVE_UNIT):
             _wait(f"generation {generation} applied", lambda: site.root_generation() == generation, host)
             _wait(f"engine {engine.name} serving", site.serving, host)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import json
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,9 +26,8 @@ from typing import Any
 import pytest
 
 from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
-from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
+from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.node_env import publish
-from ansible_collections.meridian.node.tests.support.standin_image import LocalImage
 from ansible_collections.meridian.node.tests.support.systemd_host import SystemdHost
 from ansible_collections.meridian.node.tests.support.systemd_site import (
     AGENT_DIR,
@@ -37,13 +35,12 @@ from ansible_collections.meridian.node.tests.support.systemd_site import (
     APPLY_PATH_UNIT,
     APPLY_UNIT,
     ROOT_DIR,
+    SiteParts,
     SplitSite,
     as_meridian,
-    enroll,
-    install_site,
+    install_managed_site,
+    refused_as_meridian,
     root_generation,
-    site_engine,
-    site_policy,
     split_config,
     wait_until,
 )
@@ -104,34 +101,21 @@ def _wait(what: str, check: Callable[[], object], host: SystemdHost, timeout: fl
 
 
 @pytest.fixture(scope="module")
-def site(
-    installed_host: SystemdHost,
-    docker_client: Any,
-    standin_base_image: LocalImage,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Site]:
-    host = installed_host
-    node_id = f"sd-node-{secrets.token_hex(3)}"
+def site(site_parts: SiteParts) -> Iterator[Site]:
+    host = site_parts.host
+    node_id = site_parts.node_id("boundary")
     stop_units = (AGENT_UNIT, APPLY_PATH_UNIT)
-    with (
-        running(tmp_path_factory.mktemp("sd-devserver") / "data") as server,
-        site_engine(host, docker_client, standin_base_image, "boundary", stop_units=stop_units) as engine,
-    ):
-        install_site(
-            host,
-            policy=site_policy(trust={"control": "control.pem"}, modes=["managed-host"]),
-            config=split_config(node_id, "managed-host", control_plane=server.base_url),
-            keys={"control.pem": server.control_public_key.read_bytes()},
-            ca_bundle=server.ca_bundle.read_bytes(),
-        )
-        enroll(host, server.new_token_for(f"t-{node_id}", node_id))
+    with site_parts.devserver("boundary") as server, site_parts.engine("boundary", stop_units=stop_units) as engine:
+        install_managed_site(host, server, split_config(node_id, "managed-host", control_plane=server.base_url))
         publish(server, node_id)  # generation 1: nothing to run
         host.exec(["systemctl", "enable", "--now", APPLY_PATH_UNIT, AGENT_UNIT])
         with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT):
             _wait("generation 1 applied", lambda: root_generation(host) == 1, host)
         first = host.read_file(f"{SPOOL}/desired-state.json")
         generation = publish(server, node_id, document={"engines": [engine.spec()]})
-        site = Site(host, node_id, engine, docker_client, server=server, first_envelope=first, generation=generation)
+        site = Site(
+            host, node_id, engine, site_parts.docker, server=server, first_envelope=first, generation=generation
+        )
         with host.logs_on_failure(AGENT_UNIT, APPLY_UNIT):
             _wait(f"generation {generation} applied", lambda: site.root_generation() == generation, host)
             # The playbook records before root answers: wait for the answer too, or a test reads the last one.
@@ -295,7 +279,7 @@ def test_swapping_everything_in_the_agents_directory_while_root_applies_changes_
 
 
 def test_the_agents_user_cannot_touch_roots_record_journal_or_the_artifact_store(site: Site) -> None:
-    for script in (
+    scripts = [
         f"touch {ROOT_DIR}/applied.json",
         f"touch {ROOT_DIR}/public/apply-result.json",
         f"mkdir {ROOT_DIR}/journal/x",
@@ -303,10 +287,8 @@ def test_the_agents_user_cannot_touch_roots_record_journal_or_the_artifact_store
         f"mv {ROOT_DIR}/draining {ROOT_DIR}/d",
         "touch /var/lib/meridian-node-artifacts/blob",
         f"ln -sfn /etc {ROOT_DIR}/public/engines.json",
-    ):
-        result = site.as_meridian(script, check=False)
-        assert result.returncode != 0, f"as meridian, {script!r} succeeded"
-        assert "Permission denied" in result.stderr or "No such file" in result.stderr, result.stderr
+    ]
+    refused_as_meridian(site.host, scripts, reasons=["Permission denied", "No such file"])
     assert site.host.exec(["stat", "-c", "%U %a", ROOT_DIR]).stdout.split() == ["root", "711"]
     assert site.host.exec(["stat", "-c", "%U %a", "/var/lib/meridian-node-artifacts"]).stdout.split()[0] == "root"
 

@@ -22,10 +22,10 @@ from ansible_collections.meridian.node.plugins.module_utils._fileutil import (
     CappedReadReason,
     create_exclusive,
     read_capped,
+    read_if_present,
     read_json_record,
     remove_json_record,
     write_json_record,
-    read_if_present,
 )
 from ansible_collections.meridian.node.tests.support.shared_tmp import reachable_tmp_dir, run_as_nobody
 

@@ -71,6 +71,7 @@ from unittest import mock
 
 import docker
 import yaml
+from timing import run_bench
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
 from ansible_collections.meridian.node.plugins.module_utils.docker import engine as docker_engine_module
@@ -893,6 +894,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    started = time.monotonic()
-    main()
-    print(f"(bench took {time.monotonic() - started:.0f} s)")
+    run_bench(main)

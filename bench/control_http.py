@@ -30,7 +30,6 @@ import json
 import os
 import socket
 import ssl
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -42,6 +41,7 @@ from typing import NoReturn, Protocol
 
 import docker
 import yaml
+from timing import run_bench
 
 from ansible_collections.meridian.node.plugins.module_utils.docker._http import exchange
 from ansible_collections.meridian.node.plugins.module_utils.docker.api import DEFAULT_HOST
@@ -396,14 +396,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100, help="exchanges of each kind per round")
     parser.add_argument("--skip-docker", action="store_true")
     args = parser.parse_args()
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="meridian-bench-http-") as temporary:
         control_plane(Path(temporary), args.rounds, args.calls)
     strictness()
     if not args.skip_docker:
         docker_socket(args.rounds, args.calls)
-    print(f"(bench took {time.perf_counter() - started:.0f} s; Python {sys.version.split()[0]})")
 
 
 if __name__ == "__main__":
-    main()
+    run_bench(main)

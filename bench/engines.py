@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
-from timing import median_seconds
+from timing import median_seconds, run_bench
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import Options
@@ -327,6 +327,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    started = time.monotonic()
-    main()
-    print(f"(bench took {time.monotonic() - started:.0f} s)")
+    run_bench(main)

@@ -61,10 +61,8 @@ import json
 import random
 import select
 import socket
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,6 +71,7 @@ from typing import Any, NoReturn, cast
 from unittest import mock
 
 import yaml
+from timing import run_bench
 
 from ansible_collections.meridian.node.plugins.module_utils.contracts import Lease, Observation
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
@@ -599,7 +598,6 @@ def main() -> None:
     parser.add_argument("--ready-after", type=float, default=120.0, help="seconds a restarted engine takes to be ready")
     parser.add_argument("--seed", type=int, default=27, help="the agent's random source (its timers' jitter)")
     args = parser.parse_args()
-    started = time.perf_counter()
     print(
         f"one node per hour: agent defaults (heartbeat 15 s, long-poll 30 s, observation refresh "
         f"{REPORT_REFRESH_S:g} s, timers ±{TIMER_JITTER:.0%}), devserver lease 30 s, 8 GPUs, 2 engines; "
@@ -640,9 +638,8 @@ def main() -> None:
         converging,
         [kubelet(changes_per_h, per_change, envelope_b), balena(changes_per_h, per_change, envelope_b)],
     )
-    print(f"(bench took {time.perf_counter() - started:.0f} s; Python {sys.version.split()[0]})")
 
 
 if __name__ == "__main__":
     with mock.patch.object(control_client, "Link", CountingLink):
-        main()
+        run_bench(main)

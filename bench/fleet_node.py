@@ -36,7 +36,7 @@ import inspect
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from datetime import datetime
 
 from ansible_collections.meridian.node.bench.fleet_client import Answer, Link, TransferFailed
@@ -106,38 +106,31 @@ class AgentTimers:
         return 1 / self.heartbeat_s + 1 / self.cycle_s + 1 / interval
 
 
+@dataclass(eq=False)
 class SimNode:
     """One enrolled node on its own kept-alive connection."""
 
-    def __init__(
-        self,
-        node_id: str,
-        link: Link,
-        timers: AgentTimers,
-        bodies: ObservationBodies,
-        recorder: Recorder,
-        *,
-        changing: float,
-        rng: random.Random,
-    ) -> None:
-        self.node_id = node_id
-        self.link = link
-        self.timers = timers
-        self.bodies = bodies
-        self.recorder = recorder
-        self.changing = changing
-        self.rng = rng
-        self.backoff = Backoff(timers.backoff_initial_s, timers.backoff_max_s, rng)
-        self.heartbeat_target = f"/v1/nodes/{node_id}/heartbeat".encode()
-        self.fetch_target = f"/v1/nodes/{node_id}/desired-state".encode()
-        self.observation_target = f"/v1/nodes/{node_id}/observations".encode()
+    node_id: str
+    link: Link
+    timers: AgentTimers
+    bodies: ObservationBodies
+    recorder: Recorder
+    _: KW_ONLY
+    changing: float
+    rng: random.Random
+
+    def __post_init__(self) -> None:
+        self.backoff = Backoff(self.timers.backoff_initial_s, self.timers.backoff_max_s, self.rng)
+        self.heartbeat_target = f"/v1/nodes/{self.node_id}/heartbeat".encode()
+        self.fetch_target = f"/v1/nodes/{self.node_id}/desired-state".encode()
+        self.observation_target = f"/v1/nodes/{self.node_id}/observations".encode()
         # The agent's memory, on perf_counter: the lease (epoch, when it is renewed next), the ETag, what was applied
         # and reported (the digest, and when it is due again unchanged), the GPU reading last taken.
         self.epoch: int | None = None
         self.renew_at: float | None = None
         self.etag: bytes | None = None
         self.applied_generation = 0
-        self.variant = rng.randrange(VARIANTS)  # the gauges of the moment, which ride along with every post
+        self.variant = self.rng.randrange(VARIANTS)  # the gauges of the moment, which ride along with every post
         self.content = 0  # what the digest covers in the GPU facts, as a version: it moves when a read changed it
         self.gpu_read_at: float | None = None
         self.reported: tuple[tuple[int, int, int], float] | None = None

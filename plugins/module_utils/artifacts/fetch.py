@@ -420,18 +420,23 @@ class _Retryable(MeridianError):
     """A transfer failure worth another attempt (after a backoff)."""
 
 
+@dataclass(eq=False)
 class _Job:
-    def __init__(self, location: str, path: str, size: int, sha256: str, staging: str, config: FetchConfig) -> None:
-        self.location = location
-        self.path = path
-        self.size = size
-        self.sha256 = sha256
-        self.staging = staging
-        self.config = config
-        self.received = 0
-        self.resumed_from = 0
-        self.allow_range = True
-        self.final_url = location  # where the last request ended up after redirects (for messages)
+    """One file's download: where from, where to, what it must be; and how far it got."""
+
+    location: str
+    path: str
+    size: int
+    sha256: str
+    staging: str
+    config: FetchConfig
+    received: int = field(default=0, init=False)
+    resumed_from: int = field(default=0, init=False)
+    allow_range: bool = field(default=True, init=False)
+    final_url: str = field(init=False)  # where the last request ended up after redirects (for messages)
+
+    def __post_init__(self) -> None:
+        self.final_url = self.location
 
     def run(self) -> FetchResult:
         try:

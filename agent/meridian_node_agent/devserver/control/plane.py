@@ -11,7 +11,7 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -233,6 +233,7 @@ class LocalState(Protocol):
     def forget_certificates(self, node_id: str) -> None: ...
 
 
+@dataclass(kw_only=True, eq=False)
 class ControlPlane:
     """The control plane's verbs against the database, for the CLI and the server alike.
 
@@ -241,32 +242,21 @@ class ControlPlane:
     processes, after its transaction has committed (``store/change_feed.py``).
     """
 
-    def __init__(
-        self,
-        *,
-        store: Database,
-        ca: CertificateAuthority,
-        control_key: Ed25519PrivateKey,
-        paths: DataDir,
-        settings: Settings,
-        clock: Callable[[], datetime] | None = None,
-        feed: ChangeFeed | None = None,
-    ) -> None:
-        self.store = store
-        self.ca = ca
-        self.control_key = control_key
-        self.paths = paths
-        self.settings = settings
-        self._clock = clock or (lambda: datetime.now(UTC))
-        self.feed = feed or InProcessFeed()
-        self.local: LocalState | None = None
+    store: Database
+    ca: CertificateAuthority
+    control_key: Ed25519PrivateKey
+    paths: DataDir
+    settings: Settings
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    feed: ChangeFeed = field(default_factory=InProcessFeed)
+    local: LocalState | None = field(default=None, init=False)
 
     @property
     def control_keyid(self) -> str:
         return dsse.keyid_for(self.control_key.public_key())
 
     def now(self) -> datetime:
-        return self._clock()
+        return self.clock()
 
     def close(self) -> None:
         self.feed.close()

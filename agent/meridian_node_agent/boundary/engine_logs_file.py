@@ -38,7 +38,7 @@ import os
 import re
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,14 +110,8 @@ class KeptRun:
     lines: tuple[str, ...]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "container_id": self.container_id,
-            "restarts": self.restarts,
-            "state": self.state,
-            "exit_reason": self.exit_reason,
-            "read_at": self.read_at,
-            "lines": list(self.lines),
-        }
+        """Every field, in order, as JSON data."""
+        return {**asdict(self), "lines": list(self.lines)}
 
 
 @dataclass(frozen=True)

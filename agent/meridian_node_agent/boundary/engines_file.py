@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,23 +93,9 @@ class InventoryEngine:
     drifted: tuple[str, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "driver": self.driver,
-            "served_model_name": self.served_model_name,
-            "image": self.image,
-            "host": self.host,
-            "port": self.port,
-            "probe_driver": self.probe_driver,
-            "health_path": self.health_path,
-            "gpus": list(self.gpus),
-            "min_vram_mib": self.min_vram_mib,
-            "state": self.state,
-            "restarts": self.restarts,
-            "exit_code": self.exit_code,
-            "exit_reason": self.exit_reason,
-            "drifted": None if self.drifted is None else list(self.drifted),
-        }
+        """Every field, in order, as JSON data."""
+        drifted = None if self.drifted is None else list(self.drifted)
+        return {**asdict(self), "gpus": list(self.gpus), "drifted": drifted}
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,7 @@ from meridian_node_agent.agent_side.identity import NodeIdentity
 _names = itertools.count(1)
 
 
-@pytest.fixture(scope="module")
-def devserver_options() -> DevServerOptions:
-    return DevServerOptions(tokens=["banner:auto", "fixed:fixed-token-value"])
+DEVSERVER_OPTIONS = DevServerOptions(tokens=["banner:auto", "fixed:fixed-token-value"])
 
 
 def _enroll(server: DevServer, tmp_path: Path, node_id: str) -> ControlClient:

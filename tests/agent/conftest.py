@@ -7,7 +7,6 @@ from types import ModuleType
 import pytest
 
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import (  # noqa: F401
-    devserver_options,
     node_id,
     server,
 )

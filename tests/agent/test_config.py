@@ -8,17 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ansible_collections.meridian.node.tests.support.agent_config import MANAGED_HOST_CONFIG, write_managed_host_policy
 from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
 from meridian_node_agent import cli
 from meridian_node_agent.config import ConfigError, load_config
 
-GOOD = {
-    "node_id": "gpu-node-1",
-    "mode": "managed-host",
-    "policy": "policy.yaml",
-    "state_dir": "state",
-    "control_plane": {"url": "https://meridian.example:8443"},
-}
+GOOD = MANAGED_HOST_CONFIG  # each bad case below changes one field of it
 
 
 def write_config(directory: Path, document: object, name: str = "config.yaml") -> Path:
@@ -29,7 +24,7 @@ def write_config(directory: Path, document: object, name: str = "config.yaml") -
 
 @pytest.fixture
 def policy_dir(tmp_path: Path) -> Path:
-    write_policy(tmp_path, control=[make_key()], extra={"agent": {"allowed_modes": ["observe-only", "managed-host"]}})
+    write_managed_host_policy(tmp_path)
     return tmp_path
 
 

@@ -3,7 +3,6 @@ tests/support/devserver_fixtures.py); the session's PostgreSQL, an empty databas
 empty store database on each backend per test (see tests/support/postgres.py)."""
 
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import (  # noqa: F401
-    devserver_options,
     node_id,
     server,
 )

@@ -17,15 +17,13 @@ import pytest
 import requests
 import yaml
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from ansible_collections.meridian.node.plugins.module_utils.trust import verify as trust
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, enroll_node
 from ansible_collections.meridian.node.tests.devserver.in_process_server import LongPoll, observation
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import DevServerOptions
+from ansible_collections.meridian.node.tests.support.http_fixture import write_self_signed
 from meridian_node_agent.agent_side.control_client import (
     ControlClient,
     ControlPlaneRejected,
@@ -38,9 +36,7 @@ from meridian_node_agent.agent_side.identity import NodeIdentity
 _names = itertools.count(1)
 
 
-@pytest.fixture(scope="module")
-def devserver_options() -> DevServerOptions:
-    return DevServerOptions(tokens=["banner:auto", "fixed:fixed-token-value"])
+DEVSERVER_OPTIONS = DevServerOptions(tokens=["banner:auto", "fixed:fixed-token-value"])
 
 
 def _enroll(server: DevServer, tmp_path: Path, node_id: str) -> ControlClient:
@@ -154,24 +150,14 @@ def test_certificate_for_node_a_on_node_b_path_is_403(server: DevServer, tmp_pat
 
 
 def test_client_certificate_from_a_foreign_ca_fails_the_handshake(server: DevServer, tmp_path: Path) -> None:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpu-forged")])
     now = datetime.now(UTC)
-    forged = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now.replace(year=now.year - 1))
-        .not_valid_after(now.replace(year=now.year + 1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("gpu-forged")]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
     cert_path, key_path = tmp_path / "forged.pem", tmp_path / "forged.key.pem"
-    cert_path.write_bytes(forged.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    write_self_signed(
+        cert_path,
+        key_path,
+        "gpu-forged",
+        not_before=now.replace(year=now.year - 1),
+        not_after=now.replace(year=now.year + 1),
     )
     with (
         ControlClient(server.base_url, server.ca_bundle, cert_path, key_path) as forger,

@@ -27,10 +27,7 @@ from ansible_collections.meridian.node.tests.support.devserver_fixtures import D
 from meridian_node_agent.agent_side.control_client import ControlClient, FetchStatus
 from meridian_node_agent.agent_side.identity import NodeIdentity
 
-
-@pytest.fixture(scope="module")
-def devserver_options() -> DevServerOptions:
-    return DevServerOptions(extra=["--certificate-seconds", "3600"])
+DEVSERVER_OPTIONS = DevServerOptions(extra=["--certificate-seconds", "3600"])
 
 
 def _csr(key: ec.EllipticCurvePrivateKey, common_name: str, dns_names: list[str]) -> str:

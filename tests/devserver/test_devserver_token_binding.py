@@ -17,12 +17,9 @@ from ansible_collections.meridian.node.tests.support.old_devserver_schema import
 from meridian_node_agent.agent_side.control_client import ControlPlaneRejected
 from meridian_node_agent.devserver.store.database import token_digest
 
-
-@pytest.fixture(scope="module")
-def devserver_options() -> DevServerOptions:
-    return DevServerOptions(
-        tokens=["edge@gpu-bound-serve:auto", "fixed@gpu-bound-fixed:va@lue:with:colons", "open:auto"]
-    )
+DEVSERVER_OPTIONS = DevServerOptions(
+    tokens=["edge@gpu-bound-serve:auto", "fixed@gpu-bound-fixed:va@lue:with:colons", "open:auto"]
+)
 
 
 def _refused(server: DevServer, directory: Path, node_id: str, token: str) -> ControlPlaneRejected:

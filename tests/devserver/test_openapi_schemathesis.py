@@ -62,10 +62,8 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def devserver_options() -> DevServerOptions:
-    # A long-poll the generator asks for (wait up to the document's maximum) then holds a request one second.
-    return DevServerOptions(extra=["--max-wait-seconds", "1"])
+# A long-poll the generator asks for (wait up to the document's maximum) then holds a request one second.
+DEVSERVER_OPTIONS = DevServerOptions(extra=["--max-wait-seconds", "1"])
 
 
 @pytest.fixture

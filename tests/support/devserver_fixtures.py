@@ -3,11 +3,9 @@ tests share (their conftest.py files register them).
 
 ``server`` is one real ``meridian-node-devserver serve`` process per test module
 (tests/devserver/devserver_process.py), its data dir in a temporary directory of its own. A module that
-needs it started otherwise (tokens made at start, a certificate lifetime) overrides ``devserver_options``::
+needs it started otherwise (tokens made at start, a certificate lifetime) says so in one module-level line::
 
-    @pytest.fixture(scope="module")
-    def devserver_options() -> DevServerOptions:
-        return DevServerOptions(extra=["--certificate-seconds", "3600"])
+    DEVSERVER_OPTIONS = DevServerOptions(extra=["--certificate-seconds", "3600"])
 
 ``node_id`` names a node that no other test uses: after the module (``test_agent_cycle`` gives
 ``agent-cycle-node-3-1f0c``), numbered, with a random part, so that two test sessions sharing one Docker
@@ -25,7 +23,7 @@ import pytest
 
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer, running
 
-__all__ = ["DevServerOptions", "devserver_options", "node_id", "server"]
+__all__ = ["DevServerOptions", "node_id", "server"]
 
 _numbers = itertools.count(1)
 
@@ -40,16 +38,13 @@ class DevServerOptions:
 
 
 @pytest.fixture(scope="module")
-def devserver_options() -> DevServerOptions:
-    """The module's devserver started plainly: no tokens, the default certificate lifetime."""
-    return DevServerOptions()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, devserver_options: DevServerOptions) -> Iterator[DevServer]:
-    """The module's devserver, answering over TLS on 127.0.0.1; stopped when the module's tests are done."""
+def server(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[DevServer]:
+    """The module's devserver, answering over TLS on 127.0.0.1; stopped when the module's tests are done. Started
+    with the module's ``DEVSERVER_OPTIONS`` where it has them, else plainly: no tokens, the default certificate
+    lifetime."""
+    options: DevServerOptions = getattr(request.module, "DEVSERVER_OPTIONS", DevServerOptions())
     data_dir = tmp_path_factory.mktemp("devserver") / "data"
-    with running(data_dir, tokens=devserver_options.tokens, extra=devserver_options.extra) as started:
+    with running(data_dir, tokens=options.tokens, extra=options.extra) as started:
         yield started
 
 

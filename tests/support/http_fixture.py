@@ -18,7 +18,9 @@ Modes:
 
 ``redirects`` (URL path -> (status, Location)) answers a path with a redirect before any file or mode is
 looked at; a Location may be relative or point at another server. ``tls=(cert, key)`` makes the server
-speak HTTPS (``tls_material`` issues a CA and a 127.0.0.1 certificate for it).
+speak HTTPS (``tls_material`` issues a CA and a 127.0.0.1 certificate for it). ``write_self_signed`` writes
+a certificate that only vouches for itself: a client certificate no CA of ours issued, or a node identity whose
+certificate is also its own CA bundle.
 """
 
 from __future__ import annotations
@@ -33,15 +35,28 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from meridian_node_agent.devserver.control.ca import CertificateAuthority
 
-__all__ = ["ArtifactServer", "RequestRecord", "TlsMaterial", "running_artifact_server", "small_tmpfs", "tls_material"]
+__all__ = [
+    "ArtifactServer",
+    "RequestRecord",
+    "TlsMaterial",
+    "running_artifact_server",
+    "small_tmpfs",
+    "tls_material",
+    "write_self_signed",
+]
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,30 @@ def tls_material(directory: Path) -> TlsMaterial:
     authority = CertificateAuthority(directory / "ca")
     cert, key = authority.write_server_certificate(directory / "server", ["127.0.0.1"])
     return TlsMaterial(authority.cert_path, cert, key)
+
+
+def write_self_signed(cert: Path, key: Path, name: str, *, not_before: datetime, not_after: datetime) -> None:
+    """A P-256 key and a certificate for ``name`` (its CN and its one DNS name) that signs itself, written as PEM
+    to ``cert`` and ``key`` (PKCS#8, unencrypted)."""
+    private = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .sign(private, hashes.SHA256())
+    )
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
 
 
 class ArtifactServer:

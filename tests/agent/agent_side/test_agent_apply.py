@@ -1,6 +1,6 @@
 """The apply path on its own: real ansible-runner runs of playbooks/reconcile.yml, the host-side module,
-the journal (rotation, scrubbing) and the operation log. No control plane here: envelopes are signed
-with test keys, and the playbook's own verification is what is under test."""
+the journal (rotation, scrubbing), the operation log and the artifact bytes a run fetched. No control plane
+here: envelopes are signed with test keys, and the playbook's own verification is what is under test."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import (
 )
 from meridian_node_agent.apply.applier import SCRUBBED, Applier, scrub_journal
 from meridian_node_agent.apply.oplog import OpLog
+from meridian_node_agent.boundary.spool import ApplyAnswer
 
 CONTROL = make_key()
 STRANGER = make_key()
@@ -169,6 +170,22 @@ def test_an_agent_saying_no_artifacts_for_a_state_with_one_gets_a_failed_apply_t
     assert _ran_and_skipped(honest.journal) == (["desired_state", "verified_artifact", "engine_set"], [])
     assert (tmp_path / "store" / "artifacts" / "tiny-model" / "1.0.0" / "weights.bin").read_bytes() == WEIGHTS
     assert StateStore(tmp_path / "state").load().generation == 1
+
+
+def test_an_apply_counts_the_artifact_bytes_it_fetched_once_and_a_rerun_none(tmp_path: Path, policy: Path) -> None:
+    # The agent's meridian_node_artifact_fetched_bytes_total adds what the result says a run brought into the store.
+    applier = _applier(tmp_path, policy)
+    results = []
+    for generation in (1, 2):  # the second state lists the same artifact, already in the store
+        payload = _with_artifact(tmp_path, generation)
+        envelope_bytes = signed("desired-state", payload, [CONTROL])
+        results.append(applier.apply(envelope_bytes, generation=generation, epoch=1, payload_sha256=_sha(payload)))
+
+    assert [result.status for result in results] == ["successful", "successful"], [r.failures for r in results]
+    assert [result.fetched_bytes for result in results] == [len(WEIGHTS), 0]
+    # Under the privilege split the agent learns it from root's answer.
+    answer = ApplyAnswer.from_result(results[0], "0" * 64, 1)
+    assert answer.to_result().fetched_bytes == len(WEIGHTS)
 
 
 def test_a_state_without_artifacts_runs_only_the_engine_set_task(tmp_path: Path, policy: Path) -> None:

@@ -43,9 +43,7 @@ from meridian_node_agent.agent_side.status_file import read_status
 LIFETIME = timedelta(hours=1)
 
 
-@pytest.fixture(scope="module")
-def devserver_options() -> DevServerOptions:
-    return DevServerOptions(extra=["--certificate-seconds", str(int(LIFETIME.total_seconds()))])
+DEVSERVER_OPTIONS = DevServerOptions(extra=["--certificate-seconds", str(int(LIFETIME.total_seconds()))])
 
 
 @pytest.fixture

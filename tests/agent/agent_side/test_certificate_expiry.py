@@ -38,9 +38,7 @@ from meridian_node_agent.devserver.serving.tls import server_ssl_context
 LIFETIME_SECONDS = 4
 
 
-@pytest.fixture(scope="module")
-def devserver_options() -> DevServerOptions:
-    return DevServerOptions(extra=["--certificate-seconds", str(LIFETIME_SECONDS)])
+DEVSERVER_OPTIONS = DevServerOptions(extra=["--certificate-seconds", str(LIFETIME_SECONDS)])
 
 
 def _wait_until_expired(identity: NodeIdentity) -> datetime:

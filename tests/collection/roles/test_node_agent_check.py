@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from ansible_collections.meridian.node.plugins.module_utils.trust import dsse
+from ansible_collections.meridian.node.tests.support.http_fixture import write_self_signed
 
 CHECK = Path(__file__).resolve().parents[3] / "roles" / "node_agent" / "files" / "node_agent_check.py"
 
@@ -88,25 +87,11 @@ def _identity(tmp_path: Path, node_id: str, *, not_after: datetime) -> None:
     """Key, certificate (SAN = node_id) and CA in <state>/identity, as enrollment leaves them."""
     directory = tmp_path / "state" / "identity"
     directory.mkdir(parents=True)
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)])
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_after - timedelta(days=30))
-        .not_valid_after(not_after)
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(node_id)]), critical=False)
-        .sign(key, hashes.SHA256())
+    node_cert = directory / "node.pem"
+    write_self_signed(
+        node_cert, directory / "node.key.pem", node_id, not_before=not_after - timedelta(days=30), not_after=not_after
     )
-    pem = certificate.public_bytes(serialization.Encoding.PEM)
-    (directory / "node.key.pem").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    (directory / "node.pem").write_bytes(pem)
-    (directory / "ca.pem").write_bytes(pem)
+    (directory / "ca.pem").write_bytes(node_cert.read_bytes())
 
 
 def identity(tmp_path: Path) -> dict[str, Any]:

@@ -4,7 +4,6 @@ tests/support/devserver_fixtures.py and tests/support/e2e_fixtures.py. The real 
 its random-weight GGUF models, once per session: tests/support/llamacpp_image.py and gguf_models.py."""
 
 from ansible_collections.meridian.node.tests.support.devserver_fixtures import (  # noqa: F401
-    devserver_options,
     node_id,
     server,
 )

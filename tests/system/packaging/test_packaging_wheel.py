@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ansible_collections.meridian.node.tests.support.trust_fixtures import make_key, write_policy
+from ansible_collections.meridian.node.tests.support.agent_config import MANAGED_HOST_CONFIG, write_managed_host_policy
 from ansible_collections.meridian.node.tests.system.packaging.packaging_env import CHECKOUT, AgentVenv, run
 
 PRIVATE_COLLECTION = "meridian_node_agent/collection/ansible_collections/meridian/node"
@@ -131,16 +131,10 @@ def test_the_collection_is_not_importable_without_the_agent(agent_venv: AgentVen
 def test_check_config_with_metrics_but_without_prometheus_client_names_the_extra(
     agent_venv: AgentVenv, tmp_path: Path
 ) -> None:
-    write_policy(tmp_path, control=[make_key()], extra={"agent": {"allowed_modes": ["observe-only", "managed-host"]}})
-    config = {
-        "node_id": "gpu-node-1",
-        "mode": "managed-host",
-        "policy": "policy.yaml",
-        "state_dir": "state",
-        "control_plane": {"url": "https://meridian.example:8443"},
-    }
-    (tmp_path / "without-metrics.yaml").write_text(yaml.safe_dump(config))
-    (tmp_path / "with-metrics.yaml").write_text(yaml.safe_dump({**config, "metrics": {"listen": "127.0.0.1:9100"}}))
+    write_managed_host_policy(tmp_path)
+    (tmp_path / "without-metrics.yaml").write_text(yaml.safe_dump(MANAGED_HOST_CONFIG))
+    metrics = {"listen": "127.0.0.1:9100"}
+    (tmp_path / "with-metrics.yaml").write_text(yaml.safe_dump({**MANAGED_HOST_CONFIG, "metrics": metrics}))
     check: list[str | Path] = [agent_venv.bin("meridian-node"), "--config"]
     accepted = run([*check, tmp_path / "without-metrics.yaml", "check-config"], env=agent_venv.env())
     assert accepted.stdout.endswith("ok\n")

@@ -1,6 +1,7 @@
 """engine_plan: every (target state, what Docker shows) pair, as a table row; and every container setting
 that reaches the config hash, as a row that replaces the engine."""
 
+from functools import partial
 from typing import Any
 
 import pytest
@@ -43,6 +44,10 @@ ASIDE, BESIDE, DRAIN_OLD, STOP_OLD, REMOVE_OLD, PROMOTE, CLEAN_UP = (
 )
 ROOM = Room(port=8001)
 NO_ROOM = Room(why_not="no free port in the policy's range 8000-8000 on 127.0.0.1")
+
+
+# The engine every row plans: "chat", with SPEC hashed as NEW unless a row says otherwise.
+plan_chat = partial(plan_engine, name="chat", config_hash=NEW, spec=SPEC)
 
 
 def ours(status: str, config_hash: str = NEW) -> Observed:
@@ -93,9 +98,7 @@ ROWS: list[tuple[str, Observed | None, str, tuple[Action, ...]]] = [
 
 @pytest.mark.parametrize(("state", "observed", "strategy", "expected"), ROWS)
 def test_plan(state: Any, observed: Observed | None, strategy: Any, expected: tuple[Action, ...]) -> None:
-    plan = plan_engine(
-        name="chat", state=state, config_hash=NEW, spec=SPEC, observed=observed, replace_strategy=strategy
-    )
+    plan = plan_chat(state=state, observed=observed, replace_strategy=strategy)
     assert plan.actions == expected
     assert plan.changed is bool(expected)
 
@@ -179,29 +182,16 @@ REPLACES: list[tuple[str, Observed, str, Room | None, bool, str, tuple[Action, .
 def test_replace_way(
     state: Any, observed: Observed, strategy: Any, room: Room | None, wait: bool, way: str, expected: tuple[Action, ...]
 ) -> None:
-    plan = plan_engine(
-        name="chat",
-        state=state,
-        config_hash=NEW,
-        spec=SPEC,
-        observed=observed,
-        replace_strategy=strategy,
-        wait_ready=wait,
-        room=room,
-    )
+    plan = plan_chat(state=state, observed=observed, replace_strategy=strategy, wait_ready=wait, room=room)
     assert (plan.way, plan.actions) == (way, expected)
     assert plan.diff()["after"]["replace"]["way"] == way
     assert plan.why
 
 
 def test_the_diff_says_why_there_was_no_room() -> None:
-    plan = plan_engine(
-        name="chat", state="started", config_hash=NEW, spec=SPEC, observed=ours("running", OLD), room=NO_ROOM
-    )
+    plan = plan_chat(state="started", observed=ours("running", OLD), room=NO_ROOM)
     assert "no free port in the policy's range 8000-8000" in plan.diff()["after"]["replace"]["why"]
-    beside = plan_engine(
-        name="chat", state="started", config_hash=NEW, spec=SPEC, observed=ours("running", OLD), room=ROOM
-    )
+    beside = plan_chat(state="started", observed=ours("running", OLD), room=ROOM)
     assert "free port 8001" in beside.why
 
 
@@ -217,9 +207,7 @@ def test_the_diff_says_why_there_was_no_room() -> None:
 def test_what_an_interrupted_replace_left_is_cleaned_up_first(
     state: Any, observed: Observed | None, expected: tuple[Action, ...]
 ) -> None:
-    plan = plan_engine(
-        name="chat", state=state, config_hash=NEW, spec=SPEC, observed=observed, leftovers=(aside_name("chat", "old"),)
-    )
+    plan = plan_chat(state=state, observed=observed, leftovers=(aside_name("chat", "old"),))
     assert plan.actions == expected
 
 
@@ -263,12 +251,12 @@ def test_rollback(row: tuple[Any, ...]) -> None:
 
 
 def test_converged_plan_diff_is_empty_change() -> None:
-    plan = plan_engine(name="chat", state="started", config_hash=NEW, spec=SPEC, observed=ours("running"))
+    plan = plan_chat(state="started", observed=ours("running"))
     assert plan.diff()["before"] == plan.diff()["after"]
 
 
 def test_replacement_diff_shows_old_and_new_spec() -> None:
-    plan = plan_engine(name="chat", state="started", config_hash=NEW, spec=SPEC, observed=ours("running", OLD))
+    plan = plan_chat(state="started", observed=ours("running", OLD))
     assert plan.replaces
     assert plan.diff() == {
         "before": {"state": "started", "config_hash": OLD, "spec": {"port": 8000}},
@@ -282,17 +270,17 @@ def test_replacement_diff_shows_old_and_new_spec() -> None:
 
 
 def test_stop_diff_keeps_the_spec_and_changes_the_state() -> None:
-    plan = plan_engine(name="chat", state="stopped", config_hash=NEW, spec=SPEC, observed=ours("running"))
+    plan = plan_chat(state="stopped", observed=ours("running"))
     assert (plan.diff()["before"]["state"], plan.diff()["after"]["state"]) == ("started", "stopped")
 
 
 def test_absent_diff_after_is_empty() -> None:
-    plan = plan_engine(name="chat", state="absent", config_hash=NEW, spec=SPEC, observed=ours("exited"))
+    plan = plan_chat(state="absent", observed=ours("exited"))
     assert plan.diff()["after"] == {}
 
 
 def test_no_wait_ready_when_not_asked() -> None:
-    plan = plan_engine(name="chat", state="started", config_hash=NEW, spec=SPEC, observed=None, wait_ready=False)
+    plan = plan_chat(state="started", observed=None, wait_ready=False)
     assert plan.actions == (CREATE, START)
 
 
@@ -300,7 +288,7 @@ def test_no_wait_ready_when_not_asked() -> None:
 def test_a_foreign_container_with_our_name_is_refused_in_every_state(state: Any) -> None:
     foreign = Observed(owned=False, status="running")
     with pytest.raises(NameTakenError, match=r"'chat' exists but was not created by meridian\.node"):
-        plan_engine(name="chat", state=state, config_hash=NEW, spec=SPEC, observed=foreign)
+        plan_chat(state=state, observed=foreign)
 
 
 # --- the host settings reach the config hash -----------------------------------------------------------------
@@ -345,7 +333,7 @@ def test_a_changed_host_setting_drains_and_replaces_the_running_engine(
     before: dict[str, Any], after: dict[str, Any]
 ) -> None:
     running = Observed(owned=True, status="running", config_hash=hash_of(**before), spec={})
-    plan = plan_engine(name="chat", state="started", config_hash=hash_of(**after), spec=SPEC, observed=running)
+    plan = plan_chat(state="started", config_hash=hash_of(**after), observed=running)
     assert plan.actions == (DRAIN, STOP, ASIDE, CREATE, START, READY, REMOVE_OLD)
 
 
@@ -371,7 +359,7 @@ SAME: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 @pytest.mark.parametrize(("first", "second"), [c[1:] for c in SAME], ids=[c[0] for c in SAME])
 def test_the_same_host_settings_however_spelt_change_nothing(first: dict[str, Any], second: dict[str, Any]) -> None:
     running = Observed(owned=True, status="running", config_hash=hash_of(**first), spec={})
-    plan = plan_engine(name="chat", state="started", config_hash=hash_of(**second), spec=SPEC, observed=running)
+    plan = plan_chat(state="started", config_hash=hash_of(**second), observed=running)
     assert plan.actions == ()
 
 

@@ -7,7 +7,7 @@ verdict each new scenario was written to show, as the whole read path hands it t
 import copy
 from datetime import UTC, datetime
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -48,69 +48,77 @@ ROWS = {"remapped_rows": {"correctable": 4, "uncorrectable": 2, "pending": True,
 NVLINK = {"nvlink_errors": {"crc_flit": 1, "crc_data": 2, "replay": 3, "recovery": 4}}
 REASONS = {"clock_event_reasons": ["nvmlClocksEventReasonSwPowerCap", "nvmlClocksEventReasonHwThermalSlowdown"]}
 
-READINGS: list[tuple[str, dict[str, Any], Any, str, Any]] = [
-    # (reading, scenario keys, value, the call, the reading when NOT_SUPPORTED)
-    ("retired_pages_sbe", RETIRED, 3, "nvmlDeviceGetRetiredPages", None),
-    ("retired_pages_dbe", RETIRED, 1, "nvmlDeviceGetRetiredPages", None),
-    ("retirement_pending", RETIRED, True, "nvmlDeviceGetRetiredPagesPendingStatus", None),
-    ("remapped_rows_correctable", ROWS, 4, "nvmlDeviceGetRemappedRows", None),
-    ("remapped_rows_uncorrectable", ROWS, 2, "nvmlDeviceGetRemappedRows", None),
-    ("remap_pending", ROWS, True, "nvmlDeviceGetRemappedRows", None),
-    ("remap_failure", ROWS, True, "nvmlDeviceGetRemappedRows", None),
-    ("recovery_action", {"recovery_action": 4}, "drain-and-reset", "nvmlDeviceGetFieldValues", None),
-    ("pcie_replay_count", {"pcie_replay_counter": 77}, 77, "nvmlDeviceGetPcieReplayCounter", None),
-    (
+
+class Reading(NamedTuple):
+    """A health reading: the scenario keys that set it, the value read, the NVML call behind it, and the reading
+    when that call answers NOT_SUPPORTED."""
+
+    name: str
+    keys: dict[str, Any]
+    value: Any
+    call: str
+    unsupported: Any
+
+
+READINGS = [
+    Reading("retired_pages_sbe", RETIRED, 3, "nvmlDeviceGetRetiredPages", None),
+    Reading("retired_pages_dbe", RETIRED, 1, "nvmlDeviceGetRetiredPages", None),
+    Reading("retirement_pending", RETIRED, True, "nvmlDeviceGetRetiredPagesPendingStatus", None),
+    Reading("remapped_rows_correctable", ROWS, 4, "nvmlDeviceGetRemappedRows", None),
+    Reading("remapped_rows_uncorrectable", ROWS, 2, "nvmlDeviceGetRemappedRows", None),
+    Reading("remap_pending", ROWS, True, "nvmlDeviceGetRemappedRows", None),
+    Reading("remap_failure", ROWS, True, "nvmlDeviceGetRemappedRows", None),
+    Reading("recovery_action", {"recovery_action": 4}, "drain-and-reset", "nvmlDeviceGetFieldValues", None),
+    Reading("pcie_replay_count", {"pcie_replay_counter": 77}, 77, "nvmlDeviceGetPcieReplayCounter", None),
+    Reading(
         "clock_event_reasons",
         REASONS,
         ["sw_power_cap", "hw_thermal_slowdown"],
         "nvmlDeviceGetCurrentClocksEventReasons",
         [],
     ),
-    (
+    Reading(
         "power_violation_ns",
         {"violation_ns": {"power": 5_000_000_000, "thermal": 7}},
         5_000_000_000,
         "nvmlDeviceGetViolationStatus",
         None,
     ),
-    ("thermal_violation_ns", {"violation_ns": {"power": 0, "thermal": 7}}, 7, "nvmlDeviceGetViolationStatus", None),
+    Reading(
+        "thermal_violation_ns", {"violation_ns": {"power": 0, "thermal": 7}}, 7, "nvmlDeviceGetViolationStatus", None
+    ),
     # 18 trained links, each 1 + 2 + 3 + 4.
-    ("nvlink_error_count", NVLINK, 18 * 10, "nvmlDeviceGetNvLinkErrorCounter", None),
+    Reading("nvlink_error_count", NVLINK, 18 * 10, "nvmlDeviceGetNvLinkErrorCounter", None),
 ]
-IDS = [row[0] for row in READINGS]
+# Each reading, the same three ways: read, NOT_SUPPORTED, failing.
+EACH_READING = pytest.mark.parametrize("row", READINGS, ids=[row.name for row in READINGS])
 
 
-@pytest.mark.parametrize(("reading", "keys", "value", "call", "unsupported"), READINGS, ids=IDS)
-def test_reading_is_read(
-    fake: ModuleType, reading: str, keys: dict[str, Any], value: Any, call: str, unsupported: Any
-) -> None:
-    readings = readings_of(fake, one_gpu(fake, **keys))
+@EACH_READING
+def test_reading_is_read(fake: ModuleType, row: Reading) -> None:
+    readings = readings_of(fake, one_gpu(fake, **row.keys))
 
-    assert readings[reading] == value
+    assert readings[row.name] == row.value
     assert readings["read_errors"] == []
 
 
-@pytest.mark.parametrize(("reading", "keys", "value", "call", "unsupported"), READINGS, ids=IDS)
-def test_not_supported_reading_is_none_and_no_error(
-    fake: ModuleType, reading: str, keys: dict[str, Any], value: Any, call: str, unsupported: Any
-) -> None:
-    readings = readings_of(fake, one_gpu(fake, **keys, errors={call: "NVML_ERROR_NOT_SUPPORTED"}))
+@EACH_READING
+def test_not_supported_reading_is_none_and_no_error(fake: ModuleType, row: Reading) -> None:
+    readings = readings_of(fake, one_gpu(fake, **row.keys, errors={row.call: "NVML_ERROR_NOT_SUPPORTED"}))
 
-    assert readings[reading] == unsupported
+    assert readings[row.name] == row.unsupported
     assert readings["read_errors"] == []
 
 
-@pytest.mark.parametrize(("reading", "keys", "value", "call", "unsupported"), READINGS, ids=IDS)
-def test_failing_reading_is_none_and_named_in_read_errors(
-    fake: ModuleType, reading: str, keys: dict[str, Any], value: Any, call: str, unsupported: Any
-) -> None:
-    facts = read(fake, one_gpu(fake, **keys, errors={call: "NVML_ERROR_UNKNOWN"}))
+@EACH_READING
+def test_failing_reading_is_none_and_named_in_read_errors(fake: ModuleType, row: Reading) -> None:
+    facts = read(fake, one_gpu(fake, **row.keys, errors={row.call: "NVML_ERROR_UNKNOWN"}))
 
     gpu = facts["gpus"][0]
     readings = gpu["health"]["readings"]
-    assert readings[reading] == unsupported
+    assert readings[row.name] == row.unsupported
     assert readings["read_errors"]
-    assert all(error.startswith(f"NVML_ERROR_UNKNOWN from {call}") for error in readings["read_errors"])
+    assert all(error.startswith(f"NVML_ERROR_UNKNOWN from {row.call}") for error in readings["read_errors"])
     # A health read error is the verdict's business, not a hole in the GPU's facts.
     assert gpu["error"] is None
 

@@ -23,9 +23,13 @@ export PATH := $(abspath $(BIN)):$(PATH)
 demo: venv
 	$(BIN)/python -m meridian_node_agent.dev.demo
 
-# molecule last: the slowest part (systemd-booting Debian 11/12/13 targets; images cached under
-# ~/.cache/meridian-node), after everything that fails faster.
-test: venv lint typecheck compat changelog sanity sanity-oldest pytest molecule
+# make test's stages, in order; each runs as `make STAGE` through .ci/stage, which prints `stage NAME: 123 s` as it
+# ends, and the first that fails stops the rest. molecule last: the slowest part (systemd-booting Debian 11/12/13
+# targets; images cached under ~/.cache/meridian-node), after everything that fails faster.
+TEST_STAGES := venv lint typecheck compat changelog sanity sanity-oldest pytest molecule
+
+test:
+	@for stage in $(TEST_STAGES); do .ci/stage $$stage $(MAKE) --no-print-directory $$stage || exit 1; done
 
 venv: $(VENV)/.installed $(LINK)
 
@@ -120,8 +124,12 @@ $(GET_PIP_CACHE): .ci/get_pip_shim.py
 	mkdir -p $(dir $@)
 	cp $< $@
 
+# pytest-xdist: PYTEST_WORKERS workers (auto: tests/support/parallel.py's count for this machine), each test in
+# its group (by default its file; GROUPS there for files that must not run side by side). PYTEST_WORKERS=0 runs
+# the suite serially.
+PYTEST_WORKERS ?= auto
 pytest: venv
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 schemas: venv
 	$(BIN)/python -m meridian_node_agent.dev.schemas --write
@@ -133,10 +141,11 @@ config-doc: venv
 
 # The molecule scenarios (molecule/) on systemd-booting Debian containers, with the images, wheelhouses,
 # collections and devserver they need: tests/support/molecule_site.py. `make molecule SCENARIOS=node_agent`
-# runs one.
+# runs one; MOLECULE_LANES scenarios run side by side (default: one per CPU; MOLECULE_LANES=1, one at a time).
 .PHONY: molecule
 molecule: venv
-	$(BIN)/python -m ansible_collections.meridian.node.tests.support.molecule_site $(SCENARIOS)
+	$(BIN)/python -m ansible_collections.meridian.node.tests.support.molecule_site \
+		$(if $(MOLECULE_LANES),--lanes $(MOLECULE_LANES)) $(SCENARIOS)
 
 # The kubelet's PodResources API (agent_side/podresources/api.proto) as Python: the message and gRPC stubs and
 # their type stubs (mypy-protobuf), checked in. grpcio-tools' protoc decides the protobuf version the stubs

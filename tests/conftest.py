@@ -41,6 +41,12 @@ def _agent_logger_as_found() -> Iterator[None]:
     logger.propagate = propagate
 
 
+# How pytest-xdist groups the tests and how many workers `-n auto` starts: see tests/support/parallel.py.
+from ansible_collections.meridian.node.tests.support.parallel import (  # noqa: E402, F401
+    pytest_xdist_auto_num_workers,
+    pytest_xdist_make_scheduler,
+)
+
 # The stand-in engine base image (built once per machine, cached): see tests/support/standin_image.py.
 from ansible_collections.meridian.node.tests.support.standin_image import standin_base_image  # noqa: E402, F401
 

@@ -14,11 +14,17 @@ point does that, once for all scenarios:
   stand-in vLLM engine image the published states name;
 * an air-gap authority key for the air-gapped nodes' bundles (``make-bundle --key``), and the public half
   their policy trusts;
-* ``site.json``, which tells the playbooks all of the above (``MERIDIAN_MOLECULE_SITE``).
+* ``site.json``, which tells the playbooks all of the above; each scenario reads its own copy,
+  ``site-SCENARIO.json`` (``MERIDIAN_MOLECULE_SITE``), whose ``engine_prefix`` names the scenario.
 
-Then ``molecule test -s NAME`` for each scenario, timed; the engines the scenarios started are removed
-and the devserver stopped whatever happened. Run it as ``make molecule`` or
-``python -m ansible_collections.meridian.node.tests.support.molecule_site [SCENARIO ...]``.
+Then ``molecule test -s NAME`` for each scenario, timed, ``--lanes`` of them side by side (``make molecule``:
+``MOLECULE_LANES``, default one per CPU). Scenarios share nothing that could collide: their targets have names of
+their own (``mn-node-*``, ``mn-airgap-*``, ``mn-pull-*``, ``mn-fleet-*``), their engines a name prefix and ports of
+their own (``site-SCENARIO.json``'s ``engine_prefix``; the node ports of node_agent and node_agent_airgap 45 apart),
+and each molecule its own ``ANSIBLE_HOME``, where its prerun installs the collection. Beside another, a scenario's
+output is kept and printed whole when it ends. The engines each scenario started are removed when it ends and the
+devserver stopped, whatever happened. Run it as ``make molecule`` or
+``python -m ansible_collections.meridian.node.tests.support.molecule_site [--lanes N] [SCENARIO ...]``.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,8 +236,8 @@ def _remove_engines(site: dict[str, Any]) -> None:
         client.close()
 
 
-def run_scenarios(scenarios: Sequence[str], *, suites: Sequence[str] = SUITES) -> list[Timing]:
-    timings: list[Timing] = []
+def run_scenarios(scenarios: Sequence[str], *, suites: Sequence[str] = SUITES, lanes: int = 1) -> list[Timing]:
+    """``molecule test`` of each scenario, ``lanes`` at a time, in the order given; their timings in that order."""
     # Not under /tmp: scenarios bind-mount it into the targets, and trixie mounts a tmpfs on /tmp.
     with tempfile.TemporaryDirectory(prefix="meridian-molecule-", dir="/var/tmp") as scratch:
         work = Path(scratch)
@@ -239,7 +247,6 @@ def run_scenarios(scenarios: Sequence[str], *, suites: Sequence[str] = SUITES) -
             (work / "site.json").write_text(json.dumps(site, indent=2))
             env = {key: value for key, value in os.environ.items() if key != "ANSIBLE_PYTHON_INTERPRETER"}
             env |= {
-                "MERIDIAN_MOLECULE_SITE": str(work / "site.json"),
                 "MERIDIAN_MOLECULE_RUN": site["run"],
                 "MERIDIAN_MOLECULE_WORK": str(work),
                 "NO_COLOR": "1",  # CI keeps the log as text
@@ -252,29 +259,67 @@ def run_scenarios(scenarios: Sequence[str], *, suites: Sequence[str] = SUITES) -
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
                 **{f"MERIDIAN_MOLECULE_IMAGE_{suite.upper()}": image for suite, image in site["images"].items()},
             }
-            for scenario in scenarios:
-                begin = time.monotonic()
-                print(f"--- molecule test -s {scenario}", flush=True)
-                result = subprocess.run([_bin("molecule"), "test", "-s", scenario], cwd=CHECKOUT, env=env, check=False)
-                timings.append(Timing(scenario, time.monotonic() - begin, result.returncode))
-                # The engines a scenario started outlive its targets (they run on this machine's engine).
-                _remove_engines(site)
-    return timings
+            lanes = max(1, min(lanes, len(scenarios)))
+            printing = threading.Lock()
+
+            def one(scenario: str) -> Timing:
+                return _run_scenario(scenario, site, work, env, printing, streamed=lanes == 1)
+
+            with ThreadPoolExecutor(max_workers=lanes) as pool:
+                return list(pool.map(one, scenarios))
+
+
+def _run_scenario(
+    scenario: str, site: dict[str, Any], work: Path, env: dict[str, str], printing: threading.Lock, *, streamed: bool
+) -> Timing:
+    """``molecule test -s scenario`` with a site file and an ``ANSIBLE_HOME`` of its own; its output streamed, or
+    kept and printed whole when it ends (``streamed`` False: scenarios run side by side)."""
+    own = {**site, "engine_prefix": f"{site['engine_prefix']}{scenario.replace('_', '-')}-"}
+    site_file = work / f"site-{scenario}.json"
+    site_file.write_text(json.dumps(own, indent=2))
+    env = env | {"MERIDIAN_MOLECULE_SITE": str(site_file), "ANSIBLE_HOME": str(work / f"ansible-home-{scenario}")}
+    argv = [_bin("molecule"), "test", "-s", scenario]
+    begin = time.monotonic()
+    if streamed:
+        print(f"--- molecule test -s {scenario}", flush=True)
+        returncode = subprocess.run(argv, cwd=CHECKOUT, env=env, check=False).returncode
+    else:
+        with printing:
+            print(f"--- molecule test -s {scenario}: started beside others; output when it ends", flush=True)
+        log = work / f"{scenario}.log"
+        with log.open("wb") as output:
+            returncode = subprocess.run(
+                argv, cwd=CHECKOUT, env=env, stdout=output, stderr=subprocess.STDOUT, check=False
+            ).returncode
+        with printing:
+            print(f"--- molecule test -s {scenario}: its output", flush=True)
+            sys.stdout.buffer.write(log.read_bytes())
+            print(f"--- molecule test -s {scenario}: ended, exit {returncode}", flush=True)
+    seconds = time.monotonic() - begin
+    # The engines a scenario started outlive its targets (they run on this machine's engine).
+    _remove_engines(own)
+    return Timing(scenario, seconds, returncode)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make molecule", description=__doc__.split("\n\n")[0])
     parser.add_argument("scenarios", nargs="*", default=list(SCENARIOS), help=f"default: {' '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--lanes", type=int, default=len(os.sched_getaffinity(0)), help="scenarios side by side (default: the CPUs)"
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.scenarios if not (MOLECULE_DIR / name / "molecule.yml").is_file()]
     if unknown:
         parser.error(f"no scenario {', '.join(unknown)} in {MOLECULE_DIR} (there are: {', '.join(SCENARIOS)})")
-    timings = run_scenarios(args.scenarios)
+    began = time.monotonic()
+    timings = run_scenarios(args.scenarios, lanes=args.lanes)
     print("\nscenario           seconds  result")
     for timing in timings:
         print(f"{timing.scenario:<18} {timing.seconds:7.0f}  {'passed' if timing.returncode == 0 else 'FAILED'}")
     failed = [timing.scenario for timing in timings if timing.returncode != 0]
-    print(f"{len(timings) - len(failed)} passed, {len(failed)} failed")
+    lanes = max(1, min(args.lanes, len(timings)))
+    took = time.monotonic() - began
+    print(f"{len(timings) - len(failed)} passed, {len(failed)} failed; {took:.0f} s in all, {lanes} at a time")
     return 1 if failed else 0
 
 

@@ -285,6 +285,16 @@ def ensure_engine_image(client: Any, base: LocalImage, server: Path, engine: str
     found = _find_image(client, tag)
     if found is not None:
         return found
+    # One builder per tag: two builds of the same bytes make two image ids (their creation times differ), and
+    # the tag moves to the later one, leaving the first caller pinned to an id that lost its repository.
+    with _locked(cache_dir() / "standin-engine.lock"):
+        found = _find_image(client, tag)  # another worker or session may have built it while we waited
+        if found is not None:
+            return found
+        return _build_engine_image(client, base, content, engine, tag)
+
+
+def _build_engine_image(client: Any, base: LocalImage, content: bytes, engine: str | None, tag: str) -> LocalImage:
     # FROM by image id: the tag could be moved by another session, the id cannot.
     lines = [f"FROM {base.id}", f"COPY standin_server.py {SERVER_PATH_IN_IMAGE}"]
     if engine is not None:

@@ -207,6 +207,20 @@ def _build(client: Any, tag: str, dockerfile: str, files: dict[str, Path] | None
     return str(image.id)
 
 
+@contextlib.contextmanager
+def _building(tag: str, client: Any) -> Iterator[bool]:
+    """Hold the build lock of ``tag``'s repository; yields whether ``tag`` is still missing once it is held.
+
+    Parallel test workers and sessions wait here instead of building the same image twice (a cold agent image
+    is minutes of pip, a Python image minutes of compiling). One lock per repository; while one is held, only the
+    cache fill beneath it is locked too (the rootfs tarball under the host image's, the CPython source under the
+    Python image's), never another image's, so no two builders wait on each other.
+    """
+    repository = tag.rsplit(":", 1)[0].replace("/", "-")
+    with _locked(cache_dir() / f"{repository}.build.lock"):
+        yield _image_exists(client, tag) is None
+
+
 def _rootfs_recipe(suite: str) -> BaseRecipe:
     return BaseRecipe(
         mirror=_mirror(suite),
@@ -264,7 +278,9 @@ def ensure_host_image(suite: str = "bookworm", *, client: Any | None = None) -> 
     digest = hashlib.sha256(f"{recipe.digest()}\0{_host_dockerfile('')}\0{_FORMAT}".encode()).hexdigest()
     tag = f"{HOST_REPOSITORY}:{suite}-{digest[:16]}"
     if _image_exists(client, tag) is None:
-        _build(client, tag, _host_dockerfile(_rootfs_image(client, recipe)))
+        with _building(tag, client) as missing:
+            if missing:
+                _build(client, tag, _host_dockerfile(_rootfs_image(client, recipe)))
     return tag
 
 
@@ -279,9 +295,11 @@ def ensure_agent_image(suite: str = "bookworm", *, client: Any | None = None) ->
     digest = hashlib.sha256(f"{host}\0{deps.name}\0{_agent_dockerfile('', target)}".encode()).hexdigest()
     tag = f"{AGENT_REPOSITORY}:{suite}-{digest[:16]}"
     if _image_exists(client, tag) is None:
-        host_id = _image_exists(client, host)
-        assert host_id is not None
-        _build(client, tag, _agent_dockerfile(host_id, target), {"deps": deps})
+        with _building(tag, client) as missing:
+            if missing:
+                host_id = _image_exists(client, host)
+                assert host_id is not None
+                _build(client, tag, _agent_dockerfile(host_id, target), {"deps": deps})
     return tag
 
 
@@ -412,10 +430,12 @@ def ensure_python_image(suite: str = "bullseye", *, client: Any | None = None) -
     digest = hashlib.sha256(f"{host}\0{PYTHON_SOURCE}\0{_python_dockerfile('', 'x')}".encode()).hexdigest()
     tag = f"{PYTHON_REPOSITORY}:{suite}-{digest[:16]}"
     if _image_exists(client, tag) is None:
-        tarball = _python_tarball()
-        host_id = _image_exists(client, host)
-        assert host_id is not None
-        _build(client, tag, _python_dockerfile(host_id, tarball.name), {tarball.name: tarball})
+        with _building(tag, client) as missing:
+            if missing:
+                tarball = _python_tarball()
+                host_id = _image_exists(client, host)
+                assert host_id is not None
+                _build(client, tag, _python_dockerfile(host_id, tarball.name), {tarball.name: tarball})
     return tag
 
 

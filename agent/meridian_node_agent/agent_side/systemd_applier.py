@@ -14,6 +14,15 @@ counts it as failed when root ran an envelope with another payload hash than the
 The agent does not poll blindly: it sleeps on inotify on root's ``public/`` directory, with a slow re-check
 in case an event is lost (or the directory does not exist yet, before root's first run).
 
+systemd's ``PathChanged=`` drops a change made while the service it starts is still active, and nothing looks
+again when the service ends. Root's run reads the spool again after each answer, but a request written after that
+last read and before the service is marked inactive (a window of tens of milliseconds, wider on a loaded host)
+starts nothing: root never sees it, and the agent would wait its whole ``apply.timeout_seconds``. So while no answer
+has come the agent writes the same request again (the same ident and bytes, a new file: ``PathChanged=`` fires),
+after ``respool_s`` and then at doubling intervals up to ``RESPOOL_MAX_S``. Writing it again is safe: root answers
+each request at most once (a run that finds the request already answered applies nothing), and while root is
+working on it the write starts nothing.
+
 The request also relays the GPUs the agent's XID watch holds unhealthy by a critical XID (``gpu_relay``, the
 agent's ``GpuHealthWatch``; ``boundary.spool.GpuReport``): under the split no process of root's sees an XID, and
 root holds them before its playbook places anything (``root_side.gpu_reports``). After the answer the watch reads
@@ -78,6 +87,12 @@ def write_request(spool: Path, ident: str, envelope: bytes, gpu_reports: Sequenc
     return path
 
 
+# The first write of a request again, when no answer has come (see the module's docstring), and the longest
+# interval between two: a lost trigger costs at most these seconds, a long apply one small write a minute.
+RESPOOL_S = 5.0
+RESPOOL_MAX_S = 60.0
+
+
 class SystemdApplier:
     """``ApplyPort`` for the split: spool a request, let systemd start the root unit, wait for its answer."""
 
@@ -91,6 +106,7 @@ class SystemdApplier:
         monotonic: Callable[[], float] = time.monotonic,
         gpu_relay: GpuRelay | None = None,
         stop: StopSignal | None = None,
+        respool_s: float = RESPOOL_S,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.stop = stop
@@ -103,6 +119,7 @@ class SystemdApplier:
         # Root's journal; the agent cannot read it, but the path in a message tells an operator where to look.
         self.journal_dir = Path(apply_state_dir) / "journal"
         self.gpu_relay = gpu_relay
+        self.respool_s = respool_s
 
     def apply(
         self,
@@ -130,8 +147,9 @@ class SystemdApplier:
         begin = self.monotonic()
         reports = self.gpu_relay.xid_reports() if self.gpu_relay is not None else []
         with watch_directory(self.public) as watch:
-            write_request(self.spool, ident, envelope, reports)
-            answer = self._await(watch, ident, begin + self.timeout_s)
+            answer = self._await(
+                watch, ident, begin + self.timeout_s, lambda: write_request(self.spool, ident, envelope, reports)
+            )
         if reports and self.gpu_relay is not None:
             self.gpu_relay.note_holds()
         if answer is None and self.stop is not None and self.stop.stopping:
@@ -190,7 +208,14 @@ class SystemdApplier:
             return None
         return self.oplog.finish(pending, answer.status, at=datetime.fromisoformat(answer.finished_at))
 
-    def _await(self, watch: DirectoryWatch, ident: str, deadline: float) -> ApplyAnswer | None:
+    def _await(
+        self, watch: DirectoryWatch, ident: str, deadline: float, spool: Callable[[], Path]
+    ) -> ApplyAnswer | None:
+        """``spool()`` the request, then wait for root's answer to ``ident`` until ``deadline``, spooling it again
+        at growing intervals while none has come (a trigger systemd dropped: see the module's docstring)."""
+        spool()
+        interval_s = self.respool_s
+        respool_at = self.monotonic() + interval_s
         while True:
             try:
                 answer = read_answer_file(self.public)
@@ -198,7 +223,11 @@ class SystemdApplier:
                 answer = None  # a damaged answer is nobody's answer; the right one replaces it
             if answer is not None and answer.request == ident:
                 return answer
-            remaining_s = deadline - self.monotonic()
-            if remaining_s <= 0 or (self.stop is not None and self.stop.stopping):
+            now = self.monotonic()
+            if deadline - now <= 0 or (self.stop is not None and self.stop.stopping):
                 return None
-            watch.wait(remaining_s, interrupt=None if self.stop is None else self.stop.fileno())
+            if now >= respool_at:
+                spool()
+                interval_s = min(interval_s * 2, RESPOOL_MAX_S)
+                respool_at = now + interval_s
+            watch.wait(min(deadline, respool_at) - now, interrupt=None if self.stop is None else self.stop.fileno())

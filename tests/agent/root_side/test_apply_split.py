@@ -267,6 +267,29 @@ def test_root_side_runs_the_artifact_step_for_a_state_with_an_artifact_from_its_
     assert json.loads((Path(config.apply.state_dir) / STATE_FILE).read_text())["generation"] == 4
 
 
+def test_a_request_whose_trigger_systemd_lost_is_spooled_again_and_root_applies_it_once(tmp_path: Path) -> None:
+    # PathChanged= drops a change made while the apply service is still active (a request written just after
+    # root's last read of the spool): here the first trigger is lost outright. Without the agent writing the
+    # request again, root never runs it and the agent waits its whole apply.timeout_seconds.
+    config_path, config = _node(tmp_path / "split", timeout=120.0)
+    payload = current_state(1)
+    envelope = signed("desired-state", payload, [CONTROL])
+    applier = SystemdApplier(
+        state_dir=Path(config.state_dir), apply_state_dir=Path(config.apply.state_dir), timeout_s=120.0, respool_s=0.5
+    )
+
+    with PathUnit(config_path, Path(config.state_dir), lose=1) as unit:
+        result = applier.apply(envelope, generation=1, epoch=1, payload_sha256=_sha(payload))
+
+    assert result.status == "successful", (result.failures, [run.stderr for run in unit.runs])
+    # Written again while root ran it, the request was still applied once: root answers each request once.
+    assert _oplog(Path(config.apply.state_dir)) == [
+        ("apply", 1, 1, _sha(payload), "started"),
+        ("apply", 1, 1, _sha(payload), "successful"),
+    ]
+    assert unit.runs and all(run.returncode == 0 for run in unit.runs)
+
+
 def test_an_answer_to_another_request_is_not_taken_as_ours_and_a_silent_root_side_times_out(tmp_path: Path) -> None:
     config = _node(tmp_path / "node", timeout=1.5)[1]
     state_dir = Path(config.state_dir)

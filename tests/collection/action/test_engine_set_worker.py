@@ -103,7 +103,9 @@ def test_envelope_form_records_and_fails_alike_both_ways(
     tmp_path: Path, docker_client: Any, vllm: LocalImage, prefix: str
 ) -> None:
     host, _served, _never, failing, good = failing_then_good(tmp_path, docker_client, vllm, prefix)
-    form = {"node_id": NODE_ID, "record": True, "owner": f"agent:{NODE_ID}", "prune": True, "ready_timeout": 3}
+    # The engine that serves gets 30 s to be ready (3 s was not always enough on a loaded machine, and the two ways
+    # then differed by timing); the one that never gets ready has its own 3 s in the signed state.
+    form = {"node_id": NODE_ID, "record": True, "owner": f"agent:{NODE_ID}", "prune": True, "ready_timeout": 30}
     steps = [
         ("failing", {"envelope": str(failing), **form}, False),
         ("check", {"envelope": str(good), **form}, True),

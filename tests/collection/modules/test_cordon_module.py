@@ -2,7 +2,9 @@
 
 The node cordon runs through ansible-playbook against stand-in engines started by engine_instance. The GPU
 cordon matches engines by the GPUs their spec label names; no container here can hold a GPU (no NVIDIA
-runtime), so those engines are plain containers carrying our labels, and the GPU facts are given.
+runtime), so those engines are plain containers carrying our labels, and the GPU facts are given. A node cordon
+covers every engine of ours on the Docker Engine: under pytest-xdist this file runs alone, after everything else
+(group engine-wide, tests/support/parallel.py).
 """
 
 from __future__ import annotations

@@ -347,8 +347,9 @@ def test_drain_then_replace_lets_eight_slow_requests_finish_before_the_aborting_
 ) -> None:
     name = f"{prefix}-drain"
     first, _applied = host.started(images, name, "vllm", model={"name": "tiny"}, served_model_name="tiny-chat")
-    # vLLM aborts requests in flight on SIGTERM: only the drain keeps these 8 (4 running, 4 queued) alive.
-    threads, outcomes = hold_requests(first["port"], 8, seconds=3)
+    # vLLM aborts requests in flight on SIGTERM: only the drain keeps these 8 (4 running, 4 queued) alive. They
+    # last long enough for the start of the apply run to come first on a loaded 2-core machine (3 s did not).
+    threads, outcomes = hold_requests(first["port"], 8, seconds=12)
     stop = threading.Event()
     seen: list[float] = []
     watcher = threading.Thread(target=watch_mark, args=(host.state_dir / "draining" / f"{name}.json", stop, seen))

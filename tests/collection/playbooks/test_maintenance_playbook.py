@@ -1,7 +1,8 @@
 """playbooks/maintenance.yml on the real Docker Engine: cordon, work while held, lift; failed work stays cordoned.
 
 A node cordon holds every meridian.node engine on the Docker Engine it talks to: assertions are about this
-test's engine, and a test that leaves the cordon in force lifts it afterwards, giving back any other.
+test's engine, and a test that leaves the cordon in force lifts it afterwards, giving back any other. Under
+pytest-xdist it runs alone, after everything else (group engine-wide, tests/support/parallel.py).
 """
 
 from __future__ import annotations

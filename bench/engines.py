@@ -6,7 +6,7 @@ Prints:
 1. the median wall time of one ansible-playbook run that converges --count running stand-in engines that
    are already as specified (a no-op: every item reports ok), through ``meridian.node.engine_instance``
    vs ``community.docker.docker_container`` for the same number of equivalent containers (same image,
-   command, environment, published port, init, stop signal), as a ratio (ours / theirs; target <= 1.0).
+   command, environment, published port, init, stop signal), as a ratio (ours / theirs; target <= 0.8, issue 46).
    Both playbooks loop over the items in one task; the time of a playbook whose task loops the same number
    of times over ``ansible.builtin.meta: noop`` is printed too, and the ratio without that start-up cost.
    Our module also probes each engine's readiness once per run; docker_container does not.
@@ -308,7 +308,7 @@ def main() -> None:
     print(f"  meridian.node.engine_set as module {t_set_module:7.2f} s  (meridian_engine_set_in_worker=false)")
     print(f"  community.docker.docker_container  {t_theirs:7.2f} s")
     print(f"  ansible.builtin.meta noop (start-up) {t_base:5.2f} s")
-    print(f"  ratio ours/theirs                  {t_ours / t_theirs:7.2f}  (target <= 1.0)")
+    print(f"  ratio ours/theirs                  {t_ours / t_theirs:7.2f}  (target <= 0.8, issue 46)")
     print(f"  ratio without start-up             {(t_ours - t_base) / max(t_theirs - t_base, 1e-9):7.2f}")
     print(f"  ratio engine_set/theirs            {t_set / t_theirs:7.2f}  (target <= 0.25)")
     print(f"  ratio engine_set/theirs w/o start-up {(t_set - t_base) / max(t_theirs - t_base, 1e-9):5.2f}")

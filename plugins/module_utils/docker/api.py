@@ -20,18 +20,15 @@ object), None when it could not be reached; the message is the engine's own expl
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
 import socket
-import ssl
 import struct
 import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from http import HTTPStatus
-from typing import Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
 from ansible_collections.meridian.node.plugins.module_utils.docker._http import (
@@ -40,6 +37,9 @@ from ansible_collections.meridian.node.plugins.module_utils.docker._http import 
     exchange,
     exchange_streamed,
 )
+
+if TYPE_CHECKING:
+    import ssl
 
 __all__ = ["DEFAULT_HOST", "MAX_API_VERSION", "DockerApi", "DockerApiError", "PullStream", "demultiplex"]
 
@@ -126,6 +126,8 @@ class DockerApi:
         tls = None
         if host.startswith("tcp://") and env.get("DOCKER_TLS_VERIFY", "") not in ("", "0"):
             cert_path = env.get("DOCKER_CERT_PATH") or os.path.expanduser("~/.docker")
+            import ssl  # here: only TLS over TCP needs it, and a module would pay its import on every task
+
             try:
                 tls = _tls_context(cert_path)
             except (OSError, ssl.SSLError) as exc:
@@ -299,6 +301,8 @@ class DockerApi:
     def save(self, reference: str, out: BinaryIO, max_bytes: int) -> int:
         """``GET /images/NAME/get`` (what ``docker save`` writes) streamed into ``out``; returns its size. An
         export larger than ``max_bytes`` raises rather than fill the disk."""
+        import http.client  # here: it pulls in the email package, which no other call needs
+
         action = f"exporting image {reference!r}"
         target = f"{self._prefix}/images/{_quote(reference)}/get"
         total = 0
@@ -418,6 +422,8 @@ def demultiplex(stream: bytes) -> bytes:
 
 
 def _tls_context(cert_path: str) -> ssl.SSLContext:
+    import ssl
+
     context = ssl.create_default_context(cafile=os.path.join(cert_path, "ca.pem"))
     context.load_cert_chain(os.path.join(cert_path, "cert.pem"), os.path.join(cert_path, "key.pem"))
     return context
@@ -451,6 +457,8 @@ def _objects(value: Any) -> list[dict[str, Any]]:
 
 
 def _engine_message(status: int, data: bytes) -> str:
+    from http import HTTPStatus  # here: only an error's message needs it
+
     text = data.decode("utf-8", errors="replace").strip()
     try:
         message = json.loads(text).get("message")

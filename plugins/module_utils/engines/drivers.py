@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ansible_collections.meridian.node.plugins.module_utils._compat import StrEnum
 from ansible_collections.meridian.node.plugins.module_utils._errors import MeridianError
-from ansible_collections.meridian.node.plugins.module_utils.engines.prometheus_text import parse_prometheus_text
 
 if TYPE_CHECKING:
     from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec
@@ -645,6 +644,9 @@ def in_flight(text: str, facts: EngineFacts) -> InFlight:
     A gauge the text does not contain is None and named in ``missing``; NaN samples (no reading yet)
     count as absent, not as zero.
     """
+    # Imported here: only a drain reads an engine's metrics, and a module pays its imports on every task.
+    from ansible_collections.meridian.node.plugins.module_utils.engines.prometheus_text import parse_prometheus_text
+
     samples = parse_prometheus_text(text)
     totals: dict[str, float] = {}
     for sample in samples:

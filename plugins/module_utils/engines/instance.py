@@ -67,7 +67,6 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.converge.gat
     placed,
     release_hold,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.converge.images import bring_images, record_pulls
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import (
     load_engine_policy,
     prepare_engine,
@@ -78,13 +77,20 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.converge.roo
     replan_with_room,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain_marks import DrainStateError
-from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
-    PlacementFactsError,
-    reservations_from,
-)
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError, ParsedEngineSpec
 
 __all__ = ["converge"]
+
+# engines.placement and converge.images (the image pull, with its progress and prune under it) are imported where
+# they are used: an engine already as asked (a no-op) is neither placed nor pulled, and an Ansible module pays its
+# imports on every task (bench/engines.py).
+
+
+def _placement_facts_error() -> type[Exception]:
+    """``engines.placement.PlacementFactsError``, imported only when an exception is being matched against it."""
+    from ansible_collections.meridian.node.plugins.module_utils.engines.placement import PlacementFactsError
+
+    return PlacementFactsError
 
 
 def converge(
@@ -117,6 +123,8 @@ def converge(
         else:
             mark_unplaced_image(run)
         if run.image_missing and policy is not None:
+            from ansible_collections.meridian.node.plugins.module_utils.engines.converge.images import bring_images
+
             bring_images(
                 [run],
                 policy,
@@ -134,7 +142,7 @@ def converge(
         raise EngineInstanceError(str(exc), check="docker") from exc
     except DrainStateError as exc:
         raise EngineInstanceError(str(exc), check="drain-state") from exc
-    except PlacementFactsError as exc:
+    except _placement_facts_error() as exc:
         # The held verdicts cannot be read: placement cannot know which GPUs are held unhealthy, so it refuses.
         raise EngineInstanceError(str(exc), check="placement-health") from exc
     if run.placement_warnings:
@@ -144,6 +152,8 @@ def converge(
 
 def _look_for_room(run: EngineRun, spec: ParsedEngineSpec, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
     """Room beside the old container for the engine alone, against what the host has now."""
+    from ansible_collections.meridian.node.plugins.module_utils.engines.placement import reservations_from
+
     room = find_room(
         run,
         spec,
@@ -156,6 +166,7 @@ def _look_for_room(run: EngineRun, spec: ParsedEngineSpec, read_gpus: Callable[[
 
 def _check_placement(run: EngineRun, spec: ParsedEngineSpec, read_gpus: Callable[[], Mapping[str, Any]]) -> None:
     """Placement of the engine alone, against what the host has now."""
+    from ansible_collections.meridian.node.plugins.module_utils.engines.placement import reservations_from
 
     def port_taken(port: int) -> str | None:
         # The port of the container being replaced is ours: it is freed before the new one starts.
@@ -176,6 +187,8 @@ def _check_placement(run: EngineRun, spec: ParsedEngineSpec, read_gpus: Callable
 def _record_pull(run: EngineRun, state_dir: str, owner: str) -> None:
     """Root's record of the image this run pulled (``converge.images.record_pulls``); an operator's run without
     ``owner`` records none."""
+    from ansible_collections.meridian.node.plugins.module_utils.engines.converge.images import record_pulls
+
     try:
         record_pulls([run], run.engine, state_dir=state_dir, owner=owner)
     except MeridianError as exc:

@@ -7,9 +7,8 @@ much VRAM is ``engines.placement``'s rule; what a cordon covers and how it holds
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     RESERVED_LABELS,
@@ -36,16 +35,15 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.cordon_file 
     mark_cordoned,
     merge_cordons,
 )
-from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import image_missing
-from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
-    Reservation,
-    placement_problem,
-    placement_warnings,
-    read_gpu_facts,
-    reservations_from,
-)
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError, ParsedEngineSpec
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
+
+if TYPE_CHECKING:
+    from ansible_collections.meridian.node.plugins.module_utils.engines.placement import Reservation
+
+# engines.placement and engines.image_pulls (with docker.image_pull under it) are imported where they are used:
+# an engine that is already as asked (a no-op) is never placed and pulls nothing, and an Ansible module pays its
+# imports on every task (bench/engines.py).
 
 __all__ = [
     "check_image",
@@ -115,12 +113,17 @@ def gpu_reader(
 ) -> Callable[[], Mapping[str, Any]]:
     """The GPU facts placement reads (``gpu_facts``, else NVML's with the verdicts held in ``state_dir``),
     cordoned GPUs marked, read at most once per run and only when first asked for."""
-    read = gpu_facts or functools.partial(read_gpu_facts, state_dir)
     cache: list[Mapping[str, Any]] = []
 
     def read_marked() -> Mapping[str, Any]:
         if not cache:
-            cache.append(mark_cordoned(read(), cordon))
+            if gpu_facts is not None:
+                facts = gpu_facts()
+            else:
+                from ansible_collections.meridian.node.plugins.module_utils.engines.placement import read_gpu_facts
+
+                facts = read_gpu_facts(state_dir)
+            cache.append(mark_cordoned(facts, cordon))
         return cache[0]
 
     return read_marked
@@ -151,6 +154,8 @@ def mark_unplaced_image(run: EngineRun) -> None:
     """For a run that creates but is not placed (``placed``), whether Docker lacks its image; placement looks
     for the others' (``check_placement``)."""
     if creates(run.plan) and run.spec is not None and run.settings is None:
+        from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import image_missing
+
         run.image_missing = image_missing(run.engine, run.spec.image)
 
 
@@ -158,6 +163,8 @@ def own_reservation(run: EngineRun) -> Reservation | None:
     """The VRAM reservation of the container ``run`` replaces, if it has one."""
     if run.current is None:
         return None
+    from ansible_collections.meridian.node.plugins.module_utils.engines.placement import reservations_from
+
     found = reservations_from([run.current])
     return found[0] if found else None
 
@@ -177,6 +184,11 @@ def check_placement(
     ``placement_problem``), the port is free (``port_taken`` says by whom it is not), the NVIDIA runtime is
     there when GPUs are asked for. The first refusal raises, naming the check; nothing is changed. Once all
     pass, ``run.placement_warnings`` says what the GPUs' health leaves to say (``placement_warnings``)."""
+    from ansible_collections.meridian.node.plugins.module_utils.engines.placement import (
+        placement_problem,
+        placement_warnings,
+    )
+
     refusal = cordon_refusal(run.options.cordon, spec.name)
     if refusal is not None:
         raise EngineInstanceError(refusal, check="placement-cordoned")

@@ -10,13 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TransferReporter
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
-from ansible_collections.meridian.node.plugins.module_utils.docker.image_pull import ImagePullError
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import EngineRun
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.gates import check_image
 from ansible_collections.meridian.node.plugins.module_utils.engines.image_prune import record_pulled
-from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import bring_image, puller_for
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import EngineInstanceError
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import Policy
 
@@ -55,6 +52,13 @@ def bring_images(
             check="image-missing",
             result=run.result(),
         )
+    # Imported here, once something is to be pulled: the puller and its progress (docker.image_pull,
+    # _transfer_progress) are the larger part of what a converge would import, and an engine whose image is
+    # local, as nearly every run's is, never needs them.
+    from ansible_collections.meridian.node.plugins.module_utils._transfer_progress import TransferReporter
+    from ansible_collections.meridian.node.plugins.module_utils.docker.image_pull import ImagePullError
+    from ansible_collections.meridian.node.plugins.module_utils.engines.image_pulls import bring_image, puller_for
+
     reporter = TransferReporter(progress_file)
     puller = puller_for(policy, wanted[0][0].engine, clock)
     for reference in dict.fromkeys(spec.image for _run, spec in wanted):

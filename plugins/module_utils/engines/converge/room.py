@@ -8,7 +8,7 @@ The caller says what else the new engine shares the host with: ``engines.instanc
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     ContainerInfo,
@@ -19,9 +19,11 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.converge.eng
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.gates import own_reservation
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.prepare import plan_for
 from ansible_collections.meridian.node.plugins.module_utils.engines.labels import shown_spec
-from ansible_collections.meridian.node.plugins.module_utils.engines.placement import Reservation, placement_problem
 from ansible_collections.meridian.node.plugins.module_utils.engines.plan import Room
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import ParsedEngineSpec
+
+if TYPE_CHECKING:
+    from ansible_collections.meridian.node.plugins.module_utils.engines.placement import Reservation
 
 __all__ = ["find_room", "may_go_beside", "published_on", "replan_with_room"]
 
@@ -65,6 +67,9 @@ def find_room(
     if spec.gpus:
         if not spec.min_vram_mib:
             return Room(why_not="it asks for GPUs without min_vram_mib, so its VRAM beside the old one's is unknown")
+        # Imported here: only an engine with GPUs needs placement's rule, and a module pays its imports on every task.
+        from ansible_collections.meridian.node.plugins.module_utils.engines.placement import placement_problem
+
         old = own_reservation(run)
         problem = placement_problem(
             name=spec.name,

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import ContainerInfo
-from ansible_collections.meridian.node.plugins.module_utils.docker.log_scrub import EnvScrubber
 from ansible_collections.meridian.node.plugins.module_utils.engines.converge.engine_run import EngineRun
 from ansible_collections.meridian.node.plugins.module_utils.engines.drain import (
     driver_of,
@@ -78,6 +77,8 @@ def wait_ready(
     if run.spec is not None:
         # The tail goes into the failure message, so the task's output and the journal: what the engine printed
         # of a secret goes first. Ansible masks only task arguments, and a signed state's secrets are none.
+        from ansible_collections.meridian.node.plugins.module_utils.docker.log_scrub import EnvScrubber
+
         secrets = (f"{name}={value}" for name, value in run.spec.secret_env.items())
         logs = EnvScrubber.from_env(secrets).scrub(logs)
     run.current = run.engine.container(container.id)

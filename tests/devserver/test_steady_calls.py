@@ -108,7 +108,7 @@ def test_the_lane_answers_as_the_fastapi_route_does(
 ) -> None:
     server, certificate_pem, _etag = served
     now = datetime.now(UTC)
-    monkeypatch.setattr(server.control, "_clock", lambda: now)  # one moment for both: a lease's bytes carry it
+    monkeypatch.setattr(server.control, "clock", lambda: now)  # one moment for both: a lease's bytes carry it
     method, path, query, headers, with_certificate = CASES[case]
     scope = _scope(method, path, certificate_pem if with_certificate else None, query=query, headers=headers)
     fastapi_app = create_app(server.control, server.hot)

@@ -57,24 +57,36 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ALONE: frozenset[str] = frozenset({"engine-wide"})
 
 # Groups (a named group, or a file under tests/) handed out before all others, in this order: the slowest files of
-# a whole parallel run (-n 3 on two busy cores, 2026-12-07), each over 150 s there. A stale entry costs only
-# balance; tests/test_parallel.py checks that each names a group that exists.
+# a whole parallel run (3 workers on two busy cores, 2026-12-07: each over 60 s there, the systemd hosts' module
+# setups included). A stale entry costs only balance; tests/test_parallel.py checks that each names a group that
+# exists.
 SLOWEST_FIRST: tuple[str, ...] = (
     "collection/modules/test_engine_instance_module.py",
-    "collection/modules/test_engine_image_pull.py",
-    "devserver/test_devserver_protocol.py",
-    "system/systemd_host/test_airgap_under_split.py",
-    "system/pull/test_pull_wrapper.py",
-    "system/rollout/test_rollout_playbook.py",
-    "system/packaging/test_packaging_host_pythons.py",
-    "collection/modules/test_engine_set.py",
-    "system/systemd_host/test_hand_changes_under_split.py",
     "system/systemd_host/test_privilege_boundary.py",
-    "agent/cli/test_root_verbs_read_agent_files.py",
-    "devserver/test_replicas.py",
+    "system/systemd_host/test_hand_changes_under_split.py",
+    "system/systemd_host/test_airgap_under_split.py",
+    "collection/modules/test_engine_image_pull.py",
+    "system/rollout/test_rollout_playbook.py",
+    "system/e2e/test_real_engine.py",
+    "system/pull/test_pull_role.py",
+    "system/packaging/test_packaging_host_pythons.py",
     "collection/modules/test_engine_replace_ways.py",
+    "collection/modules/test_engine_set.py",
+    "system/pull/test_pull_wrapper.py",
+    "devserver/test_openapi_schemathesis.py",
     "devserver/test_fleet_smoke.py",
-    "collection/playbooks/test_airgap_apply_playbook.py",
+    "collection/modules/test_drain_module.py",
+    "system/systemd_host/test_shutdown_drain_host.py",
+    "system/e2e/test_e2e_supervision.py",
+    "system/e2e/test_e2e_engines.py",
+    "agent/agent_side/test_agent_apply.py",
+    "collection/action/test_engine_set_worker.py",
+    "collection/modules/test_engine_cordon.py",
+    "collection/modules/test_engine_image_prune.py",
+    "agent/agent_side/test_agent_cycle.py",
+    "devserver/test_devserver_protocol.py",
+    "agent/cli/test_root_verbs_read_agent_files.py",
+    "agent/root_side/test_apply_split.py",
 )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -46,7 +47,10 @@ __all__ = [
 ]
 
 NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
-NODE_ID = "gpu-node-1"
+# One node id per pytest-xdist worker ("gpu-node-1" in a serial run): the reconcile playbook prunes every engine
+# whose owner label is agent:<node id>, so two test files applying states of one node id on the shared Docker
+# Engine at once would remove each other's engines (tests/support/parallel.py).
+NODE_ID = "gpu-node-1" + (f"-{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") else "")
 
 
 @dataclass(frozen=True)

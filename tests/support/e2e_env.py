@@ -26,12 +26,12 @@ from ansible_collections.meridian.node.plugins.module_utils.contracts import Ser
 from ansible_collections.meridian.node.plugins.module_utils.docker.engine import (
     LABEL_INSTANCE,
     DockerEngine,
-    port_bind_problem,
 )
 from ansible_collections.meridian.node.plugins.module_utils.trust.policy import load_policy
 from ansible_collections.meridian.node.tests.devserver.devserver_process import DevServer
 from ansible_collections.meridian.node.tests.support.engine_harness import SERVER
 from ansible_collections.meridian.node.tests.support.node_env import Node, make_node
+from ansible_collections.meridian.node.tests.support.ports import reserve_ports
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 from meridian_node_agent.agent_side.control_client import ControlClient
 from meridian_node_agent.agent_side.cycle import Agent, CycleOutcome, CycleStatus
@@ -103,12 +103,8 @@ def standin_policy() -> dict[str, Any]:
 
 
 def free_engine_port() -> int:
-    start = PORT_RANGE[0] + secrets.randbelow(PORT_RANGE[1] - PORT_RANGE[0])
-    candidates: list[int] = [*range(start, PORT_RANGE[1] + 1), *range(PORT_RANGE[0], start)]
-    for port in candidates:
-        if port_bind_problem(BIND, port) is None:
-            return port
-    raise RuntimeError(f"no free port in {PORT_RANGE[0]}-{PORT_RANGE[1]} on {BIND}")
+    """A port of PORT_RANGE that can be bound on BIND now and that no other test picked lately (``reserve_ports``)."""
+    return reserve_ports(*PORT_RANGE)[0]
 
 
 def engine_spec(name: str, image: LocalImage, port: int, **overrides: Any) -> dict[str, Any]:

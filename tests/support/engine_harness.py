@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.meridian.node.plugins.module_utils.docker.engine import port_bind_problem
+from ansible_collections.meridian.node.tests.support.ports import reserve_ports
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 from ansible_collections.meridian.node.tests.support.trust_fixtures import SigningKey, make_key, write_policy
 
@@ -79,14 +79,9 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports of PORTS that can be bound on BIND now, from a random start (so that tests
-    running side by side rarely pick the same). Distinct: separate free_port() calls can return the same
-    port until something binds it."""
-    start = PORTS[0] + secrets.randbelow(PORTS[1] - PORTS[0] - 100)
-    found = [port for port in range(start, PORTS[1]) if port_bind_problem(BIND, port) is None][:count]
-    if len(found) < count:
-        raise RuntimeError(f"only {len(found)} free ports in {start}-{PORTS[1]} on {BIND}, need {count}")
-    return found
+    """``count`` distinct ports of PORTS that can be bound on BIND now and that no other test picked lately
+    (``reserve_ports``: tests side by side would otherwise pick the same)."""
+    return reserve_ports(*PORTS, count)
 
 
 def run_foreign_engine(client: Any, image_id: str, name: str, *, seconds: int) -> Any:

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.docker.engine import port_bind_problem
 from ansible_collections.meridian.node.tests.support.engine_harness import SERVER
+from ansible_collections.meridian.node.tests.support.ports import reserve_ports
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -46,12 +46,7 @@ def walk_blocks(text: str) -> list[str]:
 
 
 def free_port(low: int, high: int) -> int:
-    start = low + secrets.randbelow(high - low)
-    candidates: list[int] = [*range(start, high + 1), *range(low, start)]
-    for port in candidates:
-        if port_bind_problem("127.0.0.1", port) is None:
-            return port
-    raise RuntimeError(f"no free port in {low}-{high} on 127.0.0.1")
+    return reserve_ports(low, high)[0]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine, port_bind_problem
+from ansible_collections.meridian.node.plugins.module_utils.docker.engine import DockerEngine
 from ansible_collections.meridian.node.plugins.module_utils.engine_rules import DRIVERS
 from ansible_collections.meridian.node.plugins.module_utils.engines.drivers import get_driver
 from ansible_collections.meridian.node.plugins.module_utils.engines.probes import (
@@ -20,17 +20,11 @@ from ansible_collections.meridian.node.plugins.module_utils.engines.probes impor
     read_in_flight,
 )
 from ansible_collections.meridian.node.plugins.module_utils.engines.spec import parse_engine_spec
+from ansible_collections.meridian.node.tests.support.engine_harness import free_port
 from ansible_collections.meridian.node.tests.support.standin_image import LocalImage, ensure_engine_image
 
 SERVER = Path(__file__).resolve().parents[2] / "support" / "standin_server.py"
 BIND = "127.0.0.1"
-
-
-def free_port() -> int:
-    for port in range(8100, 8999):
-        if port_bind_problem(BIND, port) is None:
-            return port
-    raise RuntimeError("no free port in 8100-8998 on 127.0.0.1")
 
 
 @pytest.fixture

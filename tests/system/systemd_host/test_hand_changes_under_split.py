@@ -110,6 +110,14 @@ def _running_undrifted(site: Site) -> bool:
     return entry is not None and entry["state"] == "running" and entry.get("drifted") == []
 
 
+def _applying(site: Site) -> bool:
+    """Whether an apply is under way: one the agent started and has no outcome for, or root's unit running."""
+    oplog = site.oplog()
+    started = {e["run_ident"] for e in oplog if e["result"] == "started"}
+    finished = {e["run_ident"] for e in oplog if e["result"] != "started"}
+    return bool(started - finished) or site.host.unit_state(APPLY_UNIT) != "inactive"
+
+
 def _repairs(site: Site) -> list[dict[str, Any]]:
     return [e for e in site.oplog() if e.get("reason", "").startswith("drift:") and e.get("result") == "started"]
 
@@ -195,8 +203,11 @@ def test_a_malformed_engines_file_is_refused_by_the_agent_with_the_field_named(s
     host = site.host
     _wait("the engine serving, nothing drifted", lambda: site.serving() and _running_undrifted(site), host)
     host.exec(["systemctl", "stop", TIMER])
-    # Stopping the timer leaves a run in flight: let it finish, or it replaces the file planted below.
+    # Stopping the timer leaves a run in flight: let it finish, or it replaces the file planted below. So does an
+    # apply, which rewrites the file as it ends: the one the last test's restarted agent resumed can still be
+    # running when the engine already serves (CI saw it overwrite the planted file).
     host.wait_unit(OBSERVE_UNIT, "inactive")
+    _wait("no apply in flight", lambda: not _applying(site), host)
     try:
         document = site.engines_file()
         assert document is not None

@@ -16,7 +16,8 @@ signing) and the local Docker Engine, with the stand-in vLLM engine image (built
    measures. Where each side's last 1-engine sample went follows: the agent's steps from its oplog, its
    ansible-runner journal and Docker's events; ansible-pull's from Docker's events. The agent's ``engines.set``
    task runs in Ansible's worker here (local, the controller's interpreter: its action plugin), ansible-pull's
-   ``engines.instance`` task as a module.
+   ``engines.instance`` task as a module (``meridian_engine_instance_in_worker=false``: ansible-pull on a host
+   discovers the host's interpreter, not the one Ansible runs under, and engine_instance then runs as a module).
 2. publish-to-all-ready of a state with 8 stand-in engines through the agent, against the one-engine figure
    of 1. Medians, and the ratio 8 engines / 1 engine (target <= 1.3), with Docker's own share (docker-py
    alone, no agent) and where the last round's 8-engine sample went (the first and last create and start).
@@ -420,7 +421,11 @@ class PullPeer:
             "-i",
             "localhost,",
             "-e",
+            # The venv's interpreter so that the module finds PyYAML; a host's ansible-pull discovers its own
+            # (/usr/bin/python3) and runs engine_instance as a module process, which is what this peer stays.
             f"ansible_connection=local ansible_python_interpreter={VENV_BIN / 'python'}",
+            "-e",
+            "meridian_engine_instance_in_worker=false",
             "site.yml",
         ]
 

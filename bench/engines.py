@@ -9,12 +9,14 @@ Prints:
    command, environment, published port, init, stop signal), as a ratio (ours / theirs; target <= 0.8, issue 46).
    Both playbooks loop over the items in one task; the time of a playbook whose task loops the same number
    of times over ``ansible.builtin.meta: noop`` is printed too, and the ratio without that start-up cost.
-   Our module also probes each engine's readiness once per run; docker_container does not.
+   Our module also probes each engine's readiness once per run; docker_container does not. engine_instance's loop
+   runs in Ansible's worker (its action plugin: the task is local, with the controller's interpreter, as the agent's
+   apply unit runs it); the same loop run as a module (``meridian_engine_instance_in_worker=false``) is printed too.
    Beside it, the same no-op through one ``meridian.node.engine_set`` task listing the same --count engines
    (the same containers: the same settings hash the same), as a ratio to docker_container (target <= 0.25).
    That task runs in Ansible's worker (local connection, the controller's interpreter: engine_set's action
-   plugin), the others as modules; the engine_set figure run as a module is printed beside it.
-   The five playbooks run in interleaved rounds (baseline, engine_instance, engine_set both ways,
+   plugin), docker_container as a module; the engine_set figure run as a module is printed beside it.
+   The six playbooks run in interleaved rounds (baseline, engine_instance both ways, engine_set both ways,
    docker_container, then again), so a machine that slows down or speeds up during the run weighs on all of them alike.
 2. create-to-ready seconds for one stand-in engine through ``engines.instance.converge`` (create, start,
    wait until its readiness probe passes), median of --repeat; and for --count new engines through one
@@ -138,12 +140,17 @@ class Bench:
             for i, port in enumerate(self.theirs_ports)
         ]
 
-    def playbook(self, module: str, items: list[Any]) -> Path:
-        path = self.root / f"{module.rsplit('.', 1)[-1]}.yml"
+    def playbook(self, module: str, items: list[Any], *, play_vars: dict[str, Any] | None = None) -> Path:
+        """One task that loops ``module`` over ``items``; ``play_vars``, the play's variables."""
+        stem = module.rsplit(".", 1)[-1] + (
+            "-" + "-".join(f"{k}-{v}" for k, v in play_vars.items()) if play_vars else ""
+        )
+        path = self.root / f"{stem}.yml"
         task: dict[str, Any] = {"name": "converge", module: "{{ item }}", "loop": items, "register": "converged"}
         if module == "ansible.builtin.meta":
             task = {"name": "converge", module: "noop", "loop": items}
-        path.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [task]}]))
+        play = {"hosts": "localhost", "gather_facts": False, "tasks": [task], "vars": play_vars or {}}
+        path.write_text(json.dumps([play]))
         return path
 
     def set_playbook(self, *, in_worker: bool = True) -> Path:
@@ -273,12 +280,16 @@ def main() -> None:
         try:
             ours = bench.playbook("meridian.node.engine_instance", bench.ours)
             bench.run(ours)  # creates and starts them: not timed
+            ours_module = bench.playbook(
+                "meridian.node.engine_instance", bench.ours, play_vars={"meridian_engine_instance_in_worker": False}
+            )
             theirs = bench.playbook("community.docker.docker_container", bench.theirs())
             bench.run(theirs)
             baseline = bench.playbook("ansible.builtin.meta", list(range(args.count)))
             as_set = bench.set_playbook()
             as_set_module = bench.set_playbook(in_worker=False)
             bench.noop_run(ours)
+            bench.noop_run(ours_module)
             bench.noop_run(as_set)
             bench.noop_run(as_set_module)
             bench.noop_run(theirs)
@@ -286,6 +297,7 @@ def main() -> None:
                 {
                     "base": lambda: bench.run(baseline),
                     "ours": lambda: bench.noop_run(ours),
+                    "ours-module": lambda: bench.noop_run(ours_module),
                     "set": lambda: bench.noop_run(as_set),
                     "set-module": lambda: bench.noop_run(as_set_module),
                     "theirs": lambda: bench.noop_run(theirs),
@@ -293,7 +305,7 @@ def main() -> None:
                 args.repeat,
             )
             t_base, t_ours, t_set, t_theirs = (medians[k] for k in ("base", "ours", "set", "theirs"))
-            t_set_module = medians["set-module"]
+            t_set_module, t_ours_module = medians["set-module"], medians["ours-module"]
             t_inproc = bench.inprocess_noop(args.repeat)
             ready = bench.create_to_ready(args.repeat)
             set_ready = bench.set_create_to_ready(args.repeat)
@@ -303,7 +315,10 @@ def main() -> None:
         f"no-op converge of {args.count} running engines, one ansible-playbook run, "
         f"median of {args.repeat} interleaved rounds:"
     )
-    print(f"  meridian.node.engine_instance      {t_ours:7.2f} s  ({args.count} loop items)")
+    print(f"  meridian.node.engine_instance      {t_ours:7.2f} s  ({args.count} loop items, in Ansible's worker)")
+    print(
+        f"  meridian.node.engine_instance as module {t_ours_module:5.2f} s  (meridian_engine_instance_in_worker=false)"
+    )
     print(f"  meridian.node.engine_set           {t_set:7.2f} s  (one task, in Ansible's worker)")
     print(f"  meridian.node.engine_set as module {t_set_module:7.2f} s  (meridian_engine_set_in_worker=false)")
     print(f"  community.docker.docker_container  {t_theirs:7.2f} s")
@@ -314,6 +329,9 @@ def main() -> None:
     print(f"  ratio engine_set/theirs w/o start-up {(t_set - t_base) / max(t_theirs - t_base, 1e-9):5.2f}")
     print(f"  ratio engine_set/engine_instance   {t_set / t_ours:7.2f}")
     print(f"  ratio engine_set module/theirs     {t_set_module / t_theirs:7.2f}")
+    print(
+        f"  ratio engine_instance module/theirs {t_ours_module / t_theirs:6.2f}  (as the issue measured it until now)"
+    )
     print(f"  engine_instance.converge in process, no Ansible  {t_inproc:5.2f} s for all {args.count}")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(COLLECTIONS), os.environ.get("PYTHONPATH", "")])
     ours_import, theirs_import = import_seconds(OUR_IMPORTS, args.repeat), import_seconds(THEIR_IMPORTS, args.repeat)

@@ -1,85 +1,19 @@
 # Copyright: (c) 2026, meridian.node developers
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Run ``meridian.node.engine_set`` in Ansible's own worker when the module would run there anyway.
-
-A module call costs a whole process: Ansible builds the AnsiballZ payload (0.26 s for engine_set here),
-writes it, starts an interpreter that unpacks and imports it all again, and reads its JSON back. A one-task
-play with engine_set took 1.15 s that way and 0.58-0.61 s run in the worker (``bench/engines.py`` and
-``bench/agent.py`` print today's figures). When the task runs on this very machine, as this very user and
-with this very interpreter - the agent's root apply unit and a pull from implicit localhost are exactly that
-- the worker process Ansible forked for the task *is* the process the module would have been, so the set
-is converged there, from the same ``module_utils`` code, with the same argument validation (``ArgumentSpecValidator``,
-which ``AnsibleModule`` uses), the same no_log masking (``remove_values``
-over the result) and the same ``invocation``.
-
-Anything else runs the module as Ansible always does (``_execute_module``): another connection (ssh, docker,
-...), become, delegation, async, a task environment, an interpreter other than the controller's, or the host
-variable ``meridian_engine_set_in_worker`` set false. ``-vvv`` says which way a task went and why.
-"""
+"""Run ``meridian.node.engine_set`` in Ansible's own worker when the module would run there anyway
+(``plugin_utils.in_worker``: when, and why that is the same process); the host variable
+``meridian_engine_set_in_worker`` set false forces the module."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
-from typing import Any
-
-from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
-from ansible.module_utils.common.parameters import remove_values
-from ansible.module_utils.errors import UnsupportedError
-from ansible.module_utils.parsing.convert_bool import boolean
-from ansible.plugins.action import ActionBase
-from ansible.utils.display import Display
-
-display = Display()
-
-MODULE = "meridian.node.engine_set"
+from ansible_collections.meridian.node.plugins.plugin_utils.in_worker import InWorkerAction, ModuleCode
 
 
-class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no type information
-    _supports_check_mode = True
-    _supports_async = True
+class EngineSetAction(InWorkerAction):
+    MODULE = "meridian.node.engine_set"
+    SWITCH = "meridian_engine_set_in_worker"
 
-    def run(self, tmp: str | None = None, task_vars: dict[str, Any] | None = None) -> dict[str, Any]:
-        task_vars = task_vars or {}
-        result: dict[str, Any] = super().run(tmp, task_vars)
-        del tmp
-        reason = self._module_reason(task_vars)
-        if reason is not None:
-            display.vvv(f"{MODULE}: runs as a module ({reason})", host=self._play_context.remote_addr)
-            wrap_async = bool(self._task.async_val) and not self._connection.has_native_async
-            result.update(self._execute_module(module_name=MODULE, task_vars=task_vars, wrap_async=wrap_async))
-            if not wrap_async:
-                self._remove_tmp_path(self._connection._shell.tmpdir)
-            return result
-        display.vvv(
-            f"{MODULE}: runs in the worker (local, interpreter {sys.executable})", host=self._play_context.remote_addr
-        )
-        result.update(self._run_in_worker())
-        return result
-
-    def _module_reason(self, task_vars: dict[str, Any]) -> str | None:
-        """Why this task must run as a module, or None when the worker is the process the module would be."""
-        switch = self._templar.template(task_vars.get("meridian_engine_set_in_worker", True))
-        if not boolean(switch, strict=False):
-            return "meridian_engine_set_in_worker is false"
-        if self._connection.transport != "local":
-            return f"connection {self._connection.transport!r}, not local"
-        if self._play_context.become:
-            return "become"
-        if self._task.delegate_to:
-            return "delegate_to"
-        if self._task.async_val:
-            return "async"
-        if any(self._task.environment or ()):
-            return "the task has an environment"
-        interpreter = self._templar.template(task_vars.get("ansible_python_interpreter") or "")
-        if not _same_interpreter(str(interpreter), sys.executable):
-            return f"ansible_python_interpreter {interpreter or '(discovered)'!s} is not {sys.executable}"
-        return None
-
-    def _run_in_worker(self) -> dict[str, Any]:
+    def module_code(self) -> ModuleCode:
         from ansible_collections.meridian.node.plugins.module_utils.engines.set_args import (
             ARGUMENT_SPEC,
             MUTUALLY_EXCLUSIVE,
@@ -88,50 +22,13 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no t
             engine_set_outcome,
         )
 
-        validator = ArgumentSpecValidator(
-            ARGUMENT_SPEC,
-            mutually_exclusive=MUTUALLY_EXCLUSIVE,
-            required_one_of=REQUIRED_ONE_OF,
-            required_together=REQUIRED_TOGETHER,
-        )
-        validation = validator.validate(dict(self._task.args))
-        # As AnsibleModule: the run and the invocation see the spec's options, with their defaults.
-        params = {name: validation.validated_parameters.get(name) for name in ARGUMENT_SPEC}
-        no_log_values = validation._no_log_values
-        if validation.error_messages:
-            msg = validation.errors.msg
-            if isinstance(validation.errors[0], UnsupportedError):
-                msg = f"Unsupported parameters for ({MODULE}) module: {msg}"
-            return self._finish({"failed": True, "msg": msg}, params, no_log_values)
-        try:
-            outcome = engine_set_outcome(params, check_mode=bool(self._task.check_mode))
-        except Exception as exc:  # noqa: BLE001 - a module process would die with this; the task fails with it
-            outcome = {
-                "failed": True,
-                "msg": f"{MODULE} failed unexpectedly: {type(exc).__name__}: {exc}",
-                "exception": traceback.format_exc(),
-            }
-        return self._finish(outcome, params, no_log_values)
-
-    @staticmethod
-    def _finish(outcome: dict[str, Any], params: dict[str, Any], no_log_values: set[str]) -> dict[str, Any]:
-        """The result as AnsibleModule would print it: ``invocation``, no_log values masked, JSON types."""
-        outcome.setdefault("changed", False)
-        outcome.setdefault("invocation", {"module_args": params})
-        if not outcome.get("warnings"):
-            outcome.pop("warnings", None)
-        masked: dict[str, Any] = json.loads(json.dumps(remove_values(outcome, no_log_values)))
-        return masked
+        constraints = {
+            "mutually_exclusive": MUTUALLY_EXCLUSIVE,
+            "required_one_of": REQUIRED_ONE_OF,
+            "required_together": REQUIRED_TOGETHER,
+        }
+        return ModuleCode(ARGUMENT_SPEC, engine_set_outcome, constraints)
 
 
-def _same_interpreter(interpreter: str, executable: str) -> bool:
-    """The same file in the same directory: a virtualenv's ``python`` and ``python3`` are one interpreter, but
-    ``/usr/bin/python3`` - the file the virtualenv's links resolve to - sees other site-packages."""
-    if not interpreter or not os.path.isabs(interpreter):
-        return False
-    if os.path.dirname(os.path.abspath(interpreter)) != os.path.dirname(os.path.abspath(executable)):
-        return False
-    try:
-        return os.path.samefile(interpreter, executable)
-    except OSError:
-        return False
+# The name Ansible looks up in an action plugin; the class keeps a name of its own (one name, one class).
+ActionModule = EngineSetAction

@@ -59,8 +59,17 @@ attributes:
     description:
       - Has an action plugin of the same name, so part or all of the work can happen on the controller.
     support: full
+    details:
+      - When the task runs on the controller itself (connection C(local), no C(become), no C(delegate_to), no
+        C(async), no task C(environment)) and C(ansible_python_interpreter) is the controller's own interpreter,
+        the action plugin runs the module's code in Ansible's worker process, with the module's argument
+        validation and no_log masking, without starting a module process. Set the variable
+        C(meridian_<module>_in_worker) (C(meridian_engine_set_in_worker), C(meridian_engine_instance_in_worker))
+        to V(false) to always run the module. C(-vvv) says which way each task went, and why.
   async:
     description:
       - Supports being used with the C(async) keyword.
     support: full
+    details:
+      - An C(async) task always runs as a module.
 """

@@ -253,6 +253,7 @@ extends_documentation_fragment:
   - meridian.node.attributes.diff
   - meridian.node.host
   - meridian.node.engine
+  - meridian.node.attributes.action
 notes:
   - Containers are created from the image id the reference resolved to, so what runs is what was checked.
   - A stopped engine keeps its VRAM reservation; remove it (O(state=absent)) to release it.

@@ -290,18 +290,6 @@ extends_documentation_fragment:
   - meridian.node.host
   - meridian.node.engine
   - meridian.node.attributes.action
-attributes:
-  action:
-    details:
-      - When the task runs on the controller itself (connection C(local), no C(become), no C(delegate_to), no
-        C(async), no task C(environment)) and C(ansible_python_interpreter) is the controller's own interpreter,
-        the action plugin converges the set in Ansible's worker process, with this module's code, argument
-        validation and no_log masking, without starting a module process. Set the variable
-        C(meridian_engine_set_in_worker) to V(false) to always run the module. C(-vvv) says which way each task
-        went, and why.
-  async:
-    details:
-      - An C(async) task always runs as a module.
 notes:
   - Each engine's result is the one M(meridian.node.engine_instance) returns for it.
 seealso:

@@ -173,7 +173,7 @@ PYPROJECT_DEPS = "pyproject.toml's dependencies"
 THIRD_PARTY: tuple[tuple[str, str, str], ...] = (
     # plugins/ runs on managed hosts: the standard library and what the modules' `requirements:` name.
     ("plugins/modules/*", "ansible", "a module shell: AnsibleModule's ansible.module_utils.basic"),
-    ("plugins/action/*", "ansible", "engine_set's action plugin runs inside Ansible on the controller"),
+    ("plugins/plugin_utils/*", "ansible", "the action plugins' shared code (in_worker), on the controller"),
     (f"{M}/_module.py", "ansible", "run_module: AnsibleModule, how every module shell ends"),
     (f"{M}/*_args.py", "ansible", "missing_required_lib: a module's message for a package the host lacks"),
     (f"{M}/artifacts/fetch.py", "ansible", "open_url: Ansible's TLS, proxy and redirect handling for downloads"),
@@ -255,7 +255,7 @@ def _module_name(path: Path) -> str | None:
     parts = list(path.with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
-    if parts[0] == "plugins" and parts[1] in ("module_utils", "modules", "action"):
+    if parts[0] == "plugins" and parts[1] in ("module_utils", "modules", "action", "plugin_utils"):
         return ".".join(["ansible_collections", "meridian", "node", *parts])
     return ".".join(parts[1:]) if parts[:2] == ["agent", AGENT] else None
 

@@ -33,8 +33,6 @@ from ansible_collections.meridian.node.tests.support.trust_fixtures import NODE_
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-WAYS = {"worker": ["-e", "meridian_engine_set_in_worker=true"], "module": ["-e", "meridian_engine_set_in_worker=false"]}
-
 
 def worker_python(output: str) -> str:
     """The interpreter Ansible's worker runs under, as ansible-playbook -vvv prints it."""
@@ -57,6 +55,31 @@ def remove(host: Host, prefix: str) -> None:
         container.remove(force=True)
 
 
+def ways(module: str) -> dict[str, list[str]]:
+    """The extra arguments that run ``module``'s task in the worker and as a module."""
+    switch = f"meridian_{module.rsplit('.', 1)[-1]}_in_worker"
+    return {"worker": ["-e", f"{switch}=true"], "module": ["-e", f"{switch}=false"]}
+
+
+def both_ways(
+    host: Host, module: str, steps: list[tuple[str, dict[str, Any], bool]], prefix: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``steps`` (``play_module``'s, with the host's policy and state dir) run in the worker and then as a module,
+    each way at -vvv saying it went that way and never showing SECRET; the two ways' results, ids blanked. The
+    containers named ``prefix``... are removed after each way."""
+    seen = {}
+    for way, extra in ways(module).items():
+        results, output = host.play_module(
+            module, [(label, host.params(**p), check) for label, p, check in steps], extra_args=[*extra, "-vvv"]
+        )
+        short = module.rsplit(".", 1)[-1]
+        assert f"{short}: runs {'in the worker' if way == 'worker' else 'as a module'}" in output
+        assert SECRET not in output and SECRET not in json.dumps(results), f"{way}: the secret showed"
+        seen[way] = without_ids(results)
+        remove(host, prefix)
+    return seen["worker"], seen["module"]
+
+
 def test_engines_form_converges_refuses_and_masks_alike_both_ways(host: Host, vllm: LocalImage, prefix: str) -> None:
     ports = free_ports(2)
     params = {
@@ -75,19 +98,7 @@ def test_engines_form_converges_refuses_and_masks_alike_both_ways(host: Host, vl
         ("unpinned", unpinned, False),
         ("record-without-envelope", {"engines": [], "record": True}, False),
     ]
-    seen = {}
-    for way, extra in WAYS.items():
-        results, output = host.play_module(
-            "meridian.node.engine_set",
-            [(label, host.params(**p), check) for label, p, check in steps],
-            extra_args=[*extra, "-vvv"],
-        )
-        assert f"engine_set: runs {'in the worker' if way == 'worker' else 'as a module'}" in output
-        assert SECRET not in output and SECRET not in json.dumps(results), f"{way}: the secret showed"
-        seen[way] = without_ids(results)
-        remove(host, prefix)
-
-    worker, module = seen["worker"], seen["module"]
+    worker, module = both_ways(host, "meridian.node.engine_set", steps, prefix)
     assert worker["apply"]["changed"] is True and worker["again"]["changed"] is False, worker["again"]
     assert worker["unsupported"]["msg"].startswith(
         "Unsupported parameters for (meridian.node.engine_set) module: bogus"
@@ -113,7 +124,7 @@ def test_envelope_form_records_and_fails_alike_both_ways(
         ("again", {"envelope": str(good), **form}, False),
     ]
     seen = {}
-    for way, extra in WAYS.items():
+    for way, extra in ways("meridian.node.engine_set").items():
         results, output = host.play_module(
             "meridian.node.engine_set",
             [(label, host.params(**p), check) for label, p, check in steps],

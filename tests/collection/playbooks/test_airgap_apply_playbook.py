@@ -62,6 +62,11 @@ def _play(
         quiet=True,
         suppress_env_files=True,
     )
+    if runner.status != "successful" and not failures:
+        # No task failed, yet the run did (CI saw it once, under load): what ansible-playbook printed says why.
+        raise AssertionError(
+            f"the run {runner.status} (rc {runner.rc}) with no task failed:\n{runner.stdout.read()[-4000:]}"
+        )
     return str(runner.status), failures
 
 
@@ -117,8 +122,10 @@ def test_airgap_apply_refuses_an_older_generation_and_a_tampered_bundle(tmp_path
     data[offset] ^= 0x01
     tampered = node.bundles / "tampered.tar"
     tampered.write_bytes(bytes(data))
-    status, [failure] = _play(node, tampered)
+    status, failures = _play(node, tampered)
 
+    assert len(failures) == 1, f"the tampered bundle: the run {status}, failures {failures}"
+    failure = failures[0]
     assert (status, failure["reason"]) == ("failed", "digest-mismatch")
     assert "weights.bin" in failure["msg"]
     assert StateStore(node.state_dir).load().generation == 2

@@ -104,9 +104,7 @@ class InWorkerAction(ActionBase):  # type: ignore[misc]  # ansible-core ships no
 
     def _run_in_worker(self) -> dict[str, Any]:
         code = self.module_code()
-        validation = ArgumentSpecValidator(dict(code.argument_spec), **code.constraints).validate(
-            dict(self._task.args)
-        )
+        validation = ArgumentSpecValidator(dict(code.argument_spec), **code.constraints).validate(dict(self._task.args))
         # As AnsibleModule: the run and the invocation see the spec's options, with their defaults.
         params = {name: validation.validated_parameters.get(name) for name in code.argument_spec}
         no_log_values = validation._no_log_values

@@ -7,6 +7,11 @@ from typing import Any
 
 import pytest
 
+# One pytest worker runs gRPC tests (the fake kubelet) and, later, tests that fork ansible-playbook in process: with
+# gRPC's fork support on, those children died before exec (grpc/grpc#43055). Off, as the agent has it
+# (agent_side/podresources/client.py), before any test module imports gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 
 def _require_docker() -> bool:
     return os.environ.get("MERIDIAN_REQUIRE_DOCKER") == "1"

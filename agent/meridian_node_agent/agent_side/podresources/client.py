@@ -43,6 +43,11 @@ from typing import Any
 # gRPC's core writes INFO lines of its own to stderr (one per GOAWAY when the kubelet restarts), between the
 # agent's JSON log lines; its errors still show. Read once, when gRPC starts: an operator's own setting wins.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# gRPC 1.81 and later (grpc/grpc#43055, open): once a channel has run, a child this process forks - ansible-runner's
+# ansible-playbook, any subprocess - restarts gRPC's poller after the fork, finds its epoll descriptor closed before
+# exec and dies there ("epoll_wait error: Bad file descriptor"); the run fails with no task failed. The agent never
+# needs gRPC in a forked child, so its fork support stays off, as grpc's issue advises.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory

@@ -52,17 +52,21 @@ def database_options(parser: argparse.ArgumentParser, description: str) -> None:
     )
 
 
+def selected_database(args: argparse.Namespace, database: str | None = None) -> str | None:
+    """The database a verb opens, as given: ``database`` (serve's --database), --database-url,
+    $MERIDIAN_DEVSERVER_DATABASE_URL, or None for the data dir's SQLite file."""
+    if database is not None and args.database_url is not None:
+        raise UsageError("--database and --database-url both name the database; give one of them")
+    return database or args.database_url or os.environ.get(DATABASE_URL_ENV) or None
+
+
 def open_control(
     args: argparse.Namespace, settings: Settings | None = None, database: str | None = None
 ) -> ControlPlane:
     from meridian_node_agent.devserver.control.plane import open_control_plane
 
-    if database is not None and args.database_url is not None:
-        raise UsageError("--database and --database-url both name the database; give one of them")
-    if database is None:
-        database = args.database_url or os.environ.get(DATABASE_URL_ENV) or None
     try:
-        return open_control_plane(args.data_dir, database=database, settings=settings)
+        return open_control_plane(args.data_dir, database=selected_database(args, database), settings=settings)
     except DatabaseUnavailable as exc:
         raise UsageError(str(exc)) from exc
     except (OSError, ValueError) as exc:

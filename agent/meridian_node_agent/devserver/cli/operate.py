@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import base64
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING
 
 from ansible_collections.meridian.node.plugins.module_utils._fileutil import CappedReadError, read_capped
 from meridian_node_agent.devserver.cli.common import (
@@ -18,15 +17,22 @@ from meridian_node_agent.devserver.cli.common import (
     node_id,
     open_control,
     say,
+    selected_database,
     warn,
 )
-from meridian_node_agent.devserver.control.plane import ControlPlane, Settings
+from meridian_node_agent.devserver.control.operator_wire import (
+    MAX_DOCUMENT_BYTES,
+    OperatorSocketError,
+    PublishRequest,
+    ask_server,
+)
 from meridian_node_agent.devserver.store.errors import UnknownNode
 from meridian_node_agent.errors import UsageError
 
-__all__ = ["DEFINE", "cmd_fence", "cmd_publish", "cmd_revoke", "cmd_token"]
+if TYPE_CHECKING:
+    from meridian_node_agent.devserver.control.plane import ControlPlane
 
-_MAX_DOCUMENT_BYTES = 1024 * 1024
+__all__ = ["DEFINE", "cmd_fence", "cmd_publish", "cmd_revoke", "cmd_token"]
 
 
 def token_arguments(token: argparse.ArgumentParser) -> None:
@@ -52,9 +58,7 @@ def publish_arguments(publish: argparse.ArgumentParser) -> None:
     )
     publish.add_argument("node", metavar="NODE")
     publish.add_argument("document", type=Path, metavar="DESIRED.yaml")
-    publish.add_argument(
-        "--ttl", type=int, default=Settings.state_ttl_s, help="seconds until the state expires (default 3600)"
-    )
+    publish.add_argument("--ttl", type=int, help="seconds until the state expires (default: the control plane's, 3600)")
     publish.add_argument(
         "--out",
         type=Path,
@@ -105,28 +109,61 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    document = _read_document(args.document)
+    """Through the server on this data dir when one listens (``control/operator_wire.py``), else here."""
+    data = _read_document(args.document)
+    request = PublishRequest(args.node, data, str(args.document), args.ttl, selected_database(args))
+    try:
+        answer = ask_server(args.data_dir, request)
+    except OperatorSocketError as exc:
+        raise Refused(str(exc)) from exc
+    if answer is None:
+        generation, epoch, envelope = _publish_here(args, request)
+    else:
+        generation, epoch, envelope = _published(answer)
+    if args.out is not None:
+        _write_envelope(args.out, envelope)
+    say(f"node {args.node}: generation {generation} (lease epoch {epoch})")
+    return 0
+
+
+def _publish_here(args: argparse.Namespace, request: PublishRequest) -> tuple[int, int, bytes]:
+    from meridian_node_agent.devserver.control.plane import parse_desired_document
+
+    try:
+        document = parse_desired_document(request.document, request.where)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     control = open_control(args)
     try:
-        published = control.publish(args.node, document, ttl_s=args.ttl)
+        published = control.publish(request.node, document, ttl_s=request.ttl_s)
     except ValueError as exc:
         raise Refused(str(exc)) from exc
     finally:
         control.close()
-    if args.out is not None:
-        _write_envelope(args.out, published.envelope)
-    say(f"node {args.node}: generation {published.generation} (lease epoch {published.lease_epoch})")
-    return 0
+    return published.generation, published.lease_epoch, published.envelope
+
+
+def _published(answer: dict[str, object]) -> tuple[int, int, bytes]:
+    """The server's answer to a publish: what it published, or its refusal raised as the CLI's own would be."""
+    status, message = answer["status"], str(answer.get("message"))
+    if status == "usage":
+        raise UsageError(message)
+    if status == "refused":
+        raise Refused(message)
+    generation, epoch, envelope = answer.get("generation"), answer.get("lease_epoch"), answer.get("envelope")
+    if status != "published" or not isinstance(generation, int) or not isinstance(epoch, int):
+        raise Refused(f"the server's operator socket answered {answer!r}; `nodes` shows whether it published")
+    return generation, epoch, base64.b64decode(str(envelope))
 
 
 def cmd_fence(args: argparse.Namespace) -> int:
-    epoch = _on_known_node(args, ControlPlane.fence)
+    epoch = _on_known_node(args, lambda control, node: control.fence(node))
     say(f"node {args.node}: lease epoch {epoch}")
     return 0
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
-    count = _on_known_node(args, ControlPlane.revoke)
+    count = _on_known_node(args, lambda control, node: control.revoke(node))
     say(f"node {args.node}: revoked {count} certificate(s)")
     return 0
 
@@ -154,19 +191,12 @@ def _token_spec(spec: str) -> tuple[str, str | None]:
     return name, value or None
 
 
-def _read_document(path: Path) -> dict[str, Any]:
+def _read_document(path: Path) -> bytes:
     try:
         # The operator named it on the command line: a symlink is followed.
-        data = read_capped(path, _MAX_DOCUMENT_BYTES, what="the desired state", nofollow=False)
+        return read_capped(path, MAX_DOCUMENT_BYTES, what="the desired state", nofollow=False)
     except CappedReadError as exc:
         raise UsageError(str(exc)) from exc
-    try:
-        document = yaml.safe_load(data)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{str(path)!r} is not valid YAML: {exc}") from exc
-    if not isinstance(document, dict):
-        raise UsageError(f"{str(path)!r} must hold a mapping (a desired state), got {type(document).__name__}")
-    return document
 
 
 def _write_envelope(path: Path, envelope: bytes) -> None:

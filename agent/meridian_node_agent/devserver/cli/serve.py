@@ -16,6 +16,7 @@ from meridian_node_agent.devserver.cli.common import (
     node_id,
     open_control,
     say,
+    selected_database,
     warn,
 )
 from meridian_node_agent.devserver.control.plane import Settings
@@ -80,6 +81,7 @@ def serve_arguments(serve: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
+        from meridian_node_agent.devserver.serving.operator_socket import OperatorSocket
         from meridian_node_agent.devserver.serving.server import bind, prepare_tls, serve
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in _WEB_STACK:
@@ -117,8 +119,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 warn(args, f"token {name!r} can enroll any node id; bind it with --token {name}@NODE_ID:...")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
+        operator = OperatorSocket(control, args.data_dir, selected_database(args, args.database))
+        if operator.start():
+            say(f"operator socket: {operator.path}")
         say(f"listening on https://{shown}:{port}")
-        serve(control, sock, tls, log_level=args.log_level)
+        try:
+            serve(control, sock, tls, log_level=args.log_level)
+        finally:
+            operator.close()
     finally:
         control.close()
     return 0

@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import TypeAdapter
@@ -159,6 +160,19 @@ class DataDir:
     @property
     def control_public_key(self) -> Path:
         return self.root / "control" / "control.pub.pem"
+
+
+def parse_desired_document(data: bytes, where: str) -> dict[str, Any]:
+    """A desired state as an operator wrote it (YAML holding a mapping), read from ``where`` (named in messages);
+    ValueError saying what is wrong. ``publish`` reads it with this, in the CLI and in the server's operator socket
+    alike."""
+    try:
+        document = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where!r} is not valid YAML: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ValueError(f"{where!r} must hold a mapping (a desired state), got {type(document).__name__}")
+    return document
 
 
 def open_control_plane(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import ipaddress
+import signal
 import socket
 import ssl
 from collections.abc import Sequence
@@ -98,6 +99,9 @@ def uvicorn_config(
     )
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def serve(control: ControlPlane, sock: socket.socket, tls: ServerTls, *, log_level: str = "warning") -> None:
     """Serve until SIGINT/SIGTERM. Long-polls still waiting at shutdown are cut off after two seconds; the leases and
     observations held in memory are written before this returns."""
@@ -109,7 +113,20 @@ def serve(control: ControlPlane, sock: socket.socket, tls: ServerTls, *, log_lev
     # 5,000 connected nodes it walks about 950,000 objects (most of them the coroutine stacks of parked long-polls)
     # in 300-540 ms, measured by bench/fleet.py; this takes 115,000 of them out of every one (docs/SCALE.md).
     gc.freeze()
+    # uvicorn (0.29 and later) raises the signal that stopped it again once it has shut down, with the handlers it
+    # found restored: under the default ones that killed the process there, before this function's cleanup (the
+    # leases and observations in memory were never written, the operator socket never removed). Handlers of our
+    # own are what it restores, so the signal ends up here and serve returns; the CLI then exits 0, as a server
+    # that shut down cleanly does. One that comes before uvicorn has put its own in place stops it all the same.
+    server = uvicorn.Server(config)
+
+    def stop(_number: int, _frame: object) -> None:
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         hot.close()

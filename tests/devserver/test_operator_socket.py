@@ -224,3 +224,25 @@ def test_sigint_too_stops_the_server_cleanly(tmp_path: Path) -> None:
         server.process.send_signal(signal.SIGINT)
         assert server.process.wait(timeout=30) == 0
     assert not (data / SOCKET_NAME).exists()
+
+
+def test_a_data_dir_too_deep_for_a_unix_socket_address_still_gets_its_socket(tmp_path: Path) -> None:
+    # sun_path holds 108 bytes: this data dir's socket path is longer (the CI run found serve crashing on it).
+    data = tmp_path / ("deep-" * 14) / "data"
+    assert len(str(data / SOCKET_NAME)) > 108
+    data.parent.mkdir()
+    document = _document(tmp_path, "engines: []\n")
+    with running(data) as server:
+        assert stat.S_ISSOCK((data / SOCKET_NAME).lstat().st_mode)
+        command = [sys.executable, "-X", "importtime", "-m", "meridian_node_agent.devserver.cli"]
+        done = subprocess.run(
+            [*command, "publish", "--data-dir", str(data), NODE, str(document)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert "sqlalchemy" not in done.stderr  # it went through the socket
+        assert _generation(done.stdout) == 1
+        assert _generation(server.cli("publish", NODE, str(document)).stdout) == 2
+    assert not (data / SOCKET_NAME).exists()

@@ -120,8 +120,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         operator = OperatorSocket(control, args.data_dir, selected_database(args, args.database))
-        if operator.start():
-            say(f"operator socket: {operator.path}")
+        try:
+            if operator.start():
+                say(f"operator socket: {operator.path}")
+        except OSError as exc:
+            # The socket only saves the verbs their start-up: without it they open the database themselves.
+            warn(args, f"no operator socket at {operator.path} ({exc}); the verbs will open the database themselves")
         say(f"listening on https://{shown}:{port}")
         try:
             serve(control, sock, tls, log_level=args.log_level)

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
+import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,7 @@ __all__ = [
     "decode_request",
     "encode_answer",
     "socket_path",
+    "unix_address",
 ]
 
 SOCKET_NAME = "operator.sock"
@@ -61,6 +65,24 @@ class OperatorSocketError(MeridianError):
 
 def socket_path(data_dir: Path) -> Path:
     return Path(data_dir) / SOCKET_NAME
+
+
+# sun_path holds 108 bytes with its NUL; a data dir under pytest's or a deep home directory is longer.
+_UNIX_PATH_MAX = 107
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """``path`` as ``bind``/``connect`` of an AF_UNIX socket can take it: itself when it fits, else the same file
+    through ``/proc/self/fd`` of its directory, opened for the block (Linux resolves that link to the directory)."""
+    if len(os.fsencode(str(path))) <= _UNIX_PATH_MAX:
+        yield str(path)
+        return
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{directory}/{path.name}"
+    finally:
+        os.close(directory)
 
 
 @dataclass(frozen=True)
@@ -127,16 +149,17 @@ def encode_answer(status: str, **fields: Any) -> bytes:
 
 def ask_server(data_dir: Path, request: PublishRequest) -> dict[str, Any] | None:
     """The answer of the server listening on ``data_dir``'s operator socket to ``request``; None when no server
-    listens there (no socket, one a stopped server left, or one this user may not open) or it serves another
+    can be reached there (no socket, one a stopped server left, one this user may not open) or it serves another
     database. ``OperatorSocketError`` when it took the request and gave no answer."""
     path = socket_path(data_dir)
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         client.settimeout(TIMEOUT_S)
         try:
-            client.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError):
-            return None
+            with unix_address(path) as address:
+                client.connect(address)
+        except OSError:
+            return None  # none there, one a stopped server left, one this user may not open: the CLI does it
         received = bytearray()
         try:
             client.sendall(request.encode())

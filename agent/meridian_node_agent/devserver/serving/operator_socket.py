@@ -31,6 +31,7 @@ from meridian_node_agent.devserver.control.operator_wire import (
     decode_request,
     encode_answer,
     socket_path,
+    unix_address,
 )
 from meridian_node_agent.devserver.control.plane import ControlPlane, parse_desired_document
 
@@ -67,7 +68,8 @@ class OperatorSocket:
         scratch = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            listener.bind(str(scratch))
+            with unix_address(scratch) as address:
+                listener.bind(address)
             scratch.chmod(0o600)
             listener.listen(8)
             scratch.replace(self.path)
@@ -180,7 +182,8 @@ def _answers(path: Path) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
-        probe.connect(str(path))
+        with unix_address(path) as address:
+            probe.connect(address)
     except OSError:
         return False
     finally:

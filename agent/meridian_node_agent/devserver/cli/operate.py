@@ -151,9 +151,14 @@ def _published(answer: dict[str, object]) -> tuple[int, int, bytes]:
     if status == "refused":
         raise Refused(message)
     generation, epoch, envelope = answer.get("generation"), answer.get("lease_epoch"), answer.get("envelope")
-    if status != "published" or not isinstance(generation, int) or not isinstance(epoch, int):
+    if (
+        status != "published"
+        or not isinstance(generation, int)
+        or not isinstance(epoch, int)
+        or not isinstance(envelope, str)
+    ):
         raise Refused(f"the server's operator socket answered {answer!r}; `nodes` shows whether it published")
-    return generation, epoch, base64.b64decode(str(envelope))
+    return generation, epoch, base64.b64decode(envelope)
 
 
 def cmd_fence(args: argparse.Namespace) -> int:

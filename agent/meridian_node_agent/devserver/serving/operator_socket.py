@@ -6,9 +6,10 @@ Runs on: the devserver's ``serve`` process.
 The socket is bound under a temporary name, made 0600 and then renamed into place, so that it is never there with
 wider permissions; a socket already there that answers belongs to another server on the same data dir (replicas
 sharing one), which keeps it; one that does not answer was left by a server that died, and is replaced. Each
-connection is served on this module's thread, one at a time: the peer's credentials first (``SO_PEERCRED``: the
-server's user or root, else refused), then one request read within ``TIMEOUT_S`` and at most
-``MAX_REQUEST_BYTES``, then the same ``ControlPlane.publish`` the CLI would call. A request for another database
+connection is served on this module's thread, one at a time: one request read within ``TIMEOUT_S`` and at most
+``MAX_REQUEST_BYTES`` (read before any refusal, so that a refused peer still gets its answer), then the peer's
+credentials (``SO_PEERCRED``: the server's user or root, else refused), then the same ``ControlPlane.publish`` the
+CLI would call. A request for another database
 than this server's is answered ``elsewhere``, and the CLI does the work itself. On close the socket is removed if
 it is still the one this server made.
 """
@@ -58,7 +59,6 @@ class OperatorSocket:
         self._identity: tuple[int, int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.served = 0  # requests answered (tests wait on it)
 
     def start(self) -> bool:
         """Listen and serve on a thread; False (and a warning) when another server holds the socket."""
@@ -119,7 +119,6 @@ class OperatorSocket:
                         _drain(connection)
                 except OSError as exc:
                     _log.warning("operator socket %s: a request was cut off: %s", self.path, exc)
-            self.served += 1
 
     def _answer(self, connection: socket.socket) -> bytes:
         """The answer to the request on ``connection`` (read first, at most ``MAX_REQUEST_BYTES`` and one more, so
